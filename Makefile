@@ -1,0 +1,44 @@
+# make run  : the default experiment (dapo_math on the embedded CPU cluster, or GPUs when present)
+# make test : the test suite
+# Both create or reuse .venv/ (Python 3.11). Stamps make a second call a no-op.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip --disable-pip-version-check -q
+ARGS ?=
+
+.PHONY: run test setup lint bench clean
+setup: $(VENV)/.stamp-patches
+
+$(VENV)/.stamp-venv:
+	$(PY) -m venv $(VENV)
+	touch $@
+
+$(VENV)/.stamp-deps: $(VENV)/.stamp-venv requirements/cpu.txt
+	@echo ">> installing torch 2.13.0 (CPU), areal 1.0.4 (--no-deps) and requirements/cpu.txt"
+	$(PIP) install torch==2.13.0
+	$(PIP) install --no-deps areal==1.0.4
+	$(PIP) install -r requirements/cpu.txt -r requirements/dev.txt torch==2.13.0
+	touch $@
+
+$(VENV)/.stamp-project: $(VENV)/.stamp-deps setup.py $(wildcard csrc/*.cpp csrc/*.h)
+	@echo ">> installing areal_libra (editable; C++ extensions when a compiler is present)"
+	$(PIP) install --no-deps --no-build-isolation -e .
+	touch $@
+
+$(VENV)/.stamp-patches: $(VENV)/.stamp-project $(wildcard patches/areal-1.0.4/*.patch)
+	@echo ">> applying patches/areal-1.0.4 to the installed AReaL"
+	$(BIN)/python -m areal_libra.patches apply
+	touch $@
+
+run: setup
+	$(BIN)/python -m areal_libra.launch experiment=dapo_math $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q -x --durations=15 $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info
