@@ -1,0 +1,180 @@
+"""Pure-Python core of the causal prefix tree. Same algorithm, same numbers as csrc/prefix_tree.cpp.
+
+The core speaks integer state ids (interned by PrefixTree). Every operation advances a tick and stamps
+the nodes it walks; eviction removes whole subtrees in (tick, serial) order, so both backends evict the
+same nodes. Mean is sum/n over the window; P90 is the nearest-rank value of the window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class _Node:
+    __slots__ = ("serial", "parent", "state", "depth", "prompt", "children", "count", "win", "wsum",
+                 "tick", "q")
+
+    def __init__(self, serial: int, parent: _Node | None, state: int, depth: int, prompt: str | None,
+                 window: int) -> None:
+        self.serial = serial
+        self.parent = parent
+        self.state = state
+        self.depth = depth
+        self.prompt = prompt  # set on prompt roots only
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+        self.win: deque[int] = deque(maxlen=window)
+        self.wsum = 0
+        self.tick = 0
+        self.q: tuple[int, int] | None = None  # cached (p50, p90), invalidated on insert
+
+    def add(self, value: int) -> None:
+        if len(self.win) == self.win.maxlen:
+            self.wsum -= self.win[0]
+        self.win.append(value)
+        self.wsum += value
+        self.count += 1
+        self.q = None
+
+    def stats(self) -> tuple[float, int, int]:
+        """(mean, p50, p90) of the window; quantiles are nearest-rank: sorted[ceil(q * n) - 1]."""
+        n = len(self.win)
+        if n == 0:
+            return 0.0, 0, 0
+        if self.q is None:
+            w = sorted(self.win)
+            self.q = (w[(n + 1) // 2 - 1], w[(9 * n + 9) // 10 - 1])
+        return self.wsum / n, self.q[0], self.q[1]
+
+
+class PyTreeCore:
+    def __init__(self, min_samples: int, window: int, max_nodes: int) -> None:
+        if window < 1 or min_samples < 1 or max_nodes < 2:
+            raise ValueError("need window >= 1, min_samples >= 1, max_nodes >= 2")
+        self.min_samples = min_samples
+        self.window = window
+        self.max_nodes = max_nodes
+        self.clear()
+
+    def clear(self) -> None:
+        self.tick = 0
+        self.serial = 0
+        self.nodes: dict[int, _Node] = {}
+        self.prompts: dict[str, _Node] = {}
+        self.root = self._new(None, -1, None)
+
+    def _new(self, parent: _Node | None, state: int, prompt: str | None) -> _Node:
+        n = _Node(self.serial, parent, state, 0 if parent is None else parent.depth + 1, prompt, self.window)
+        self.serial += 1
+        self.nodes[n.serial] = n
+        return n
+
+    def node_count(self) -> int:
+        return len(self.nodes)
+
+    def _insert_path(self, node: _Node, states: list[int], remaining: list[int]) -> None:
+        node.tick = self.tick
+        node.add(remaining[0])
+        for s, r in zip(states, remaining[1:]):
+            child = node.children.get(s)
+            if child is None:
+                child = self._new(node, s, None)
+                node.children[s] = child
+            node = child
+            node.tick = self.tick
+            node.add(r)
+
+    def insert(self, prompt: str, states: list[int], remaining: list[int]) -> None:
+        """remaining[k] = remaining length after the k-th tool return (k = 0: at start)."""
+        if len(remaining) != len(states) + 1:
+            raise ValueError("remaining must have one more entry than states")
+        self.tick += 1
+        self._insert_path(self.root, states, remaining)
+        proot = self.prompts.get(prompt)
+        if proot is None:
+            proot = self._new(None, -1, prompt)
+            self.prompts[prompt] = proot
+        self._insert_path(proot, states, remaining)
+        if len(self.nodes) > self.max_nodes:
+            self._evict()
+
+    def _walk(self, node: _Node, states: list[int]) -> _Node | None:
+        node.tick = self.tick
+        best = node if node.count >= self.min_samples else None
+        for s in states:
+            node = node.children.get(s)
+            if node is None:
+                break
+            node.tick = self.tick
+            if node.count >= self.min_samples:
+                best = node
+        return best
+
+    def lookup(self, prompt: str, states: list[int]) -> tuple[float, int, int, int, bool, int]:
+        """(mean, p90, count, depth, from_global, p50) of the deepest matching node with enough samples."""
+        self.tick += 1
+        g = self._walk(self.root, states)
+        proot = self.prompts.get(prompt)
+        p = self._walk(proot, states) if proot is not None else None
+        if p is not None and (g is None or p.depth >= g.depth):
+            mean, p50, p90 = p.stats()
+            return mean, p90, p.count, p.depth, False, p50
+        node = g if g is not None else self.root
+        mean, p50, p90 = node.stats()
+        return mean, p90, node.count, node.depth, True, p50
+
+    def _drop(self, node: _Node) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            del self.nodes[n.serial]
+        if node.parent is not None:
+            del node.parent.children[node.state]
+        else:
+            del self.prompts[node.prompt]
+
+    def _evict(self) -> None:
+        # Evict down to 90% of the cap so the sort is amortised over many inserts.
+        low = self.max_nodes * 9 // 10
+        order = sorted((n for n in self.nodes.values() if n is not self.root), key=lambda n: (n.tick, n.serial))
+        for n in order:
+            if len(self.nodes) <= low:
+                break
+            if n.serial in self.nodes:
+                self._drop(n)
+
+    # --- persistence: a flat list of node records, parents before children (serial order) ---
+    def dump(self) -> dict:
+        recs = []
+        for serial in sorted(self.nodes):
+            n = self.nodes[serial]
+            recs.append([n.serial, -1 if n.parent is None else n.parent.serial, n.state, n.prompt, n.count,
+                         list(n.win), n.tick])
+        return {"tick": self.tick, "serial": self.serial, "nodes": recs}
+
+    def restore(self, d: dict) -> None:
+        self.tick = 0
+        self.serial = 0
+        self.nodes = {}
+        self.prompts = {}
+        self.root = None
+        for serial, parent, state, prompt, count, win, tick in d["nodes"]:
+            par = self.nodes[parent] if parent >= 0 else None
+            n = _Node(serial, par, state, 0 if par is None else par.depth + 1, prompt, self.window)
+            n.count = count
+            for v in win[-self.window:]:
+                n.win.append(int(v))
+            n.wsum = sum(n.win)
+            n.tick = tick
+            self.nodes[serial] = n
+            if par is not None:
+                par.children[state] = n
+            elif prompt is None:
+                self.root = n
+            else:
+                self.prompts[prompt] = n
+        if self.root is None:
+            raise ValueError("tree has no global root")
+        self.tick = int(d["tick"])
+        self.serial = int(d["serial"])

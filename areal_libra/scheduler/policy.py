@@ -1,0 +1,347 @@
+"""Routing policies: C-MLFQ and its baselines behind one interface (libra.md §3).
+
+Buckets are ascending max-length thresholds (bucket i serves final lengths in (T[i-1], T[i]]; lengths
+above the last threshold belong to the last bucket). A policy is a deterministic core: the replay
+(evaluation/routing.py), the simulator and the live Dispatcher drive the same objects.
+
+Protocol: start(req) -> bucket; tool_return(req, current) -> bucket; finish(traj) feeds what the policy
+learns from; end_step() marks a training-step boundary (what "earlier steps" means).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from areal_libra.scheduler.states import SizeClasses, tool_state
+from areal_libra.scheduler.tree import PrefixTree
+from areal_libra.trace import ToolReturn, Trajectory
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    trajectory_id: str
+    prompt_id: str
+    prompt_tokens: int
+    context_tokens: int
+    model_tokens: int
+    tool_returns: tuple[ToolReturn, ...]
+    step: int = 0
+    final_length: int | None = None  # known only to the oracle's callers (replay, simulator)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    max_len: int
+    tp: int = 1
+
+
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    buckets: tuple[int, ...]
+
+    def start(self, req: RequestInfo) -> int: ...
+
+    def tool_return(self, req: RequestInfo, current: int) -> int: ...
+
+    def finish(self, traj: Trajectory) -> None: ...
+
+
+def _check_buckets(buckets: Sequence[int | Bucket]) -> tuple[int, ...]:
+    th = tuple(int(b.max_len if isinstance(b, Bucket) else b) for b in buckets)
+    if not th or any(t <= 0 for t in th) or list(th) != sorted(set(th)):
+        raise ValueError(f"buckets must be strictly ascending positive thresholds, got {list(th)}")
+    return th
+
+
+class _Base:
+    name = "base"
+
+    def __init__(self, buckets: Sequence[int | Bucket]) -> None:
+        self.buckets = _check_buckets(buckets)
+        self._last = len(self.buckets) - 1
+
+    def bucket_of(self, length: float) -> int:
+        """Index of the bucket whose range holds `length` (the last bucket for anything longer)."""
+        return min(bisect.bisect_left(self.buckets, length), self._last)
+
+    def fit(self, trajs: Iterable[Trajectory]) -> None:
+        """Learn from training traces (default: nothing)."""
+
+    def start(self, req: RequestInfo) -> int:
+        return 0
+
+    def tool_return(self, req: RequestInfo, current: int) -> int:
+        return current
+
+    def finish(self, traj: Trajectory) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+
+class RoundRobinPolicy(_Base):
+    name = "round_robin"
+
+    def __init__(self, buckets: Sequence[int | Bucket]) -> None:
+        super().__init__(buckets)
+        self._next = 0
+
+    def start(self, req: RequestInfo) -> int:
+        b = self._next
+        self._next = (self._next + 1) % len(self.buckets)
+        return b
+
+
+class LeastLoadedPolicy(_Base):
+    """Places each new trajectory in the bucket with the least load; never moves it. The live Dispatcher
+    plugs in real per-group load (load_fn); standalone it counts its own active trajectories."""
+
+    name = "least_loaded"
+
+    def __init__(self, buckets: Sequence[int | Bucket], load_fn: Callable[[], Sequence[float]] | None = None) -> None:
+        super().__init__(buckets)
+        self.load_fn = load_fn
+        self._active: dict[str, int] = {}
+        self._count = [0] * len(self.buckets)
+
+    def start(self, req: RequestInfo) -> int:
+        loads = list(self.load_fn()) if self.load_fn is not None else self._count
+        b = min(range(len(self.buckets)), key=lambda i: (loads[i], i))
+        old = self._active.get(req.trajectory_id)
+        if old is not None:
+            self._count[old] -= 1
+        self._active[req.trajectory_id] = b
+        self._count[b] += 1
+        return b
+
+    def finish(self, traj: Trajectory) -> None:
+        b = self._active.pop(traj.trajectory_id, None)
+        if b is not None:
+            self._count[b] -= 1
+
+
+class MLFQPolicy(_Base):
+    """Classic MLFQ: start in the shortest bucket, demote once the context overruns its threshold."""
+
+    name = "mlfq"
+
+    def tool_return(self, req: RequestInfo, current: int) -> int:
+        if req.context_tokens > self.buckets[current]:
+            return max(current, self.bucket_of(req.context_tokens))
+        return current
+
+
+class OraclePolicy(_Base):
+    """Knows the final length (RequestInfo.final_length): the upper bound of the metrics."""
+
+    name = "oracle"
+
+    def start(self, req: RequestInfo) -> int:
+        return 0 if req.final_length is None else self.bucket_of(req.final_length)
+
+    def tool_return(self, req: RequestInfo, current: int) -> int:
+        return current if req.final_length is None else self.bucket_of(req.final_length)
+
+
+class PredictorPolicy(_Base):
+    """Length predictor baseline: places a request once, at its start, from what is known then — the
+    prompt's length and the final lengths of the prompt's earlier samples (earlier steps) — with a small
+    least-squares regressor on those features. It never moves a request afterwards."""
+
+    name = "predictor"
+
+    def __init__(self, buckets: Sequence[int | Bucket], history: int = 64, ridge: float = 1e-3) -> None:
+        super().__init__(buckets)
+        self.history = history
+        self.ridge = ridge
+        self._hist: dict[str, deque[int]] = {}
+        self._pending: list[Trajectory] = []
+        self._seen: deque[Trajectory] = deque(maxlen=20_000)
+        self._w: list[float] | None = None
+        self._global_mean = 0.0
+
+    def _features(self, prompt_id: str, prompt_tokens: int) -> list[float]:
+        h = self._hist.get(prompt_id)
+        hm = sum(h) / len(h) if h else self._global_mean
+        return [1.0, prompt_tokens / 1000.0, math.log1p(prompt_tokens), hm / 1000.0,
+                1.0 if h else 0.0, math.log1p(len(h)) if h else 0.0]
+
+    def fit(self, trajs: Iterable[Trajectory]) -> None:
+        for t in sorted(trajs, key=lambda t: t.step):
+            self._seen.append(t)
+        self._refit()
+
+    def _refit(self) -> None:
+        import numpy as np
+
+        rows, ys = [], []
+        self._hist = {}
+        by_step: dict[int, list[Trajectory]] = {}
+        for t in self._seen:
+            by_step.setdefault(t.step, []).append(t)
+        total, n = 0.0, 0
+        # Features of a sample only use earlier steps, exactly what a request sees at run time.
+        for step in sorted(by_step):
+            self._global_mean = total / n if n else 0.0
+            for t in by_step[step]:
+                rows.append(self._features(t.prompt_id, t.prompt_tokens))
+                ys.append(float(t.final_length))
+            for t in by_step[step]:
+                self._hist.setdefault(t.prompt_id, deque(maxlen=self.history)).append(t.final_length)
+                total += t.final_length
+                n += 1
+        self._global_mean = total / n if n else 0.0
+        if not rows:
+            self._w = None
+            return
+        x = np.asarray(rows)
+        y = np.asarray(ys)
+        a = x.T @ x + self.ridge * len(rows) * np.eye(x.shape[1])
+        self._w = [float(v) for v in np.linalg.solve(a, x.T @ y)]
+
+    def predict(self, prompt_id: str, prompt_tokens: int) -> float:
+        if self._w is None:
+            return 0.0
+        return sum(w * f for w, f in zip(self._w, self._features(prompt_id, prompt_tokens)))
+
+    def start(self, req: RequestInfo) -> int:
+        return self.bucket_of(self.predict(req.prompt_id, req.prompt_tokens))
+
+    def finish(self, traj: Trajectory) -> None:
+        self._pending.append(traj)
+
+    def end_step(self) -> None:
+        if self._pending:
+            self._seen.extend(self._pending)
+            self._pending = []
+            self._refit()
+
+
+@dataclass
+class CMLFQConfig:
+    min_samples: int = 4  # a node needs this many samples before it is trusted
+    window: int = 200  # samples per node for mean / P90 (public Libra code)
+    max_nodes: int = 200_000  # memory bound; least recently used subtrees are evicted
+    size_small: int = 500  # payload size classes (tokens)
+    size_medium: int = 5000
+    rebuild_every: int = 0  # rebuild the tree every N inserted trajectories (0: never)
+    rebuild_window: int = 5000  # ...from this many most recent trajectories
+    online_siblings: bool = False  # insert finished trajectories at once (siblings of a running prompt see them)
+    move_cost: float = 0.0  # migrate only if predicted remaining length >= move_cost * context (0: off)
+    overrun: bool = False  # when the context already overruns the bucket and mean/P90 disagree, go by the mean
+    center: str = "mean"  # what must agree with the P90: "mean" (paper) or "median" (the window's P50)
+    start_lookup: bool = False  # place the start by the prompt's root too (paper: always start shortest)
+    backend: str = "auto"
+    tree_path: str | None = None  # load this tree file (empty tree + warning if it is missing or broken)
+
+
+class CMLFQPolicy(_Base):
+    """C-MLFQ: start in the shortest bucket; at each tool return look up the deepest matching node of the
+    causal prefix tree and migrate only when the buckets of context + mean remaining and of context + P90
+    remaining agree and differ from the current bucket."""
+
+    name = "cmlfq"
+
+    def __init__(self, buckets: Sequence[int | Bucket], config: CMLFQConfig | None = None,
+                 tree: PrefixTree | None = None, **switches) -> None:
+        super().__init__(buckets)
+        cfg = config or CMLFQConfig()
+        for k, v in switches.items():
+            if not hasattr(cfg, k):
+                raise ValueError(f"unknown cmlfq switch {k!r}")
+            setattr(cfg, k, v)
+        self.config = cfg
+        self.sizes = SizeClasses(cfg.size_small, cfg.size_medium)
+        kw = dict(min_samples=cfg.min_samples, window=cfg.window, max_nodes=cfg.max_nodes, sizes=self.sizes,
+                  backend=cfg.backend)
+        if tree is not None:
+            self.tree = tree
+        elif cfg.tree_path:
+            self.tree = PrefixTree.load_or_empty(cfg.tree_path, **kw)
+        else:
+            self.tree = PrefixTree(**kw)
+        self._recent: deque[Trajectory] = deque(maxlen=cfg.rebuild_window)
+        self._since_rebuild = 0
+        self._pending: list[Trajectory] = []
+        self.decisions = 0
+        self.lookups_from_global = 0
+
+    # --- learning ---
+    def _insert(self, traj: Trajectory) -> None:
+        self._recent.append(traj)
+        self.tree.insert(traj)
+        self._since_rebuild += 1
+        if self.config.rebuild_every and self._since_rebuild >= self.config.rebuild_every:
+            self.tree.rebuild(self._recent)
+            self._since_rebuild = 0
+
+    def fit(self, trajs: Iterable[Trajectory]) -> None:
+        for t in trajs:
+            self._insert(t)
+
+    def finish(self, traj: Trajectory) -> None:
+        if self.config.online_siblings:
+            self._insert(traj)
+            return
+        # Without sibling updates the tree only learns from earlier steps: hold a step's finishes until
+        # the step ends (end_step) or a newer step's trajectory finishes.
+        if self._pending and traj.step > self._pending[-1].step:
+            self.end_step()
+        self._pending.append(traj)
+
+    def end_step(self) -> None:
+        for t in self._pending:
+            self._insert(t)
+        self._pending = []
+
+    # --- decisions ---
+    def _decide(self, req: RequestInfo, current: int, states: list) -> int:
+        mean, p90, count, _depth, from_global, p50 = self.tree.lookup_ids(req.prompt_id,
+                                                                           self.tree.state_ids(states))
+        self.decisions += 1
+        self.lookups_from_global += from_global
+        if count == 0:
+            return current
+        ctx = req.context_tokens
+        b_mean = self.bucket_of(ctx + (p50 if self.config.center == "median" else mean))
+        target = current
+        if b_mean == self.bucket_of(ctx + p90):
+            target = b_mean
+        elif self.config.overrun and ctx > self.buckets[current]:
+            target = b_mean
+        if target != current and self.config.move_cost > 0 and mean < self.config.move_cost * ctx:
+            return current
+        return target
+
+    def start(self, req: RequestInfo) -> int:
+        if not self.config.start_lookup:
+            return 0
+        return self._decide(req, 0, [])
+
+    def tool_return(self, req: RequestInfo, current: int) -> int:
+        sizes = self.sizes
+        return self._decide(req, current, [tool_state(t, sizes) for t in req.tool_returns])
+
+
+POLICIES: dict[str, type] = {
+    "cmlfq": CMLFQPolicy,
+    "round_robin": RoundRobinPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "mlfq": MLFQPolicy,
+    "predictor": PredictorPolicy,
+    "oracle": OraclePolicy,
+}
+
+
+def make_policy(name: str, buckets: Sequence[int | Bucket], **switches) -> _Base:
+    """Build a policy by name; switches go to its constructor (for cmlfq: CMLFQConfig fields)."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return cls(buckets, **switches)

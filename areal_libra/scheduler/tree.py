@@ -1,0 +1,189 @@
+"""Causal prefix tree (libra.md §3): a root per prompt id plus a global root; a node per ordered sequence
+of tool-return states; each node keeps the distribution of remaining length (final length minus the
+context at that decision point): total count, and mean / nearest-rank P90 over the last `window` samples.
+
+The hot path runs in C++ (areal_libra._prefix_tree, built from csrc/prefix_tree.cpp) when it is built,
+else in the pure-Python core; both give identical results (tests/test_prefix_tree_backends.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_libra.scheduler._pytree import PyTreeCore
+from areal_libra.scheduler.states import SizeClasses, ToolState, tool_state
+from areal_libra.trace import Trajectory
+
+try:  # the C++ core is optional: no compiler is a supported configuration
+    from areal_libra import _prefix_tree as _cpp  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _cpp = None
+
+log = logging.getLogger(__name__)
+
+FORMAT = "areal_libra.prefix_tree"
+VERSION = 1
+
+
+class TreeFileError(ValueError):
+    """A tree file that cannot be used (missing, truncated, corrupted, wrong version)."""
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    mean: float
+    p90: int
+    count: int
+    depth: int
+    from_global: bool
+    p50: int = 0
+
+
+def cpp_available() -> bool:
+    return _cpp is not None
+
+
+def decision_contexts(traj: Trajectory) -> list[int]:
+    """Context length at each decision point: the start, then after each tool return."""
+    ctx = traj.prompt_tokens
+    out = [ctx]
+    for s in traj.segments:
+        ctx += s.gen_tokens
+        if s.tool is not None:
+            ctx += s.tool.payload_tokens
+            out.append(ctx)
+    return out
+
+
+class PrefixTree:
+    def __init__(self, min_samples: int = 4, window: int = 200, max_nodes: int = 200_000,
+                 sizes: SizeClasses = SizeClasses(), backend: str = "auto") -> None:
+        if backend not in ("auto", "cpp", "python"):
+            raise ValueError(f"backend must be auto, cpp or python, got {backend!r}")
+        if backend == "cpp" and _cpp is None:
+            raise RuntimeError("C++ prefix tree not built (pip install -e . with a C++ compiler)")
+        self.backend = "cpp" if backend in ("auto", "cpp") and _cpp is not None else "python"
+        self.min_samples, self.window, self.max_nodes, self.sizes = min_samples, window, max_nodes, sizes
+        core_cls = _cpp.TreeCore if self.backend == "cpp" else PyTreeCore
+        self._core = core_cls(min_samples, window, max_nodes)
+        self._ids: dict[ToolState, int] = {}
+        self._states: list[ToolState] = []
+
+    # --- state interning: both backends see the same small integers ---
+    def state_id(self, st: ToolState) -> int:
+        i = self._ids.get(st)
+        if i is None:
+            i = len(self._states)
+            self._ids[st] = i
+            self._states.append(st)
+        return i
+
+    def state_ids(self, states: Sequence[ToolState]) -> list[int]:
+        # Unknown states cannot match any node: give them -2 instead of growing the table on lookups.
+        get = self._ids.get
+        return [get(s, -2) for s in states]
+
+    # --- hot path ---
+    def insert(self, traj: Trajectory) -> None:
+        ids = [self.state_id(tool_state(t, self.sizes)) for t in traj.tool_returns()]
+        final = traj.final_length
+        remaining = [max(0, final - c) for c in decision_contexts(traj)]
+        self._core.insert(traj.prompt_id, ids, remaining)
+
+    def lookup(self, prompt_id: str, states: Sequence[ToolState]) -> NodeStats:
+        return NodeStats(*self._core.lookup(prompt_id, self.state_ids(states)))
+
+    def lookup_ids(self, prompt_id: str, ids: list[int]) -> tuple[float, int, int, int, bool, int]:
+        """Raw lookup on pre-interned ids (the policy's fast path)."""
+        return self._core.lookup(prompt_id, ids)
+
+    def rebuild(self, trajs: Iterable[Trajectory]) -> None:
+        """Forget everything and re-insert `trajs` in order (the caller bounds the window)."""
+        self._core.clear()
+        for t in trajs:
+            self.insert(t)
+
+    def clear(self) -> None:
+        self._core.clear()
+
+    def node_count(self) -> int:
+        return self._core.node_count()
+
+    def dump(self) -> dict:
+        return self._core.dump()
+
+    # --- persistence ---
+    def _body(self) -> dict:
+        return {
+            "params": {"min_samples": self.min_samples, "window": self.window, "max_nodes": self.max_nodes,
+                       "sizes": [self.sizes.small, self.sizes.medium]},
+            "states": [[s.tool, s.size_class, s.status] for s in self._states],
+            "core": self._core.dump(),
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Atomic write: a header line (format, version, sha256 and length of the body), then the body."""
+        body = json.dumps(self._body(), separators=(",", ":")).encode()
+        header = {"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(body).hexdigest(),
+                  "bytes": len(body)}
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps(header).encode() + b"\n" + body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, backend: str = "auto") -> PrefixTree:
+        p = Path(path)
+        try:
+            raw = p.read_bytes()
+        except OSError as e:
+            raise TreeFileError(f"{p}: cannot read tree file ({e.strerror or e})") from None
+        head, sep, body = raw.partition(b"\n")
+        try:
+            header = json.loads(head)
+        except (ValueError, UnicodeDecodeError):
+            raise TreeFileError(f"{p}: not a prefix-tree file (bad header line)") from None
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise TreeFileError(f"{p}: not a prefix-tree file (format field is not {FORMAT!r})")
+        if header.get("version") != VERSION:
+            raise TreeFileError(f"{p}: tree file version {header.get('version')!r}, this build reads {VERSION}")
+        if not sep or len(body) != header.get("bytes"):
+            raise TreeFileError(f"{p}: truncated tree file ({len(body)} of {header.get('bytes')} body bytes)")
+        if hashlib.sha256(body).hexdigest() != header.get("sha256"):
+            raise TreeFileError(f"{p}: corrupted tree file (checksum mismatch)")
+        try:
+            d = json.loads(body)
+            prm = d["params"]
+            tree = cls(int(prm["min_samples"]), int(prm["window"]), int(prm["max_nodes"]),
+                       SizeClasses(*prm["sizes"]), backend=backend)
+            for tool, size, status in d["states"]:
+                tree.state_id(ToolState(tool, size, status))
+            tree._core.restore(d["core"])
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise TreeFileError(f"{p}: malformed tree body ({type(e).__name__}: {e})") from None
+        return tree
+
+    @classmethod
+    def load_or_empty(cls, path: str | os.PathLike, **kwargs) -> PrefixTree:
+        """The live path: a missing or broken file gives an empty tree and a warning, never a crash."""
+        try:
+            return cls.load(path, backend=kwargs.get("backend", "auto"))
+        except TreeFileError as e:
+            log.warning("prefix tree: %s; starting from an empty tree", e)
+            return cls(**kwargs)
