@@ -1,0 +1,225 @@
+"""Launch an experiment: python -m areal_libra.launch experiment=NAME [cluster=NAME] [key=value ...]
+
+Composes the hydra config (AReaL key names), prepares model and data, starts the rollout servers
+(embedded SGLang-API servers on CPU, SGLang on GPU), runs AReaL's GRPO trainer in SPMD mode in a child
+process, shows progress, and leaves metrics.jsonl, the W&B run and all logs in the run's log directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from areal_libra.config import Composed, ConfigError, compose, save
+
+
+class LaunchError(RuntimeError):
+    """A launch problem the user can fix; printed as one line."""
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken torch means no CUDA here
+        return False
+
+
+def resolve_model(c: Composed) -> str:
+    path = str(c.areal.actor.path)
+    if path in ("auto", "", "???"):
+        from areal_libra.models.tiny import ensure_model
+
+        return str(ensure_model(seed=int(c.areal.seed)))
+    p = Path(path)
+    if not p.is_dir():
+        raise LaunchError(f"actor.path={path}: no such model directory")
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(str(p))
+    except Exception as e:  # noqa: BLE001 - any failure means "not a model"
+        raise LaunchError(f"actor.path={path} is not a Hugging Face model ({type(e).__name__})") from None
+    return str(p)
+
+
+def check_dataset(c: Composed) -> None:
+    path = c.areal.train_dataset.path
+    if path in (None, "", "generated"):
+        return
+    if not Path(str(path)).exists():
+        raise LaunchError(f"train_dataset.path={path}: no such file or directory")
+
+
+def server_specs(c: Composed):
+    from areal_libra.engine.launcher import ServerSpec
+
+    specs = []
+    for g in c.libra.rollout_groups:
+        for _ in range(int(g.get("count", 1))):
+            specs.append(
+                ServerSpec(
+                    tp=int(g.get("tp", 1)),
+                    threads=int(g.get("threads", 1)),
+                    max_running=int(g.get("max_running", 256)),
+                    group=str(g.get("name", f"tp{g.get('tp', 1)}")),
+                )
+            )
+    if not specs:
+        raise LaunchError("libra.rollout_groups is empty: at least one rollout server is needed")
+    return specs
+
+
+def trainer_env(c: Composed, addrs: list[str]) -> dict[str, str]:
+    from areal_libra.utils import free_port
+
+    env = dict(os.environ)
+    env.update(
+        AREAL_SPMD_MODE="1",
+        AREAL_LLM_SERVER_ADDRS=",".join(addrs),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        TORCHDYNAMO_DISABLE="1",  # first-call torch.compile costs 25-55 s on CPU for a tiny model
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_SILENT="true",
+        PYTHONUNBUFFERED="1",
+    )
+    if c.libra.get("device", "cpu") == "cpu":
+        threads = str(int(c.libra.get("trainer_threads", 1)))
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    if c.areal.stats_logger.wandb.mode == "online" and not env.get("WANDB_API_KEY"):
+        env["WANDB_MODE"] = "offline"
+    return env
+
+
+def _read_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
+    if not path.exists():
+        return [], seen
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out = []
+    for line in lines[seen:]:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out, seen + len(out)
+
+
+def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, quiet: bool) -> int:
+    """Show step, reward, tokens/s and ETA until the trainer exits; fail fast if a server dies."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = [
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+    ]
+    seen = 0
+    with Progress(*columns, disable=quiet, transient=False) as progress:
+        task = progress.add_task("train", total=total, info="starting trainer ...")
+        while True:
+            rc = proc.poll()
+            recs, seen = _read_metrics(metrics_path, seen)
+            for r in recs:
+                reward = r.get("reward")
+                info = (
+                    f"reward {reward:.3f}" if isinstance(reward, (int, float)) else "reward -"
+                ) + f"  {r.get('throughput_tokens_per_s', 0):.0f} tok/s  tools {r.get('tool_calls', 0)}"
+                progress.update(task, completed=r.get("step", 0), info=info)
+                if quiet:
+                    print(f"step {r.get('step')}/{total} {info}", flush=True)
+            if rc is not None:
+                return rc
+            dead = [s for s in servers if not s.alive()]
+            if dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1" and len(dead) == len(servers):
+                proc.send_signal(signal.SIGTERM)
+                raise LaunchError(f"all rollout servers died (first: {dead[0].addr}); see their logs")
+            time.sleep(0.5)
+
+
+def run(argv: list[str]) -> int:
+    from areal_libra.engine.launcher import launch_servers, shutdown
+
+    c = compose(argv, default_cluster="gpu" if _has_cuda() else "cpu")
+    check_dataset(c)
+    model_path = resolve_model(c)
+    c.areal.actor.path = model_path
+    c.areal.tokenizer_path = model_path
+    c.areal.rollout.tokenizer_path = model_path
+    log_dir = c.log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = log_dir / "metrics.jsonl"
+    if metrics_path.exists():
+        metrics_path.unlink()  # a re-used trial name starts a fresh record
+    save(c, log_dir)
+    quiet = not sys.stdout.isatty()
+    print(f"areal_libra: run directory {log_dir}", flush=True)
+    print(f"areal_libra: experiment={c.choices.get('experiment')} cluster={c.choices.get('cluster')} "
+          f"model={model_path} steps={c.areal.total_train_steps}", flush=True)
+    servers = launch_servers(model_path, server_specs(c), log_dir / "servers",
+                             backend="sglang" if c.libra.get("device") == "cuda" else "embedded")
+    try:
+        addrs = [s.addr for s in servers]
+        print(f"areal_libra: rollout servers {', '.join(addrs)}", flush=True)
+        with open(log_dir / "trainer.log", "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "areal_libra.train", "--run-dir", str(log_dir)],
+                env=trainer_env(c, addrs), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            try:
+                rc = supervise(proc, metrics_path, int(c.areal.total_train_steps or 0), servers, quiet)
+            except BaseException:
+                _stop(proc)
+                raise
+        if rc != 0:
+            tail = (log_dir / "trainer.log").read_text(errors="replace").strip().splitlines()[-15:]
+            print("\n".join(tail), file=sys.stderr)
+            raise LaunchError(f"trainer exited with code {rc}; full log: {log_dir / 'trainer.log'}")
+    finally:
+        shutdown(servers)
+    print(f"areal_libra: done; metrics in {metrics_path}", flush=True)
+    return 0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
+    try:
+        return run(argv)
+    except (ConfigError, LaunchError) as e:
+        print(f"areal_libra: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("areal_libra: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

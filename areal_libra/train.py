@@ -1,0 +1,83 @@
+"""Trainer process: AReaL's PPOTrainer (GRPO) with this project's workflow, metrics and routing.
+
+Started by `areal_libra.launch` in AReaL's SPMD mode (AREAL_SPMD_MODE=1, torch.distributed env set,
+AREAL_LLM_SERVER_ADDRS naming the rollout servers):
+
+    python -m areal_libra.train --run-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+
+def build_dataset(libra, areal_cfg, tokenizer):
+    from areal_libra.workflows import math_data
+
+    path = areal_cfg.train_dataset.path
+    if path in (None, "", "generated"):
+        return math_data.generate_dataset(n=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
+    return math_data.load_dapo_parquet(path)
+
+
+def install_router(trainer, libra, run_dir: Path, metrics) -> object | None:
+    """Hook the project's dispatcher into AReaL's request path unless the policy is plain round-robin."""
+    policy = str(libra.get("scheduler", {}).get("policy", "round_robin"))
+    if policy == "round_robin":
+        return None
+    from areal_libra.engine.dispatch import build_router
+
+    router = build_router(libra, run_dir)
+    trainer.rollout.set_request_router(router)
+    metrics.add_source(router.step_metrics)
+    return router
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    args = ap.parse_args(argv)
+    run_dir = Path(args.run_dir)
+
+    from areal import PPOTrainer
+    from areal.api.cli_args import GRPOConfig, load_expr_config
+    from areal.utils.hf_utils import load_hf_tokenizer
+
+    from areal_libra.metrics import StepMetrics
+
+    config, _ = load_expr_config(["--config", str(run_dir / "areal_config.yaml")], GRPOConfig)
+    libra = OmegaConf.load(run_dir / "libra_config.yaml")
+    tokenizer = load_hf_tokenizer(config.tokenizer_path)
+    dataset = build_dataset(libra, config, tokenizer)
+
+    metrics = StepMetrics(run_dir / "metrics.jsonl", total_steps=config.total_train_steps)
+    workflow_mod, _, _ = str(libra.workflow).rpartition(".")
+    wf_module = importlib.import_module(workflow_mod)
+    if hasattr(wf_module, "set_trajectory_sink"):
+        wf_module.set_trajectory_sink(metrics.on_trajectory)
+
+    workflow_kwargs = dict(
+        gconfig=config.gconfig,
+        tokenizer_path=config.tokenizer_path,
+        max_turns=int(libra.max_turns),
+    )
+    with PPOTrainer(config, train_dataset=dataset, valid_dataset=None) as trainer:
+        trainer.stats_logger.add_sink(metrics.on_commit)
+        router = install_router(trainer, libra, run_dir, metrics)
+        try:
+            trainer.train(workflow=str(libra.workflow), workflow_kwargs=workflow_kwargs)
+        finally:
+            if router is not None and hasattr(router, "close"):
+                router.close()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("AREAL_SPMD_MODE", "1")
+    sys.exit(main())
