@@ -2,11 +2,12 @@
 
 The core speaks integer state ids (interned by PrefixTree). Every operation advances a tick and stamps
 the nodes it walks; eviction removes whole subtrees in (tick, serial) order, so both backends evict the
-same nodes. Mean is sum/n over the window; P90 is the nearest-rank value of the window.
+same nodes. Mean is sum/n over the window; P90 and P_q are nearest-rank values of the window.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 
@@ -26,7 +27,7 @@ class _Node:
         self.win: deque[int] = deque(maxlen=window)
         self.wsum = 0
         self.tick = 0
-        self.q: tuple[int, int] | None = None  # cached (p50, p90), invalidated on insert
+        self.q: list[int] | None = None  # cached sorted window, invalidated on insert
 
     def add(self, value: int) -> None:
         if len(self.win) == self.win.maxlen:
@@ -36,15 +37,20 @@ class _Node:
         self.count += 1
         self.q = None
 
-    def stats(self) -> tuple[float, int, int]:
-        """(mean, p50, p90) of the window; quantiles are nearest-rank: sorted[ceil(q * n) - 1]."""
+    def stats(self, q: float) -> tuple[float, int, int]:
+        """(mean, P_q, P90) of the window; quantiles are nearest-rank: sorted[ceil(q * n) - 1]."""
         n = len(self.win)
         if n == 0:
             return 0.0, 0, 0
         if self.q is None:
-            w = sorted(self.win)
-            self.q = (w[(n + 1) // 2 - 1], w[(9 * n + 9) // 10 - 1])
-        return self.wsum / n, self.q[0], self.q[1]
+            self.q = sorted(self.win)
+        w = self.q
+        return self.wsum / n, w[_rank(q, n)], w[(9 * n + 9) // 10 - 1]
+
+
+def _rank(q: float, n: int) -> int:
+    # Same double arithmetic as the C++ core: ceil(q * n) - 1, clamped to the window.
+    return min(n - 1, max(0, math.ceil(q * n) - 1))
 
 
 class PyTreeCore:
@@ -110,18 +116,18 @@ class PyTreeCore:
                 best = node
         return best
 
-    def lookup(self, prompt: str, states: list[int]) -> tuple[float, int, int, int, bool, int]:
-        """(mean, p90, count, depth, from_global, p50) of the deepest matching node with enough samples."""
+    def lookup(self, prompt: str, states: list[int], q: float = 0.5) -> tuple[float, int, int, int, bool, int]:
+        """(mean, p90, count, depth, from_global, P_q) of the deepest matching node with enough samples."""
         self.tick += 1
         g = self._walk(self.root, states)
         proot = self.prompts.get(prompt)
         p = self._walk(proot, states) if proot is not None else None
         if p is not None and (g is None or p.depth >= g.depth):
-            mean, p50, p90 = p.stats()
-            return mean, p90, p.count, p.depth, False, p50
+            mean, pq, p90 = p.stats(q)
+            return mean, p90, p.count, p.depth, False, pq
         node = g if g is not None else self.root
-        mean, p50, p90 = node.stats()
-        return mean, p90, node.count, node.depth, True, p50
+        mean, pq, p90 = node.stats(q)
+        return mean, p90, node.count, node.depth, True, pq
 
     def _drop(self, node: _Node) -> None:
         stack = [node]

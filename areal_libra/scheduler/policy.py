@@ -235,7 +235,7 @@ class CMLFQConfig:
     online_siblings: bool = False  # insert finished trajectories at once (siblings of a running prompt see them)
     move_cost: float = 0.0  # migrate only if predicted remaining length >= move_cost * context (0: off)
     overrun: bool = False  # when the context already overruns the bucket and mean/P90 disagree, go by the mean
-    center: str = "mean"  # what must agree with the P90: "mean" (paper) or "median" (the window's P50)
+    center: float | None = None  # what must agree with the P90: None = the mean (paper), or a quantile q
     start_lookup: bool = False  # place the start by the prompt's root too (paper: always start shortest)
     backend: str = "auto"
     tree_path: str | None = None  # load this tree file (empty tree + warning if it is missing or broken)
@@ -302,14 +302,15 @@ class CMLFQPolicy(_Base):
 
     # --- decisions ---
     def _decide(self, req: RequestInfo, current: int, states: list) -> int:
-        mean, p90, count, _depth, from_global, p50 = self.tree.lookup_ids(req.prompt_id,
-                                                                           self.tree.state_ids(states))
+        q = self.config.center
+        mean, p90, count, _depth, from_global, pq = self.tree.lookup_ids(
+            req.prompt_id, self.tree.state_ids(states), 0.5 if q is None else q)
         self.decisions += 1
         self.lookups_from_global += from_global
         if count == 0:
             return current
         ctx = req.context_tokens
-        b_mean = self.bucket_of(ctx + (p50 if self.config.center == "median" else mean))
+        b_mean = self.bucket_of(ctx + (mean if q is None else pq))
         target = current
         if b_mean == self.bucket_of(ctx + p90):
             target = b_mean

@@ -43,7 +43,7 @@ class NodeStats:
     count: int
     depth: int
     from_global: bool
-    p50: int = 0
+    pq: int = 0  # the quantile asked for in lookup(q=...), P50 by default
 
 
 def cpp_available() -> bool:
@@ -97,12 +97,12 @@ class PrefixTree:
         remaining = [max(0, final - c) for c in decision_contexts(traj)]
         self._core.insert(traj.prompt_id, ids, remaining)
 
-    def lookup(self, prompt_id: str, states: Sequence[ToolState]) -> NodeStats:
-        return NodeStats(*self._core.lookup(prompt_id, self.state_ids(states)))
+    def lookup(self, prompt_id: str, states: Sequence[ToolState], q: float = 0.5) -> NodeStats:
+        return NodeStats(*self._core.lookup(prompt_id, self.state_ids(states), q))
 
-    def lookup_ids(self, prompt_id: str, ids: list[int]) -> tuple[float, int, int, int, bool, int]:
+    def lookup_ids(self, prompt_id: str, ids: list[int], q: float = 0.5) -> tuple[float, int, int, int, bool, int]:
         """Raw lookup on pre-interned ids (the policy's fast path)."""
-        return self._core.lookup(prompt_id, ids)
+        return self._core.lookup(prompt_id, ids, q)
 
     def rebuild(self, trajs: Iterable[Trajectory]) -> None:
         """Forget everything and re-insert `trajs` in order (the caller bounds the window)."""
