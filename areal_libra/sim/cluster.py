@@ -1,0 +1,446 @@
+"""Discrete-event simulation of asynchronous (or synchronous) agentic RL on a GPU cluster.
+
+Rollout servers (areal_libra/sim/server.py) generate trajectories at iteration level; tool calls take
+their latency outside the batch; a trainer consumes GRPO groups in batches under AReaL's staleness rule
+(a group may start only while started <= (version + max_staleness + 1) * batch, and a step must include
+every unconsumed group that would otherwise exceed the bound); each step ends with a weight sync that
+pauses the rollout servers. A controller (areal_libra/sim/systems.py) sees only what a live system sees —
+finished trajectories and measured times — and may re-plan, reconfigure or move elastic replicas.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from areal_libra.sim.hardware import HardwareTruth
+from areal_libra.sim.server import RolloutServer, SimRequest
+from areal_libra.sim.workloads import Workload
+
+CHUNK, TOOL, TRAIN_END, TRAIN_TRY, CALL = range(5)
+
+
+class SimError(ValueError):
+    """Configuration the simulated cluster cannot run (e.g. no room for a model replica)."""
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class Layout:
+    """Where every GPU works: the training topology and the rollout servers (TP, bucket) in order."""
+
+    train: TrainLayout
+    servers: list[tuple[int, int]]  # (tp, bucket index)
+    bucket_limits: list[int] = field(default_factory=lambda: [1 << 30])  # max final length per bucket
+
+    @property
+    def rollout_gpus(self) -> int:
+        return sum(tp for tp, _ in self.servers)
+
+
+@dataclass
+class RunConfig:
+    max_staleness: int = 4  # AReaL max_head_offpolicyness; 0 = synchronous
+    colocated: bool = False  # verl hybrid engine: rollout and training time-share all GPUs
+    mem_fraction: float | None = None  # KV pool fraction (colocated engines keep less)
+    flush_kv_on_sync: bool = True
+    tool_latency_scale: float = 1.0
+    train_noise: bool = True
+    reconfig_train_s: float = 60.0  # re-shard the training job after a topology change
+    max_running: int = 256
+
+
+class Router:
+    """Placement policy interface used by the simulation (adapters wrap the scheduler's policies)."""
+
+    n_buckets = 1
+
+    def start(self, req: SimRequest) -> int:
+        return 0
+
+    def tool_return(self, req: SimRequest) -> int:
+        return req.bucket
+
+    def finish(self, req: SimRequest) -> None:
+        pass
+
+
+class Controller:
+    """Hook called after every training step; may change the layout. Base: static."""
+
+    def on_step_end(self, sim: Simulation, rec: dict) -> None:
+        pass
+
+
+@dataclass
+class Group:
+    gid: int
+    version: int
+    n_left: int
+    trajs: list
+    t_start: float
+    ready: bool = False
+    t_ready: float = 0.0
+
+
+class Simulation:
+    def __init__(self, truth: HardwareTruth, workload: Workload, n_gpus: int, layout: Layout,
+                 run: RunConfig | None = None, router: Router | None = None,
+                 controller: Controller | None = None, seed: int = 0):
+        self.truth = truth
+        self.workload = workload
+        self.n_gpus = n_gpus
+        self.cfg = run or RunConfig()
+        self.router = router or Router()
+        self.controller = controller or Controller()
+        self.rng = random.Random(seed)
+        self.wl_rng = random.Random(seed * 7919 + 1)
+        self.batch = workload.cfg.batch_prompts
+        self.t = 0.0
+        self.events: list = []
+        self._seq = 0
+        self.servers: list[RolloutServer] = []
+        self._sid = 0
+        self.version = 0
+        self.started_groups = 0
+        self.pending: deque[Group] = deque()  # started, not yet consumed, in start order
+        self.train_layout = layout.train
+        self.layout = layout
+        self.trainer_busy = False
+        self.trainer_available_at = 0.0
+        self.train_busy_s = 0.0
+        self.train_gpu_s = 0.0
+        self.records: list[dict] = []
+        self.finished: deque = deque(maxlen=4000)  # (prompt_tokens, final_length) of finished trajectories
+        self.finished_trajs: deque = deque(maxlen=4000)
+        self.reconfigurations = 0
+        self.staleness_seen: list[int] = []
+        self.gen_tokens = 0
+        self.migrated_tokens = 0
+        self.total_final = 0
+        self.traj_durations: list[float] = []
+        self._retired_busy = 0.0
+        self._retired_gpu_s = 0.0
+        self._last_step_t = 0.0
+        self._last_busy = 0.0
+        self._gpu_time_origin: dict[int, float] = {}
+        self._check_layout(layout)
+        for tp, b in layout.servers:
+            self._add_server(tp, b, 0.0)
+
+    # ---------------- layout ----------------
+    def _check_layout(self, layout: Layout) -> None:
+        if self.truth.kv_capacity_tokens(1 if not layout.servers else min(tp for tp, _ in layout.servers),
+                                         self.cfg.mem_fraction) <= 0:
+            raise SimError("a rollout server of this layout cannot hold the model plus any KV cache")
+        used = layout.train.gpus + (0 if self.cfg.colocated else layout.rollout_gpus)
+        if used > self.n_gpus:
+            raise SimError(f"layout needs {used} GPUs but the cluster has {self.n_gpus}")
+        if not layout.servers:
+            raise SimError("layout has no rollout server")
+
+    def _add_server(self, tp: int, bucket: int, available_at: float) -> RolloutServer:
+        s = RolloutServer(self._sid, tp, bucket, self.truth, random.Random(self.rng.random()),
+                          self.cfg.mem_fraction, self.cfg.max_running)
+        self._sid += 1
+        s.available_at = available_at
+        s.clock = available_at
+        self._gpu_time_origin[s.sid] = self.t
+        self.servers.append(s)
+        return s
+
+    def retire_server(self, s: RolloutServer) -> None:
+        """Take a server away (its GPUs move elsewhere); its requests re-prefill on other servers."""
+        done = s.interrupt(self.t)
+        self._handle_done(s, done)
+        s.retired = True
+        self.servers.remove(s)
+        self._retired_busy += s.busy_s * s.tp
+        self._retired_gpu_s += (self.t - self._gpu_time_origin.pop(s.sid)) * s.tp
+        for req, ctx in s.remove_all():
+            if ctx >= 0:  # was decoding: keep what it generated
+                req.done_tokens = ctx - req.ctx
+            req.migrations += 1
+            full = req.ctx + req.done_tokens
+            req.migrated_tokens += full
+            self.migrated_tokens += full
+            self._place(req, req.bucket, prior=0, new=full)
+
+    def apply_layout(self, layout: Layout, train_changed: bool, start_delay: float | None = None) -> None:
+        """Reconfigure to `layout`: keep matching servers, retire the rest, start the new ones."""
+        self._check_layout(layout)
+        want: dict[tuple[int, int], int] = {}
+        for spec in layout.servers:
+            want[spec] = want.get(spec, 0) + 1
+        keep = []
+        for s in list(self.servers):
+            key = (s.tp, s.bucket)
+            if want.get(key, 0) > 0:
+                want[key] -= 1
+                keep.append(s)
+        self.layout = layout
+        new = []
+        for (tp, b), n in want.items():
+            for _ in range(n):
+                delay = self.truth.server_start_s(tp) if start_delay is None else start_delay
+                new.append(self._add_server(tp, b, self.t + delay))
+        for s in [s for s in self.servers if s not in keep and s not in new]:
+            self.retire_server(s)
+        if train_changed or layout.train != self.train_layout:
+            self.train_layout = layout.train
+            self.trainer_available_at = max(self.trainer_available_at, self.t + self.cfg.reconfig_train_s)
+            self._push(self.trainer_available_at, TRAIN_TRY, None)
+        self.reconfigurations += 1
+
+    def set_train_dp(self, dp: int, available_at: float | None = None) -> None:
+        """Elastic join/release of whole data-parallel replicas (core TP/PP untouched)."""
+        lay = self.train_layout
+        self.train_layout = TrainLayout(lay.tp, lay.pp, dp)
+        self.layout = Layout(self.train_layout, self.layout.servers, self.layout.bucket_limits)
+        if available_at is not None:
+            self.trainer_available_at = max(self.trainer_available_at, available_at)
+            self._push(self.trainer_available_at, TRAIN_TRY, None)
+
+    # ---------------- event plumbing ----------------
+    def _push(self, t: float, kind: int, obj, epoch: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, self._seq, kind, obj, epoch))
+
+    def call_at(self, t: float, fn) -> None:
+        self._push(t, CALL, fn)
+
+    def _kick(self, s: RolloutServer) -> None:
+        if s.retired:
+            return
+        if s.chunk is not None:
+            done = s.interrupt(self.t)
+            if done:
+                self._handle_done(s, done)
+        if s.chunk is None and not s.retired:
+            r = s.start_chunk(self.t)
+            if r is not None:
+                self._push(r[0], CHUNK, s, r[1])
+
+    def _pick_server(self, bucket: int) -> RolloutServer:
+        cands = [s for s in self.servers if s.bucket == bucket]
+        if not cands:
+            cands = self.servers
+        return min(cands, key=lambda s: (s.load() / s.tp, s.sid))
+
+    def _place(self, req: SimRequest, bucket: int, prior: int, new: int, server: RolloutServer | None = None) -> None:
+        req.bucket = bucket
+        s = server or self._pick_server(bucket)
+        s.enqueue(req, prior, new)
+        self._kick(s)
+
+    # ---------------- trajectories ----------------
+    def _admit(self) -> None:
+        cap = (self.version + self.cfg.max_staleness + 1) * self.batch
+        while self.started_groups < cap:
+            trajs = self.workload.sample_group(self.version, self.wl_rng)
+            g = Group(self.started_groups, self.version, len(trajs), trajs, self.t)
+            self.started_groups += 1
+            self.pending.append(g)
+            for tr in trajs:
+                req = SimRequest(tr, g, self.version, self.t)
+                b = self.router.start(req)
+                self._place(req, b, prior=0, new=tr.prompt_tokens)
+
+    def _handle_done(self, s: RolloutServer, done: list[SimRequest]) -> None:
+        t = s.clock
+        for req in done:
+            seg = req.traj.segments[req.seg]
+            self.gen_tokens += seg.gen_tokens
+            req.done_tokens = 0
+            after_gen = req.ctx + seg.gen_tokens
+            if seg.tool is not None:
+                s.park(req, after_gen)
+                req.ctx = after_gen
+                lat = seg.tool.latency_s * self.cfg.tool_latency_scale
+                self._push(t + lat, TOOL, req)
+            else:
+                self._traj_done(req, t)
+
+    def _traj_done(self, req: SimRequest, t: float) -> None:
+        tr = req.traj
+        self.router.finish(req)
+        self.finished.append((tr.prompt_tokens, tr.final_length))
+        self.finished_trajs.append(tr)
+        self.total_final += tr.final_length
+        self.traj_durations.append(t - req.t_start)
+        g = req.group
+        g.n_left -= 1
+        if g.n_left == 0:
+            g.ready = True
+            g.t_ready = t
+            self._try_train()
+
+    def _tool_return(self, req: SimRequest) -> None:
+        seg = req.traj.segments[req.seg]
+        payload = seg.tool.payload_tokens
+        req.tool_state.append(seg.tool)
+        req.seg += 1
+        old = req.server
+        b = self.router.tool_return(req)
+        if b == req.bucket and old is not None and not old.retired:
+            req.ctx += payload
+            self._place(req, b, prior=req.ctx - payload, new=payload, server=old)
+            return
+        if old is not None:
+            old.drop_cache(req)
+        if b != req.bucket:
+            req.migrations += 1
+        req.migrated_tokens += req.ctx
+        self.migrated_tokens += req.ctx
+        req.ctx += payload
+        self._place(req, b, prior=0, new=req.ctx)
+
+    # ---------------- training ----------------
+    def _try_train(self) -> None:
+        if self.trainer_busy or self.t < self.trainer_available_at - 1e-9:
+            return
+        k = self.version
+        need_before = k - self.cfg.max_staleness  # groups started at versions <= this must be consumed now
+        # Groups that would exceed the bound after this step must be in it (the batch grows past
+        # `batch` in the rare case that more than a batch of them is left); fill the rest oldest-first.
+        forced = [g for g in self.pending if g.version <= need_before]
+        if any(not g.ready for g in forced):
+            return
+        batch: list[Group] = list(forced)
+        for g in self.pending:
+            if len(batch) >= self.batch:
+                break
+            if g.ready and g.version > need_before:
+                batch.append(g)
+        if len(batch) < self.batch:
+            return
+        chosen = set(id(g) for g in batch)
+        self.pending = deque(g for g in self.pending if id(g) not in chosen)
+        lens = [tr.final_length for g in batch for tr in g.trajs]
+        lay = self.train_layout
+        dur = self.truth.train_step_s(lens, lay.tp, lay.pp, lay.dp)
+        if self.cfg.train_noise:
+            dur *= math.exp(self.rng.gauss(0.0, self.truth.c.train_noise_sigma))
+        if self.cfg.colocated:
+            dur += self.truth.reshard_s(self.n_gpus)
+        self.trainer_busy = True
+        self.train_busy_s += dur
+        self.train_gpu_s += dur * lay.gpus
+        stale = [k - g.version for g in batch]
+        self.staleness_seen.extend(stale)
+        info = {"groups": batch, "train_s": dur, "t_start": self.t, "max_staleness": max(stale),
+                "tokens": sum(tr.model_tokens for g in batch for tr in g.trajs),
+                "final_tokens": sum(lens), "train_gpus": lay.gpus}
+        self._push(self.t + dur, TRAIN_END, info)
+
+    def _train_end(self, info: dict) -> None:
+        self.version += 1
+        self.trainer_busy = False
+        if self.cfg.colocated:
+            sync = self.truth.reshard_s(self.n_gpus)
+        else:
+            sync = self.truth.weight_sync_s(len(self.servers))
+        for s in list(self.servers):
+            done = s.pause(self.t, sync, self.cfg.flush_kv_on_sync)
+            if done:
+                self._handle_done(s, done)
+            if s.chunk is None:
+                r = s.start_chunk(s.clock)
+                if r is not None:
+                    self._push(r[0], CHUNK, s, r[1])
+        self.trainer_available_at = max(self.trainer_available_at, self.t + sync)
+        busy = self._busy_total()
+        interval = max(1e-9, self.t - self._last_step_t)
+        roll_gpus = sum(s.tp for s in self.servers)
+        rec = {
+            "step": self.version - 1, "t_end": self.t, "interval_s": interval, "train_s": info["train_s"],
+            "tokens": info["tokens"], "final_tokens": info["final_tokens"], "max_staleness": info["max_staleness"],
+            "train_gpus": info["train_gpus"], "rollout_gpus": roll_gpus,
+            "rollout_busy_frac": min(1.0, (busy - self._last_busy) / max(1e-9, interval * max(1, roll_gpus))),
+            "pressure": sum(s.pressure() for s in self.servers) / max(1, len(self.servers)),
+            "queued": sum(len(s.queue) for s in self.servers),
+            "running": sum(s.batch for s in self.servers),
+        }
+        # What a live system measures as T_rollout: the time the fleet was busy producing this step.
+        rec["t_rollout_s"] = interval * rec["rollout_busy_frac"]
+        self._last_step_t, self._last_busy = self.t, busy
+        self.records.append(rec)
+        self.controller.on_step_end(self, rec)
+        self._admit()
+        self._push(self.trainer_available_at, TRAIN_TRY, None)
+
+    def _busy_total(self) -> float:
+        return self._retired_busy + sum(s.busy_s * s.tp for s in self.servers)
+
+    # ---------------- main loop ----------------
+    def run(self, steps: int, wall_limit_s: float | None = None) -> dict:
+        if steps < 1:
+            raise SimError("steps must be >= 1")
+        self._admit()
+        ev = self.events
+        while ev and self.version < steps:
+            t, _, kind, obj, epoch = heapq.heappop(ev)
+            if kind == CHUNK:
+                if obj.epoch != epoch or obj.retired:
+                    continue
+                self.t = t
+                done = obj.finish_chunk()
+                self._handle_done(obj, done)
+                if obj.chunk is None and not obj.retired:
+                    r = obj.start_chunk(t)
+                    if r is not None:
+                        self._push(r[0], CHUNK, obj, r[1])
+            elif kind == TOOL:
+                self.t = t
+                self._tool_return(obj)
+            elif kind == TRAIN_END:
+                self.t = t
+                self._train_end(obj)
+            elif kind == TRAIN_TRY:
+                self.t = max(self.t, t)
+                self._try_train()
+            else:
+                self.t = t
+                obj()
+        if self.version < steps:
+            raise SimError(f"simulation stalled at step {self.version} (no events left)")
+        return self.summary()
+
+    def summary(self) -> dict:
+        wall = self.records[-1]["t_end"] if self.records else self.t
+        toks = sum(r["tokens"] for r in self.records)
+        roll_gpu_s = self._retired_gpu_s + sum((self.t - self._gpu_time_origin[s.sid]) * s.tp for s in self.servers)
+        if self.cfg.colocated:
+            roll_gpu_s = wall * self.n_gpus
+        return {
+            "tokens_per_s": toks / wall if wall > 0 else 0.0,
+            "mean_step_s": wall / max(1, len(self.records)),
+            "rollout_busy_frac": min(1.0, self._busy_total() / max(1e-9, roll_gpu_s)),
+            "train_busy_frac": min(1.0, self.train_gpu_s / max(1e-9, wall * (self.n_gpus if self.cfg.colocated
+                                                                                else self._mean_train_gpus()))),
+            "reconfigurations": self.reconfigurations,
+            "steps": len(self.records),
+            "wall_s": wall,
+            "max_staleness": max(self.staleness_seen) if self.staleness_seen else 0,
+            "migrated_token_ratio": self.migrated_tokens / max(1, self.total_final),
+            "preemptions": sum(s.preemptions for s in self.servers),
+        }
+
+    def _mean_train_gpus(self) -> float:
+        if not self.records:
+            return float(self.train_layout.gpus)
+        return sum(r["train_gpus"] * r["interval_s"] for r in self.records) / max(
+            1e-9, sum(r["interval_s"] for r in self.records))

@@ -1,0 +1,280 @@
+"""One simulated rollout server: continuous batching at decode-iteration granularity.
+
+Between two events the running batch is fixed, so the time of the next k iterations is a closed-form sum
+of per-iteration times (each iteration: a + b * resident KV tokens, and the resident KV grows by the batch
+size every iteration). A chunk runs until the first running request ends its segment or the KV pool
+fills; an arrival interrupts the chunk at the next iteration boundary. This keeps per-iteration timing,
+KV-capacity admission and preemption, without a Python loop per token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import OrderedDict, deque
+
+from areal_libra.sim.hardware import HardwareTruth
+
+
+class SimRequest:
+    """A trajectory in flight (one request to the rollout fleet per segment, same object throughout)."""
+
+    __slots__ = (
+        "traj", "group", "seg", "ctx", "server", "bucket", "start_version", "t_start", "heap_seq",
+        "end_it", "base", "tool_state", "migrated_tokens", "migrations", "done_tokens", "admit_order",
+    )
+
+    def __init__(self, traj, group, start_version: int, t_start: float):
+        self.traj = traj
+        self.group = group
+        self.seg = 0
+        self.ctx = traj.prompt_tokens  # context before the current segment's generation
+        self.server = None
+        self.bucket = 0
+        self.start_version = start_version
+        self.t_start = t_start
+        self.heap_seq = -1
+        self.end_it = 0
+        self.base = 0
+        self.tool_state: list = []
+        self.migrated_tokens = 0
+        self.migrations = 0
+        self.done_tokens = 0
+        self.admit_order = 0
+
+    @property
+    def gen_tokens(self) -> int:
+        return self.traj.segments[self.seg].gen_tokens
+
+
+class RolloutServer:
+    """Iteration-level model of one SGLang-like server with `tp` GPUs."""
+
+    def __init__(self, sid: int, tp: int, bucket: int, truth: HardwareTruth, rng: random.Random,
+                 mem_fraction: float | None = None, max_running: int = 512):
+        self.sid = sid
+        self.tp = tp
+        self.bucket = bucket
+        self.truth = truth
+        self.rng = rng
+        self.capacity = truth.kv_capacity_tokens(tp, mem_fraction)
+        if self.capacity <= 0:
+            raise ValueError(f"model does not fit on a TP{tp} server (no room left for the KV cache)")
+        self.max_running = max_running
+        self.speed = math.exp(rng.gauss(0.0, truth.c.server_sigma))
+        self.sigma = truth.c.noise_sigma
+        self.it = 0
+        self.clock = 0.0
+        self.active: dict[SimRequest, int] = {}
+        self.heap: list = []
+        self.sum_base = 0
+        self.queue: deque = deque()  # (req, prior_tokens, new_tokens)
+        self.idle_cache: OrderedDict = OrderedDict()  # req -> cached context tokens (waiting on a tool)
+        self.idle_tokens = 0
+        self.chunk = None  # (t0, k, a, b, kv0, B, xi, t_end)
+        self.epoch = 0
+        self.busy_s = 0.0
+        self.preemptions = 0
+        self.prefill_tokens = 0
+        self.retired = False
+        self.available_at = 0.0  # not serving before this time (start-up, weight sync)
+        self._seq = 0
+        self._coef: dict[int, tuple[float, float]] = {}
+
+    # ---- accounting -------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return len(self.active)
+
+    def kv(self) -> int:
+        return self.sum_base + len(self.active) * self.it
+
+    def load(self) -> float:
+        """Outstanding work, for least-loaded placement: running + queued requests."""
+        return len(self.active) + len(self.queue)
+
+    def pressure(self) -> float:
+        q = sum(p + n for _, p, n in self.queue)
+        return min(1.0, (self.kv() + q) / self.capacity)
+
+    # ---- chunk arithmetic -----------------------------------------------------------------------------
+    def _coeffs(self, B: int) -> tuple[float, float]:
+        c = self._coef.get(B)
+        if c is None:
+            c = self._coef[B] = self.truth.decode_coeffs(self.tp, B)
+        return c
+
+    @staticmethod
+    def _chunk_time(k: float, a: float, b: float, kv0: float, B: int) -> float:
+        return k * a + b * (k * kv0 + B * k * (k - 1) / 2.0)
+
+    # ---- events ---------------------------------------------------------------------------------------
+    def interrupt(self, t: float) -> list[SimRequest]:
+        """Stop the running chunk at the first iteration boundary at or after `t`.
+        Returns requests whose segment ended (only when the whole chunk had run)."""
+        ch = self.chunk
+        if ch is None:
+            self.clock = max(self.clock, t)
+            return []
+        t0, k, a, b, kv0, B, xi, t_end = ch
+        if t >= t_end:
+            return self.finish_chunk()
+        dt = (t - t0) / xi
+        # smallest j with chunk_time(j) >= dt: (bB/2) j^2 + (a + b kv0 - bB/2) j - dt = 0
+        qa, qb = b * B / 2.0, a + b * kv0 - b * B / 2.0
+        if qa > 0:
+            j = (-qb + math.sqrt(qb * qb + 4 * qa * dt)) / (2 * qa)
+        else:
+            j = dt / qb
+        j = max(0, min(k, math.ceil(j - 1e-9)))
+        if j >= k:
+            return self.finish_chunk()
+        spent = xi * self._chunk_time(j, a, b, kv0, B)
+        self.it += j
+        self.clock = t0 + spent
+        self.busy_s += spent
+        self.chunk = None
+        self.epoch += 1
+        return []
+
+    def finish_chunk(self) -> list[SimRequest]:
+        t0, k, a, b, kv0, B, xi, t_end = self.chunk
+        self.it += k
+        self.busy_s += t_end - t0
+        self.clock = t_end
+        self.chunk = None
+        self.epoch += 1
+        done = []
+        heap = self.heap
+        while heap and heap[0][0] <= self.it:
+            end_it, seq, req = heapq.heappop(heap)
+            if req.heap_seq != seq or req not in self.active:
+                continue
+            self.sum_base -= self.active.pop(req)
+            req.heap_seq = -1
+            done.append(req)
+        return done
+
+    def enqueue(self, req: SimRequest, prior: int, new: int, front: bool = False) -> None:
+        req.server = self
+        if front:
+            self.queue.appendleft((req, prior, new))
+        else:
+            self.queue.append((req, prior, new))
+
+    def park(self, req: SimRequest, tokens: int) -> None:
+        """The request left the batch for a tool call; its KV stays cached (evictable)."""
+        self.idle_cache[req] = tokens
+        self.idle_tokens += tokens
+
+    def drop_cache(self, req: SimRequest) -> bool:
+        tok = self.idle_cache.pop(req, None)
+        if tok is None:
+            return False
+        self.idle_tokens -= tok
+        return True
+
+    def remove_all(self) -> list[tuple[SimRequest, int]]:
+        """Take every request off this server (retirement): (request, context tokens so far)."""
+        out = []
+        for req, base in self.active.items():
+            out.append((req, base + self.it))
+            req.heap_seq = -1
+        for item in self.queue:
+            out.append((item[0], -1))
+        self.active.clear()
+        self.heap.clear()
+        self.queue.clear()
+        self.idle_cache.clear()
+        self.idle_tokens = 0
+        self.sum_base = 0
+        self.chunk = None
+        self.epoch += 1
+        return out
+
+    def pause(self, t: float, duration: float, flush: bool) -> list[SimRequest]:
+        """Weight update: stop at the next boundary, stay paused, optionally drop all KV (re-prefill)."""
+        done = self.interrupt(t)
+        self.clock = max(self.clock, t) + duration
+        if flush:
+            self.idle_cache.clear()
+            self.idle_tokens = 0
+            kv = self.kv()
+            if kv > 0:
+                # Running requests recompute their whole context under the new weights.
+                cost = sum(self.truth.prefill_s(self.tp, base + self.it) for base in self.active.values())
+                self.clock += cost * self.speed
+                self.busy_s += cost * self.speed
+                self.prefill_tokens += kv
+        return done
+
+    def start_chunk(self, now: float) -> tuple[float, int] | None:
+        """Admit queued requests (prefill), then start decoding. Returns (end time, epoch) or None if idle."""
+        if self.chunk is not None:
+            raise RuntimeError("start_chunk while a chunk runs")
+        self.clock = max(self.clock, now, self.available_at)
+        cap = self.capacity
+        kv = self.kv()
+        prefill = 0.0
+        q = self.queue
+        while q and len(self.active) < self.max_running:
+            req, prior, new = q[0]
+            cached = req in self.idle_cache
+            need = prior + new
+            if cached:
+                self.idle_tokens -= self.idle_cache.pop(req)
+            while kv + self.idle_tokens + need > cap and self.idle_cache:
+                _, tok = self.idle_cache.popitem(last=False)  # evict least recently parked
+                self.idle_tokens -= tok
+            if kv + need > cap and self.active:
+                if cached:
+                    self.idle_cache[req] = prior
+                    self.idle_tokens += prior
+                break
+            q.popleft()
+            pf_new, pf_prior = (new, prior) if cached else (need, 0)
+            prefill += self.truth.prefill_s(self.tp, pf_new, pf_prior)
+            self.prefill_tokens += pf_new
+            base = need - self.it
+            self.active[req] = base
+            self.sum_base += base
+            self._seq += 1
+            req.heap_seq = self._seq
+            req.admit_order = self._seq
+            req.end_it = self.it + max(1, req.gen_tokens - req.done_tokens)
+            heapq.heappush(self.heap, (req.end_it, self._seq, req))
+            kv += need
+        if prefill > 0:
+            spent = prefill * self.speed
+            self.clock += spent
+            self.busy_s += spent
+        B = len(self.active)
+        if B == 0:
+            return None
+        k = self.heap[0][0] - self.it
+        room = (cap - kv) // B
+        while room < 1 and len(self.active) > 1:
+            self._preempt()
+            kv = self.kv()
+            B = len(self.active)
+            room = (cap - kv) // B
+            k = self.heap[0][0] - self.it
+        k = max(1, min(k, room)) if room >= 1 else max(1, k)
+        a, b = self._coeffs(B)
+        xi = self.speed * math.exp(self.rng.gauss(0.0, self.sigma / math.sqrt(k)))
+        t_end = self.clock + xi * self._chunk_time(k, a, b, kv, B)
+        self.chunk = (self.clock, k, a, b, kv, B, xi, t_end)
+        self.epoch += 1
+        return t_end, self.epoch
+
+    def _preempt(self) -> None:
+        """KV pool full: retract the most recently admitted request; it re-prefills its context later."""
+        victim = max(self.active, key=lambda r: r.admit_order)
+        base = self.active.pop(victim)
+        self.sum_base -= base
+        ctx = base + self.it
+        victim.done_tokens += ctx - (victim.ctx + victim.done_tokens)
+        victim.heap_seq = -1
+        self.preemptions += 1
+        self.queue.appendleft((victim, 0, ctx))

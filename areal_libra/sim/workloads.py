@@ -1,0 +1,252 @@
+"""Workloads for the simulator: trace generators and trace replays, with drift over training steps.
+
+A workload hands out GRPO groups (`group_size` trajectories of one prompt) for a given policy version;
+drift makes the distribution depend on that version, as a policy's behaviour changes while it trains.
+Every workload yields canonical `Trajectory` objects (areal_libra/trace.py), so any canonical trace file
+can be a workload too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_libra.trace import Segment, ToolReturn, TraceError, Trajectory, read_traces
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "polytrace"
+if not DATA.is_dir():  # repository checked out elsewhere: look next to the working tree too
+    DATA = Path("/work/shared/data/polytrace")
+
+WORKLOADS = ("search_r1", "dapo_math", "r2e_gym")
+
+
+@dataclass
+class WorkloadConfig:
+    group_size: int = 16
+    batch_prompts: int = 16  # prompts (GRPO groups) per training step
+    max_len: int = 40960
+    horizon: int = 200  # steps over which drift reaches its full amount
+    drift: float = 0.5  # relative growth of lengths (or turns) at the horizon
+    length_scale: float = 1.0  # multiplies model tokens (thinking-model regime for short traces)
+
+
+class Workload:
+    name = "workload"
+
+    def __init__(self, cfg: WorkloadConfig):
+        self.cfg = cfg
+        self._n = 0
+
+    def progress(self, version: int) -> float:
+        return min(1.0, max(0, version) / max(1, self.cfg.horizon))
+
+    def sample_group(self, version: int, rng: random.Random) -> list[Trajectory]:
+        raise NotImplementedError
+
+    def profile(self, n_groups: int, seed: int = 12345) -> list[Trajectory]:
+        """What a user knows before training: trajectories of the initial policy (a profiling run)."""
+        rng = random.Random(seed)
+        out: list[Trajectory] = []
+        for _ in range(n_groups):
+            out.extend(self.sample_group(0, rng))
+        return out
+
+    def _tid(self, version: int, prompt_id: str) -> str:
+        self._n += 1
+        return f"v{version}-{prompt_id}-{self._n}"
+
+    def _cap(self, prompt: int, segments: list[Segment]) -> tuple[tuple[Segment, ...], str]:
+        """Truncate at the max model length: generation stops, finish_reason 'length'."""
+        budget = self.cfg.max_len - prompt
+        out = []
+        for s in segments:
+            if s.gen_tokens >= budget:
+                out.append(Segment(max(1, budget), None))
+                return tuple(out), "length"
+            budget -= s.gen_tokens
+            pay = s.tool.payload_tokens if s.tool else 0
+            if s.tool is not None and pay >= budget:
+                out.append(Segment(s.gen_tokens, None))
+                return tuple(out), "length"
+            budget -= pay
+            out.append(s)
+        last = out[-1]
+        if last.tool is not None:
+            out[-1] = Segment(last.gen_tokens, None)
+        return tuple(out), "stop"
+
+
+class TraceWorkload(Workload):
+    """Replay of a canonical (or PolyTrace) trace: groups by prompt id; the trace's own steps give drift
+    (policy version v replays the groups of the v-th distinct step, the last one after that), and
+    `drift`/`length_scale` stretch model tokens further."""
+
+    name = "trace"
+
+    def __init__(self, paths, cfg: WorkloadConfig, growth_on_gen: bool = True):
+        super().__init__(cfg)
+        trajs = read_traces(paths)
+        if not trajs:
+            raise TraceError(f"{paths}: trace holds no trajectories")
+        by_step: dict[int, dict[str, list[Trajectory]]] = defaultdict(lambda: defaultdict(list))
+        for t in trajs:
+            by_step[t.step][t.prompt_id].append(t)
+        self.steps = sorted(by_step)
+        self.groups = {s: list(by_step[s].values()) for s in self.steps}
+        self.growth_on_gen = growth_on_gen
+
+    def sample_group(self, version: int, rng: random.Random) -> list[Trajectory]:
+        step = self.steps[min(max(version, 0), len(self.steps) - 1)]
+        src = rng.choice(self.groups[step])
+        scale = self.cfg.length_scale * (1.0 + self.cfg.drift * self.progress(version))
+        n = self.cfg.group_size or len(src)
+        picks = src if n == len(src) else [src[i % len(src)] for i in range(n)]
+        out = []
+        for t in picks:
+            segs = [Segment(max(1, round(s.gen_tokens * scale)), s.tool) for s in t.segments]
+            segs_c, fr = self._cap(t.prompt_tokens, segs)
+            if t.finish_reason == "length" and fr == "stop":
+                fr = "length"
+            out.append(Trajectory(self._tid(version, t.prompt_id), t.prompt_id, version, t.prompt_tokens,
+                                  segs_c, fr, t.reward))
+        return out
+
+
+class DapoMath(Workload):
+    """Long single- or two-turn math reasoning from the PolyTrace math mixture (4-component Gaussian mixture
+    over (input, output) tokens), capped at `response_cap` (cap hits end with 'length'); lengths grow over
+    training. A prompt draws a difficulty shared by its group, so a prompt's samples resemble each other."""
+
+    name = "dapo_math"
+
+    def __init__(self, cfg: WorkloadConfig, response_cap: int = 20480, p_tool: float = 0.3):
+        super().__init__(cfg)
+        path = DATA / "distributions" / "enhanced_task_distribution_parameters.json"
+        try:
+            g = json.loads(path.read_text())["math_task"]["gmm_parameters"]
+        except (OSError, KeyError, json.JSONDecodeError) as e:
+            raise TraceError(f"{path}: cannot read the math mixture ({e})") from None
+        self.w = g["weights"]
+        self.means = g["means"]
+        self.sd = [(math.sqrt(c[0][0]), math.sqrt(c[1][1])) for c in g["covariances"]]
+        self.cap_tokens = response_cap
+        self.p_tool = p_tool
+        self._prompts = 0
+
+    def sample_group(self, version: int, rng: random.Random) -> list[Trajectory]:
+        self._prompts += 1
+        pid = f"math-{rng.randrange(17000)}"
+        comp = rng.choices(range(len(self.w)), weights=self.w)[0]
+        (mi, mo), (si, so) = self.means[comp], self.sd[comp]
+        prompt = max(16, int(rng.gauss(mi, si)))
+        z = rng.gauss(0.0, 1.0)
+        grow = 1.0 + self.cfg.drift * self.progress(version)
+        uses_tool = rng.random() < self.p_tool
+        out = []
+        for _ in range(self.cfg.group_size):
+            gen = (mo + so * (0.7 * z + 0.71 * rng.gauss(0.0, 1.0))) * grow * self.cfg.length_scale
+            gen = max(64, int(gen))
+            fr = "stop"
+            if gen >= self.cap_tokens:
+                gen, fr = self.cap_tokens, "length"
+            if uses_tool and gen > 400 and fr == "stop":
+                cut = int(gen * rng.uniform(0.3, 0.7))
+                tool = ToolReturn("python", int(rng.lognormvariate(math.log(120), 0.6)),
+                                  "success" if rng.random() > 0.1 else "failure", rng.lognormvariate(math.log(0.6), 0.5))
+                segs = [Segment(cut, tool), Segment(gen - cut, None)]
+            else:
+                segs = [Segment(gen, None)]
+            segs_c, fr2 = self._cap(prompt, segs)
+            out.append(Trajectory(self._tid(version, pid), pid, version, prompt, segs_c,
+                                  "length" if "length" in (fr, fr2) else "stop"))
+        return out
+
+
+class R2EGym(Workload):
+    """Software-engineering agent: many turns of bash / python / file-view tools with large file-view
+    payloads, failures that trigger a retry turn, and a heavy tail from per-prompt difficulty (a few hard
+    issues take dozens of turns). Drift: more turns and fewer failures as the policy trains."""
+
+    name = "r2e_gym"
+    TOOLS = (  # name, weight, payload median tokens, payload sigma, latency median s
+        ("bash", 0.50, 220, 0.9, 1.2),
+        ("python", 0.25, 180, 0.8, 3.0),
+        ("file_view", 0.25, 1500, 0.7, 0.3),
+    )
+
+    def __init__(self, cfg: WorkloadConfig, max_turns: int = 80):
+        super().__init__(cfg)
+        self.max_turns = max_turns
+
+    def sample_group(self, version: int, rng: random.Random) -> list[Trajectory]:
+        pid = f"r2e-{rng.randrange(4578)}"
+        prompt = int(rng.lognormvariate(math.log(1800), 0.3))
+        difficulty = rng.lognormvariate(0.0, 0.85)
+        p = self.progress(version)
+        turns_mean = 7.0 * difficulty * (1.0 + self.cfg.drift * p)
+        p_fail = 0.15 - 0.07 * p
+        names = [t[0] for t in self.TOOLS]
+        weights = [t[1] for t in self.TOOLS]
+        spec = {t[0]: t for t in self.TOOLS}
+        out = []
+        for _ in range(self.cfg.group_size):
+            n_turns = min(self.max_turns, 1 + int(rng.expovariate(1.0 / max(0.5, turns_mean - 1))))
+            segs = []
+            for k in range(n_turns):
+                gen = max(8, int(rng.lognormvariate(math.log(180), 0.7) * self.cfg.length_scale))
+                if k == n_turns - 1:
+                    segs.append(Segment(gen, None))
+                    break
+                name = rng.choices(names, weights=weights)[0]
+                _, _, med, sig, lat = spec[name]
+                u = rng.random()
+                if u < 0.02:
+                    status, payload, latency = "timeout", 40, 30.0
+                elif u < 0.02 + p_fail:
+                    status, payload, latency = "failure", int(rng.lognormvariate(math.log(250), 0.6)), lat * 0.5
+                else:
+                    status = "success"
+                    payload = int(rng.lognormvariate(math.log(med), sig))
+                    latency = rng.lognormvariate(math.log(lat), 0.6)
+                segs.append(Segment(gen, ToolReturn(name, payload, status, latency)))
+                if status != "success" and len(segs) < self.max_turns - 1:
+                    # A failed call is retried: one more short turn that repeats the call.
+                    retry = ToolReturn(name, int(rng.lognormvariate(math.log(med), sig)), "success",
+                                       rng.lognormvariate(math.log(lat), 0.6))
+                    segs.append(Segment(max(8, int(gen * 0.4)), retry))
+            segs_c, fr = self._cap(prompt, segs)
+            out.append(Trajectory(self._tid(version, pid), pid, version, prompt, segs_c, fr))
+        return out
+
+
+def make_workload(name: str, cfg: WorkloadConfig | None = None) -> Workload:
+    """`search_r1`, `dapo_math`, `r2e_gym`, or a path to a canonical / PolyTrace trace file or folder."""
+    if name == "search_r1":
+        c = cfg or WorkloadConfig(group_size=8, batch_prompts=32, length_scale=6.0, drift=0.5)
+        files = sorted((DATA / "search_r1").glob("step_[0-4].jsonl.gz"))
+        if not files:
+            raise TraceError(f"{DATA / 'search_r1'}: PolyTrace Search-R1 traces not found")
+        w = TraceWorkload(files, c)
+        w.name = "search_r1"
+        return w
+    if name == "dapo_math":
+        return DapoMath(cfg or WorkloadConfig(group_size=16, batch_prompts=16, drift=0.4))
+    if name == "r2e_gym":
+        return R2EGym(cfg or WorkloadConfig(group_size=8, batch_prompts=16, drift=0.5))
+    p = Path(name)
+    if p.is_dir():
+        files = sorted(list(p.glob("*.jsonl")) + list(p.glob("*.jsonl.gz")))
+        if not files:
+            raise TraceError(f"{p}: folder holds no .jsonl or .jsonl.gz trace")
+        return TraceWorkload(files, cfg or WorkloadConfig(group_size=0, drift=0.0))
+    if p.suffix in (".jsonl", ".gz") or p.exists():
+        if not p.is_file():
+            raise TraceError(f"{p}: no such trace file")
+        w = TraceWorkload([p], cfg or WorkloadConfig(group_size=0, drift=0.0))
+        w.name = p.name
+        return w
+    raise ValueError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)} or a trace file path")
