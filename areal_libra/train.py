@@ -17,13 +17,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 
-def build_dataset(libra, areal_cfg, tokenizer):
-    from areal_libra.workflows import math_data
+def build_dataset(libra, areal_cfg):
+    from areal_libra.workflows.math_data import load_math_dataset
 
     path = areal_cfg.train_dataset.path
-    if path in (None, "", "generated"):
-        return math_data.generate_dataset(n=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
-    return math_data.load_dapo_parquet(path)
+    path = None if path in (None, "", "generated") else str(path)
+    return load_math_dataset(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
 
 
 def install_router(trainer, libra, run_dir: Path, metrics) -> object | None:
@@ -47,14 +46,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from areal import PPOTrainer
     from areal.api.cli_args import GRPOConfig, load_expr_config
-    from areal.utils.hf_utils import load_hf_tokenizer
 
     from areal_libra.metrics import StepMetrics
 
     config, _ = load_expr_config(["--config", str(run_dir / "areal_config.yaml")], GRPOConfig)
     libra = OmegaConf.load(run_dir / "libra_config.yaml")
-    tokenizer = load_hf_tokenizer(config.tokenizer_path)
-    dataset = build_dataset(libra, config, tokenizer)
+    dataset = build_dataset(libra, config)
 
     metrics = StepMetrics(run_dir / "metrics.jsonl", total_steps=config.total_train_steps)
     workflow_mod, _, _ = str(libra.workflow).rpartition(".")
