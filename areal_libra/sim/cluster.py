@@ -378,6 +378,9 @@ class Simulation:
         rec["t_rollout_s"] = interval * rec["rollout_busy_frac"]
         self._last_step_t, self._last_busy = self.t, busy
         self.records.append(rec)
+        end_step = getattr(self.router, "end_step", None)
+        if end_step is not None:
+            end_step()  # C-MLFQ inserts the step's finished trajectories into its prefix tree
         self.controller.on_step_end(self, rec)
         self._admit()
         self._push(self.trainer_available_at, TRAIN_TRY, None)

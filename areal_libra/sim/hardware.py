@@ -192,6 +192,16 @@ class HardwareTruth:
         return 2.0 * self.model.weight_bytes * 8 / max(n_gpus, 1) / (20 * GB) + 6.0
 
 
+def truth_from_specs(hw, model, consts: TruthConstants | None = None) -> HardwareTruth:
+    """Build the truth from the planner's preset objects (areal_libra.cost.presets HardwareSpec and
+    ModelSpec), reading only their spec-sheet facts, never their efficiency factors."""
+    gpu = GpuSpec(hw.name, float(hw.flops), float(hw.hbm_bw), float(hw.hbm_bytes), float(hw.intra_bw),
+                  float(hw.inter_bw), int(hw.gpus_per_node))
+    shape = ModelShape(model.name, float(model.params), float(model.active_params), int(model.n_layers),
+                       int(model.hidden), int(model.n_heads), int(model.n_kv_heads), int(model.head_dim))
+    return HardwareTruth(gpu, shape, consts)
+
+
 def truth_for(gpu: str, model: str, consts: TruthConstants | None = None) -> HardwareTruth:
     g = gpu.lower()
     if g not in GPUS:

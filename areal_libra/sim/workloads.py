@@ -185,9 +185,11 @@ class R2EGym(Workload):
     def sample_group(self, version: int, rng: random.Random) -> list[Trajectory]:
         pid = f"r2e-{rng.randrange(4578)}"
         prompt = int(rng.lognormvariate(math.log(1800), 0.3))
-        difficulty = rng.lognormvariate(0.0, 0.85)
+        hard = rng.random() < 0.12  # hard issues: long explorations with long test runs
+        difficulty = rng.lognormvariate(0.0, 0.7) * (12.0 if hard else 1.0)
+        slow = 2.5 if hard else 1.0
         p = self.progress(version)
-        turns_mean = 7.0 * difficulty * (1.0 + self.cfg.drift * p)
+        turns_mean = 3.5 * difficulty * (1.0 + self.cfg.drift * p)
         p_fail = 0.15 - 0.07 * p
         names = [t[0] for t in self.TOOLS]
         weights = [t[1] for t in self.TOOLS]
@@ -197,7 +199,7 @@ class R2EGym(Workload):
             n_turns = min(self.max_turns, 1 + int(rng.expovariate(1.0 / max(0.5, turns_mean - 1))))
             segs = []
             for k in range(n_turns):
-                gen = max(8, int(rng.lognormvariate(math.log(180), 0.7) * self.cfg.length_scale))
+                gen = max(8, int(rng.lognormvariate(math.log(180), 0.7) * self.cfg.length_scale * slow))
                 if k == n_turns - 1:
                     segs.append(Segment(gen, None))
                     break
@@ -211,7 +213,7 @@ class R2EGym(Workload):
                 else:
                     status = "success"
                     payload = int(rng.lognormvariate(math.log(med), sig))
-                    latency = rng.lognormvariate(math.log(lat), 0.6)
+                    latency = rng.lognormvariate(math.log(lat * slow), 0.6)
                 segs.append(Segment(gen, ToolReturn(name, payload, status, latency)))
                 if status != "success" and len(segs) < self.max_turns - 1:
                     # A failed call is retried: one more short turn that repeats the call.

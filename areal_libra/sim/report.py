@@ -1,0 +1,157 @@
+"""Shared plumbing of evaluation/throughput.py and evaluation/ablation.py: build the environment, run a
+list of systems, print a table or JSON, draw figures. Errors surface as one line on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+
+from areal_libra.sim.cluster import SimError
+from areal_libra.sim.hardware import GPUS, truth_for, truth_from_specs
+from areal_libra.sim.systems import Env, run_system
+from areal_libra.sim.workloads import make_workload
+from areal_libra.trace import TraceError
+
+_CLUSTER_RE = re.compile(r"^([a-z0-9_.-]+?)x(\d+)$")
+
+
+def make_env(workload: str, cluster: str, model: str, seed: int = 0, batch_prompts: int | None = None,
+             group_size: int | None = None) -> Env:
+    wl = make_workload(workload)
+    if batch_prompts is not None:
+        if batch_prompts < 1:
+            raise ValueError("--batch-prompts must be >= 1")
+        wl.cfg.batch_prompts = batch_prompts
+    if group_size is not None:
+        if group_size < 1:
+            raise ValueError("--group-size must be >= 1")
+        wl.cfg.group_size = group_size
+    try:
+        from areal_libra.cost.presets import load_cluster, load_model
+    except ImportError:  # planner presets not installed: spec sheets of the simulator's own table
+        m = _CLUSTER_RE.match(cluster.lower())
+        if not m or m.group(1) not in GPUS:
+            raise ValueError(f"unknown cluster {cluster!r}: use <gpu>x<count> with gpu in {', '.join(GPUS)}") from None
+        return Env(truth_for(m.group(1), model), wl, int(m.group(2)), seed=seed)
+    cl = load_cluster(cluster)
+    md = load_model(model)
+    return Env(truth_from_specs(cl.hardware, md), wl, cl.n_gpus, cluster=cl, model=md, seed=seed)
+
+
+def run_many(names: Sequence[str], env: Env, steps: int, log=None) -> tuple[dict, dict]:
+    out, sims = {}, {}
+    for n in names:
+        t0 = time.time()
+        res, sim = run_system(n, env, steps)
+        res["sim_wall_s"] = round(time.time() - t0, 2)
+        out[n] = res
+        sims[n] = sim
+        if log:
+            log(f"{n}: {res['tokens_per_s']:.0f} tokens/s ({res['sim_wall_s']} s to simulate)")
+    return out, sims
+
+
+KEYS = ("tokens_per_s", "mean_step_s", "rollout_busy_frac", "train_busy_frac", "reconfigurations")
+
+
+def table(results: dict, ref: str | None) -> str:
+    lines = [f"{'system':24s} {'tokens/s':>10s} {'vs ' + (ref or '-'):>18s} {'step s':>8s} {'roll busy':>9s} "
+             f"{'train busy':>10s} {'reconf':>6s} {'stale':>5s}"]
+    base = results.get(ref, {}).get("tokens_per_s") if ref else None
+    for n, r in results.items():
+        rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"{n:24s} {r['tokens_per_s']:10.0f} {rel:>18s} {r['mean_step_s']:8.1f} "
+                     f"{r['rollout_busy_frac']:9.2f} {r['train_busy_frac']:10.2f} {r['reconfigurations']:6d} "
+                     f"{r['max_staleness']:5d}")
+    return "\n".join(lines)
+
+
+def plot(path: str, title: str, results: dict, sims: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    vals = [results[n]["tokens_per_s"] for n in names]
+    ax.bar(range(len(names)), vals, color=["#888"] * (len(names) - 1) + ["#c33"])
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title)
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
+    for n in names:
+        recs = sims[n].records
+        steps = [r["step"] for r in recs]
+        tps = [r["tokens"] / max(1e-9, r["interval_s"]) for r in recs]
+        k = max(1, len(tps) // 20)
+        sm = [sum(tps[max(0, i - k + 1): i + 1]) / len(tps[max(0, i - k + 1): i + 1]) for i in range(len(tps))]
+        axes[1].plot(steps, sm, label=n, lw=1)
+        axes[2].plot(steps, [r["rollout_gpus"] for r in recs], label=n, lw=1)
+    axes[1].set_xlabel("training step")
+    axes[1].set_ylabel("tokens/s (moving mean)")
+    axes[1].set_title("throughput over training")
+    axes[2].set_xlabel("training step")
+    axes[2].set_ylabel("rollout GPUs")
+    axes[2].set_title("allocation over training")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def parse_common(argv, description: str, names: Sequence[str], default_ref: str):
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--workload", required=True, help="search_r1 | dapo_math | r2e_gym | PATH to a trace")
+    ap.add_argument("--cluster", default="a800x48")
+    ap.add_argument("--model", default="qwen3-14b")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--systems", nargs="+", default=list(names), help=f"subset of: {' '.join(names)}")
+    ap.add_argument("--plot", default=None, help="write a PNG figure here")
+    ap.add_argument("--batch-prompts", type=int, default=None,
+                    help="GRPO groups per step (scale knob; defaults per workload, see README)")
+    ap.add_argument("--group-size", type=int, default=None, help="samples per prompt")
+    return ap.parse_args(argv)
+
+
+def main_common(argv, description: str, names: Sequence[str], default_ref: str) -> int:
+    args = parse_common(argv, description, names, default_ref)
+    systems = [s for part in args.systems for s in part.split(",") if s]
+    try:
+        bad = [s for s in systems if s not in names]
+        if bad:
+            raise ValueError(f"unknown system {bad[0]!r}; choose from {', '.join(names)}")
+        if args.steps < 1:
+            raise ValueError("--steps must be >= 1")
+        env = make_env(args.workload, args.cluster, args.model, args.seed, args.batch_prompts, args.group_size)
+        from areal_libra.sim.systems import check_cluster
+
+        check_cluster(env.truth, env.n_gpus)
+        log = None if args.json else (lambda m: print(m, file=sys.stderr))
+        results, sims = run_many(systems, env, args.steps, log)
+    except (ValueError, TraceError, SimError, OSError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    wname = getattr(env.workload, "name", args.workload)
+    if args.json:
+        print(json.dumps({"systems": results, "workload": wname, "cluster": args.cluster, "model": args.model,
+                          "steps": args.steps, "seed": args.seed,
+                          "batch_prompts": env.workload.cfg.batch_prompts,
+                          "group_size": env.workload.cfg.group_size}, indent=1))
+    else:
+        print(f"workload={wname} cluster={args.cluster} ({env.n_gpus} GPUs) model={args.model} steps={args.steps} "
+              f"seed={args.seed} batch={env.workload.cfg.batch_prompts}x{env.workload.cfg.group_size}")
+        print(table(results, default_ref if default_ref in results else None))
+    if args.plot:
+        plot(args.plot, f"{wname} on {args.cluster}", results, sims)
+    return 0

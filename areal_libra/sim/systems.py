@@ -1,0 +1,250 @@
+"""The systems the simulator compares: baselines users would pick, Libra, and Libra's ablation ladder.
+
+Each system is a layout (training topology + rollout servers), a run mode (synchronous / colocated /
+staleness-bounded asynchronous), a routing policy (from areal_libra.scheduler) and a controller that
+sees only what a live system sees after each step (finished trajectories, measured times) and may
+reconfigure: the Global Resource Planner and its re-plan gate (areal_libra.planner), the elastic pool
+policy (areal_libra.elastic). Nothing here re-implements those algorithms; it only wires them up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
+from areal_libra.sim.hardware import HardwareTruth
+from areal_libra.sim.server import SimRequest
+from areal_libra.sim.workloads import Workload
+
+SYSTEMS = ("verl_colocated", "verl_static_uniform", "verl_greedy", "areal_static_optimal", "libra")
+LADDER = ("static_uniform", "+planner", "+hetero_tp", "+cmlfq", "+elastic")
+
+BASELINE_ROLLOUT_TP = 2  # verl's Qwen3-14B example scripts: rollout tensor_model_parallel_size=2
+AREAL_STALENESS = 4  # AReaL max_head_offpolicyness used by AReaL-Static-Optimal and Libra
+VERL_STALENESS = 1  # verl's one-step off-policy recipe for disaggregated placements
+
+
+@dataclass
+class Env:
+    """What a system is built for: the cluster, model, workload and the hardware truth to run on."""
+
+    truth: HardwareTruth
+    workload: Workload
+    n_gpus: int
+    cluster: object | None = None  # areal_libra.cost.presets.ClusterSpec when the planner is used
+    model: object | None = None  # areal_libra.cost.presets.ModelSpec
+    seed: int = 0
+    profile_groups: int = 8
+
+
+@dataclass
+class SystemSpec:
+    name: str
+    layout: Layout
+    run: RunConfig
+    router_factory: Callable[[Layout], Router]
+    controller: Controller = field(default_factory=Controller)
+
+
+# ------------------------------------------------------------------ routing adapters
+class PolicyRouter(Router):
+    """Feeds the simulator's requests to an areal_libra.scheduler routing policy."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.n_buckets = len(policy.buckets)
+        from areal_libra.scheduler import RequestInfo
+
+        self._info = RequestInfo
+
+    def _req(self, req: SimRequest, context: int):
+        tr = req.traj
+        return self._info(tr.trajectory_id, tr.prompt_id, tr.prompt_tokens, context,
+                          sum(s.gen_tokens for s in tr.segments[: req.seg]), tuple(req.tool_state),
+                          step=req.start_version)
+
+    def start(self, req: SimRequest) -> int:
+        return self.policy.start(self._req(req, req.traj.prompt_tokens))
+
+    def tool_return(self, req: SimRequest) -> int:
+        payload = req.tool_state[-1].payload_tokens if req.tool_state else 0
+        return self.policy.tool_return(self._req(req, req.ctx + payload), req.bucket)
+
+    def finish(self, req: SimRequest) -> None:
+        self.policy.finish(req.traj)
+
+    def end_step(self) -> None:
+        fn = getattr(self.policy, "end_step", None)
+        if fn is not None:
+            fn()
+
+
+def policy_router(name: str, **switches) -> Callable[[Layout], Router]:
+    def build(layout: Layout) -> Router:
+        from areal_libra.scheduler import make_policy
+
+        return PolicyRouter(make_policy(name, layout.bucket_limits, **switches))
+
+    return build
+
+
+# ------------------------------------------------------------------ layouts
+def homogeneous_servers(gpus: int, tp: int) -> list[tuple[int, int]]:
+    return [(tp, 0)] * (gpus // tp)
+
+
+def best_train_layout(truth: HardwareTruth, gpus: int, seq_lens: list[int]) -> TrainLayout:
+    """How a user sets up Megatron for `gpus` GPUs: TP inside a node, DP across, best measured of those."""
+    if gpus < 1:
+        raise SimError("no GPU left for training")
+    best, best_t = None, math.inf
+    for tp in (8, 4, 2, 1):
+        if tp > gpus or gpus % tp or not truth.train_memory_ok(tp, 1, gpus // tp):
+            continue
+        t = truth.train_step_s(seq_lens, tp, 1, gpus // tp)
+        if t < best_t:
+            best, best_t = TrainLayout(tp, 1, gpus // tp), t
+    if best is None:
+        for pp in (2, 4, 8):
+            if gpus % (8 * pp) == 0 and truth.train_memory_ok(8, pp, gpus // (8 * pp)):
+                return TrainLayout(8, pp, gpus // (8 * pp))
+        raise SimError(f"the model does not fit for training on {gpus} GPUs")
+    return best
+
+
+def check_cluster(truth: HardwareTruth, n_gpus: int) -> None:
+    """A cluster must hold at least one training replica and one rollout server."""
+    gpn = truth.gpu.gpus_per_node
+    min_roll = next((tp for tp in (1, 2, 4, 8) if truth.kv_capacity_tokens(tp) > 0), None)
+    if min_roll is None:
+        raise SimError(f"{truth.model.name} does not fit on one {truth.gpu.name} server of up to TP8")
+    min_train = next((g for g in (1, 2, 4, 8, 16, 32, 64) if any(
+        g % tp == 0 and truth.train_memory_ok(tp, g // tp // max(1, g // (tp * gpn)), 1) for tp in (1, 2, 4, 8))), None)
+    need = min_roll + (min_train or 8)
+    if n_gpus < need:
+        raise SimError(f"cluster of {n_gpus} GPUs is smaller than one model replica for training plus one "
+                       f"rollout server ({need} GPUs for {truth.model.name})")
+
+
+def _profile_lens(env: Env) -> list[int]:
+    prof = env.workload.profile(env.profile_groups)
+    batch = env.workload.cfg.batch_prompts * max(1, len(prof) // max(1, env.profile_groups))
+    lens = [t.final_length for t in prof]
+    return (lens * (batch // max(1, len(lens)) + 1))[:batch]
+
+
+def split_layout(env: Env, rollout_gpus: int, tp: int) -> Layout:
+    train = best_train_layout(env.truth, env.n_gpus - rollout_gpus, _profile_lens(env))
+    return Layout(train, homogeneous_servers(rollout_gpus, tp), [env.workload.cfg.max_len])
+
+
+# ------------------------------------------------------------------ baselines
+class GreedyController(Controller):
+    """verl-Greedy-Heuristic: after the first step, split GPUs in proportion to its measured rollout and
+    training times, then keep that split."""
+
+    def __init__(self, env: Env, tp: int):
+        self.env, self.tp, self.done = env, tp, False
+
+    def on_step_end(self, sim: Simulation, rec: dict) -> None:
+        if self.done:
+            return
+        self.done = True
+        n = self.env.n_gpus
+        t_r, t_t = rec["interval_s"], rec["train_s"]
+        gpn = self.env.truth.gpu.gpus_per_node
+        roll = round(n * t_r / (t_r + t_t) / gpn) * gpn
+        roll = min(max(roll, gpn), n - gpn)
+        lay = split_layout(self.env, roll, self.tp)
+        if lay.train != sim.train_layout or lay.rollout_gpus != sim.layout.rollout_gpus:
+            sim.apply_layout(lay, train_changed=lay.train != sim.train_layout)
+
+
+def verl_colocated(env: Env) -> SystemSpec:
+    train = best_train_layout(env.truth, env.n_gpus, _profile_lens(env))
+    lay = Layout(train, homogeneous_servers(env.n_gpus, BASELINE_ROLLOUT_TP), [env.workload.cfg.max_len])
+    run = RunConfig(max_staleness=0, colocated=True, mem_fraction=0.5)
+    return SystemSpec("verl_colocated", lay, run, policy_router("least_loaded"))
+
+
+def verl_static_uniform(env: Env) -> SystemSpec:
+    lay = split_layout(env, env.n_gpus // 2, BASELINE_ROLLOUT_TP)
+    return SystemSpec("verl_static_uniform", lay, RunConfig(max_staleness=VERL_STALENESS),
+                      policy_router("least_loaded"))
+
+
+def verl_greedy(env: Env) -> SystemSpec:
+    lay = split_layout(env, env.n_gpus // 2, BASELINE_ROLLOUT_TP)
+    return SystemSpec("verl_greedy", lay, RunConfig(max_staleness=VERL_STALENESS), policy_router("least_loaded"),
+                      GreedyController(env, BASELINE_ROLLOUT_TP))
+
+
+def static_search_space(n_gpus: int, gpn: int) -> list[int]:
+    """Rollout GPU counts tried by the static search: multiples of a node, at most ~8 candidates."""
+    nodes = n_gpus // gpn
+    step = max(1, nodes // 8)
+    return [k * gpn for k in range(step, nodes, step)] or [n_gpus // 2]
+
+
+def areal_static_optimal(env: Env, search_steps: int = 3) -> SystemSpec:
+    """AReaL with the best static split and homogeneous TP, found by simulating the first steps of every
+    candidate on the initial workload (what a user's tuning sweep would measure)."""
+    best, best_tps = None, -1.0
+    gpn = env.truth.gpu.gpus_per_node
+    for roll in static_search_space(env.n_gpus, gpn):
+        for tp in (1, 2, 4, 8):
+            if roll % tp or env.truth.kv_capacity_tokens(tp) < env.workload.cfg.max_len:
+                continue
+            try:
+                lay = split_layout(env, roll, tp)
+            except SimError:
+                continue
+            sim = Simulation(env.truth, env.workload, env.n_gpus, lay, RunConfig(max_staleness=AREAL_STALENESS),
+                             policy_router("least_loaded")(lay), seed=env.seed + 1000)
+            res = sim.run(search_steps)
+            if res["tokens_per_s"] > best_tps:
+                best, best_tps = lay, res["tokens_per_s"]
+    if best is None:
+        raise SimError("no static layout fits this cluster")
+    return SystemSpec("areal_static_optimal", best, RunConfig(max_staleness=AREAL_STALENESS),
+                      policy_router("least_loaded"))
+
+
+def static_uniform_async(env: Env) -> SystemSpec:
+    """Ladder rung 0: AReaL-style asynchrony (as Libra) with a half/half split and homogeneous TP."""
+    lay = split_layout(env, env.n_gpus // 2, BASELINE_ROLLOUT_TP)
+    return SystemSpec("static_uniform", lay, RunConfig(max_staleness=AREAL_STALENESS), policy_router("least_loaded"))
+
+
+def build_system(name: str, env: Env) -> SystemSpec:
+    check_cluster(env.truth, env.n_gpus)
+    if name == "verl_colocated":
+        return verl_colocated(env)
+    if name == "verl_static_uniform":
+        return verl_static_uniform(env)
+    if name == "verl_greedy":
+        return verl_greedy(env)
+    if name == "areal_static_optimal":
+        return areal_static_optimal(env)
+    if name == "static_uniform":
+        return static_uniform_async(env)
+    if name in ("libra", "+planner", "+hetero_tp", "+cmlfq", "+elastic"):
+        from areal_libra.sim.libra import libra_system
+
+        return libra_system(name, env)
+    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS + LADDER)}")
+
+
+def run_system(name: str, env: Env, steps: int) -> tuple[dict, Simulation]:
+    spec = build_system(name, env)
+    sim = Simulation(env.truth, env.workload, env.n_gpus, spec.layout, spec.run, spec.router_factory(spec.layout),
+                     spec.controller, seed=env.seed)
+    if hasattr(spec.controller, "attach"):
+        spec.controller.attach(sim)
+    res = sim.run(steps)
+    return res, sim
+
+
+__all__ = ["Env", "SystemSpec", "SYSTEMS", "LADDER", "build_system", "run_system", "PolicyRouter", "replace"]
