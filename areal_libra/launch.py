@@ -154,8 +154,6 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
 
 
 def run(argv: list[str]) -> int:
-    from areal_libra.engine.launcher import launch_servers, shutdown
-
     c = compose(argv, default_cluster="gpu" if _has_cuda() else "cpu")
     check_dataset(c)
     model_path = resolve_model(c)
@@ -168,6 +166,8 @@ def run(argv: list[str]) -> int:
     if metrics_path.exists():
         metrics_path.unlink()  # a re-used trial name starts a fresh record
     save(c, log_dir)
+    from areal_libra.engine.launcher import launch_servers, shutdown
+
     quiet = not sys.stdout.isatty()
     print(f"areal_libra: run directory {log_dir}", flush=True)
     print(f"areal_libra: experiment={c.choices.get('experiment')} cluster={c.choices.get('cluster')} "
