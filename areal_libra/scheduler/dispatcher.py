@@ -130,6 +130,18 @@ class Dispatcher:
             self.counters["routed"] += 1
             return addr
 
+    def placement(self, trajectory_id: str) -> tuple[int, int] | None:
+        """(bucket the policy chose, group it runs in) of an active trajectory, or None."""
+        with self._lock:
+            st = self._traj.get(trajectory_id)
+            return None if st is None else (st.bucket, st.group)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock that guards policy state: hold it to change the policy consistently (e.g. swap a
+        rebuilt prefix tree in) while requests are being routed."""
+        return self._lock
+
     # --- load accounting ---
     def begin(self, addr: str) -> None:
         with self._lock:
