@@ -1,0 +1,195 @@
+"""Rollout cost model: one inference server of tensor-parallel degree tp (SGLang-style continuous batching).
+
+Decode is memory-bandwidth bound at small batch and compute bound at large batch:
+    step = max((weights read + KV read) / (tp * HBM bw * hbm_eff),  FLOPs / (tp * peak * decode_mfu))
+           + per-layer all-reduces (2 per layer, tp > 1) + a fixed per-step overhead.
+Weights are divided by tp exactly once (the public Libra code divides twice). KV capacity is
+(tp * HBM - tp * workspace - weights) / KV bytes per token, where a KV head is replicated, not split, once
+tp exceeds the model's KV heads — the public code overstates this capacity by a factor tp.
+
+Array-friendly: the decode/prefill/group formulas accept numpy arrays, so the planner's DP evaluates
+thousands of (tp, interval, instances) cases in one call.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from areal_libra.cost.presets import HardwareSpec, ModelSpec
+
+
+def allreduce_s(hw: HardwareSpec, nbytes, group: int, span: int | None = None):
+    """Ring all-reduce of `nbytes` over `group` ranks: 2(g-1)/g of the data crosses each link."""
+    if group <= 1:
+        return 0.0 * nbytes
+    bw = hw.link_bw(group, span if span is not None else group)
+    return hw.comm_latency_s + 2.0 * (group - 1) / group * nbytes / bw
+
+
+@dataclass
+class RolloutCost:
+    hw: HardwareSpec
+    model: ModelSpec
+    tp: int
+    max_running: int = 256  # SGLang max_running_requests per server
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        m = self.model
+        # A KV head cannot be split: beyond n_kv_heads ranks, heads are replicated.
+        self._kv_shards = min(self.tp, m.n_kv_heads)
+        self._kv_bytes_gpu = m.kv_bytes_per_token / self._kv_shards  # per token, per GPU
+        self._dense_bytes = m.dense_params * m.dtype_bytes
+        self._expert_bytes = m.expert_params * m.dtype_bytes
+
+    # ---------------------------------------------------------------- memory
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache one server holds: (tp*HBM - tp*workspace - weights) / per-token KV bytes, where
+        the per-token bytes count replicated KV heads when tp > n_kv_heads. <= 0 means the model does not fit."""
+        free = self.tp * (self.hw.hbm_bytes - self.hw.workspace_bytes) - self.model.weight_bytes
+        per_token_total = self._kv_bytes_gpu * self.tp
+        return int(free // per_token_total) if free > 0 else 0
+
+    def fits(self) -> bool:
+        return self.kv_capacity_tokens() > 0
+
+    # ---------------------------------------------------------------- time
+    def _weight_read_bytes(self, batch):
+        """Bytes of weights one decode step streams from HBM (all GPUs together). For MoE only the experts
+        the batch routes to are read: expected touched fraction 1 - (1 - k/E)^batch."""
+        if not self.model.is_moe:
+            return self._dense_bytes + 0.0 * batch
+        m = self.model
+        frac = 1.0 - np.power(1.0 - m.experts_per_token / m.n_experts, np.maximum(batch, 1.0))
+        return self._dense_bytes + self._expert_bytes * frac
+
+    def _comm_s(self, tokens):
+        """Two all-reduces of the hidden states per layer (attention out, MLP out) for tp > 1."""
+        if self.tp <= 1:
+            return 0.0 * tokens
+        nbytes = tokens * self.model.hidden * self.model.dtype_bytes
+        return 2 * self.model.n_layers * allreduce_s(self.hw, nbytes, self.tp)
+
+    def decode_step_s(self, batch, kv_tokens):
+        """One decode iteration for `batch` running requests holding `kv_tokens` tokens of KV in total."""
+        hw, m, tp = self.hw, self.model, self.tp
+        mem = (self._weight_read_bytes(batch) / tp + kv_tokens * self._kv_bytes_gpu) / (hw.hbm_bw * hw.hbm_eff)
+        flops = 2.0 * m.active_params * batch + 4.0 * m.n_layers * m.attn_dim * kv_tokens
+        comp = flops / (tp * hw.flops * hw.decode_mfu)
+        return np.maximum(mem, comp) + self._comm_s(batch) + hw.step_overhead_s
+
+    def prefill_s(self, tokens, context: float = 0.0):
+        """Prefill `tokens` new tokens (compute bound) on top of `context` cached tokens."""
+        hw, m, tp = self.hw, self.model, self.tp
+        attn = 4.0 * m.n_layers * m.attn_dim * tokens * (context + tokens / 2.0)
+        flops = 2.0 * m.active_params * tokens + attn
+        mem = (self._weight_read_bytes(tokens) / tp) / (hw.hbm_bw * hw.hbm_eff)
+        comp = flops / (tp * hw.flops * hw.prefill_mfu)
+        return np.maximum(comp, mem) + self._comm_s(tokens) + hw.prefill_overhead_s
+
+    # ---------------------------------------------------------------- makespan
+    def makespan_s(self, requests: Sequence[tuple[int, int]]) -> float:
+        """Time for one server to finish `requests` [(prompt_tokens, output_tokens)], all queued at t=0, with
+        continuous batching: FIFO admission while the batch is below max_running and the admitted requests'
+        final lengths (prompt + output, reserved up front so nothing is ever evicted) fit the KV capacity.
+        Each admission burst is one batched prefill call; between completions the batch is fixed and its KV grows by one
+        token per request per step, so a run of k steps has a closed-form duration."""
+        cap = self.kv_capacity_tokens()
+        reqs = [(int(p), int(o)) for p, o in requests]
+        for p, o in reqs:
+            if p + o > cap:
+                raise ValueError(f"request of {p + o} tokens exceeds the TP{self.tp} KV capacity of {cap} tokens")
+        t = 0.0
+        step = 0  # decode steps done so far (global clock in steps)
+        kv = 0.0  # resident KV tokens
+        reserved = 0
+        running: list[tuple[int, int, int]] = []  # heap of (finish_step, final_len, idx)
+        nxt = 0
+        ovh = self.hw.prefill_overhead_s
+        while nxt < len(reqs) or running:
+            # admit in order while it fits; one batched prefill call per admission burst
+            burst = nxt
+            while nxt < len(reqs) and len(running) < self.max_running and reserved + sum(reqs[nxt]) <= cap:
+                p, o = reqs[nxt]
+                t += float(self.prefill_s(p)) - ovh
+                reserved += p + o
+                kv += p
+                if o == 0:
+                    reserved -= p + o
+                    kv -= p
+                else:
+                    heapq.heappush(running, (step + o, p + o, nxt))
+                nxt += 1
+            if nxt > burst:
+                t += ovh
+            if not running:
+                continue
+            b = len(running)
+            k = running[0][0] - step  # steps until the next completion
+            # sum_{j<k} step(b, kv + j*b) = k*step(b, kv) + slope * b * k(k-1)/2, step linear in kv per regime
+            t += self._run_steps(b, kv, k)
+            kv += b * k
+            step += k
+            while running and running[0][0] == step:
+                _, final, _ = heapq.heappop(running)
+                reserved -= final
+                kv -= final
+        return t
+
+    def _run_steps(self, batch: int, kv0: float, k: int) -> float:
+        """Exact sum of decode_step_s(batch, kv0 + j*batch) for j in 0..k-1: the step time is the max of two
+        linear functions of kv, so split the run where they cross."""
+        if k <= 0:
+            return 0.0
+        hw, m, tp = self.hw, self.model, self.tp
+        bw = hw.hbm_bw * hw.hbm_eff
+        mem0 = self._weight_read_bytes(batch) / tp / bw
+        mem_s = self._kv_bytes_gpu / bw  # per KV token
+        comp0 = 2.0 * m.active_params * batch / (tp * hw.flops * hw.decode_mfu)
+        comp_s = 4.0 * m.n_layers * m.attn_dim / (tp * hw.flops * hw.decode_mfu)
+        const = float(self._comm_s(batch)) + hw.step_overhead_s
+
+        def lin(a: float, s: float, j0: int, j1: int) -> float:  # sum over j in [j0, j1) of a + s*(kv0 + j*batch)
+            n = j1 - j0
+            if n <= 0:
+                return 0.0
+            return n * (a + s * kv0) + s * batch * (j1 * (j1 - 1) - j0 * (j0 - 1)) / 2.0
+
+        # mem(j) - comp(j) = (mem0 - comp0) + (mem_s - comp_s) * (kv0 + j*batch); find the sign change
+        d0 = (mem0 - comp0) + (mem_s - comp_s) * kv0
+        ds = (mem_s - comp_s) * batch
+        if ds == 0:
+            split = k if d0 >= 0 else 0
+        else:
+            root = -d0 / ds  # mem >= comp for j <= root when ds < 0, for j >= root when ds > 0
+            split = int(min(max(np.floor(root) + 1, 0), k)) if ds < 0 else int(min(max(np.ceil(root), 0), k))
+        if ds < 0 or (ds == 0 and d0 >= 0):
+            total = lin(mem0, mem_s, 0, split) + lin(comp0, comp_s, split, k)
+        else:
+            total = lin(comp0, comp_s, 0, split) + lin(mem0, mem_s, split, k)
+        return total + k * const
+
+    def group_makespan_s(self, n_req, mean_prompt, mean_output, max_output, max_final):
+        """Fluid estimate of the makespan of `n_req` requests (possibly fractional: an even share of an
+        interval over several servers) with the given length statistics, on one server. Concurrency is
+        limited by max_running and by KV capacity with final lengths reserved. Decode takes the longer of
+        (a) the work: total output / concurrency steps at the full batch's step time (each request's KV half
+        grown) and (b) the critical path: the longest output's steps, with that request's own KV in the
+        batch. Prefill: per-request compute plus one call overhead per admission wave. This is the planner's
+        cost function (vectorised over numpy arrays); `makespan_s` is the event-driven version."""
+        cap = float(self.kv_capacity_tokens())
+        mean_final = mean_prompt + mean_output
+        conc = np.minimum(np.minimum(n_req, float(self.max_running)), cap / np.maximum(mean_final, 1.0))
+        conc = np.maximum(conc, 1e-9)
+        avg_kv = mean_prompt + mean_output / 2.0
+        t_work = (n_req * mean_output / conc) * self.decode_step_s(conc, conc * avg_kv)
+        own_kv = np.maximum(max_final - max_output / 2.0, avg_kv)
+        t_crit = max_output * self.decode_step_s(conc, np.maximum(conc - 1.0, 0.0) * avg_kv + own_kv)
+        ovh = self.hw.prefill_overhead_s
+        prefill = n_req * (self.prefill_s(mean_prompt) - ovh) + ovh * np.maximum(n_req / conc, 1.0)
+        return prefill + np.maximum(t_work, t_crit)

@@ -1,0 +1,207 @@
+"""Rollout DP: assign contiguous intervals of the length-sorted request sample to groups of identical
+servers (one TP degree per interval, k servers sharing it evenly) minimising the rollout makespan
+max_interval cost(tp, k, interval) under a GPU budget.
+
+Equivalent to the (GPUs used, requests covered) table dp[g][i] = min over tp, k, c of
+max(dp[g - k*tp][i - c], cost(tp, k, req[i-c:i])), computed in its dual form: for a makespan target T the
+fewest GPUs covering the first i requests is a shortest path over i (each interval takes, per TP, the
+fewest servers that meet T, found by binary search since cost falls with k), and the optimum is the
+smallest candidate T (every achievable T is one of the tabulated costs) whose GPU count fits — exact,
+and O(|TP| * n^2 * log G) per probe instead of O(G^2 * n^2 * |TP|).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from areal_libra.cost.rollout import RolloutCost
+
+
+@dataclass(frozen=True)
+class Group:
+    """k servers of TP `tp` serving sample requests [lo, hi) (indices in length order)."""
+
+    tp: int
+    count: int
+    lo: int
+    hi: int
+    t_s: float
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.count
+
+
+@dataclass(frozen=True)
+class RolloutSolution:
+    t_s: float
+    gpus: int
+    groups: tuple[Group, ...]
+
+
+class RolloutDP:
+    """Precomputes cost(tp, k, interval) for every interval of the sorted sample and k <= max_gpus/tp.
+
+    prompts/outputs: the sample, sorted by final length (prompt + output) ascending; weights: how many real
+    requests of one rollout batch each sample stands for.
+    """
+
+    def __init__(self, costs: dict[int, RolloutCost], prompts: Sequence[float], outputs: Sequence[float],
+                 weights: Sequence[float], max_gpus: int) -> None:
+        self.costs = dict(sorted(costs.items()))
+        self.p = np.asarray(prompts, dtype=float)
+        self.o = np.asarray(outputs, dtype=float)
+        self.w = np.asarray(weights, dtype=float)
+        f = self.p + self.o
+        if len(self.p) == 0:
+            raise ValueError("the rollout DP needs at least one request")
+        if np.any(np.diff(f) < 0):
+            raise ValueError("requests must be sorted by final length")
+        self.n = n = len(self.p)
+        self.max_gpus = max_gpus
+        # Flat interval index for [a, b): b(b-1)/2 + a, so the intervals ending at b are one slice.
+        a_idx = np.concatenate([np.arange(b) for b in range(1, n + 1)])
+        b_idx = np.concatenate([np.full(b, b) for b in range(1, n + 1)])
+        self.a_idx, self.b_idx = a_idx, b_idx
+        cw = np.concatenate([[0.0], np.cumsum(self.w)])
+        cwp = np.concatenate([[0.0], np.cumsum(self.w * self.p)])
+        cwo = np.concatenate([[0.0], np.cumsum(self.w * self.o)])
+        W = cw[b_idx] - cw[a_idx]
+        self.W = W
+        self.mean_p = (cwp[b_idx] - cwp[a_idx]) / W
+        self.mean_o = (cwo[b_idx] - cwo[a_idx]) / W
+        self.mean_f = self.mean_p + self.mean_o
+        max_o = np.empty_like(W)
+        for b in range(1, n + 1):  # suffix maxima of outputs ending at b
+            s = b * (b - 1) // 2
+            max_o[s:s + b] = np.maximum.accumulate(self.o[:b][::-1])[::-1]
+        self.max_o = max_o
+        self.max_f = f[b_idx - 1]  # sorted by final length: the last one is the longest
+        # cost tables [k-1, interval], inf where the longest request exceeds the server's KV capacity.
+        # Beyond ceil(W) servers an interval has less than one request per server: cost stays flat.
+        self.tables: dict[int, np.ndarray] = {}
+        kmax_useful = max(1, math.ceil(float(cw[-1]) - 1e-9))
+        for tp, rc in self.costs.items():
+            K = min(max_gpus // tp, kmax_useful)
+            if K < 1:
+                continue
+            cap = rc.kv_capacity_tokens()
+            ok = self.max_f <= cap
+            if not ok.any():
+                continue
+            ks = np.arange(1, K + 1, dtype=float)[:, None]
+            n_req = np.maximum(W[None, :] / ks, np.minimum(1.0, W)[None, :])
+            tab = rc.group_makespan_s(n_req, self.mean_p[None, :], self.mean_o[None, :], self.max_o[None, :],
+                                      self.max_f[None, :])
+            tab = np.where(ok[None, :], tab, np.inf)
+            tab = np.minimum.accumulate(tab, axis=0)  # guard monotonicity in k against float noise
+            self.tables[tp] = tab
+        self._cols = np.arange(len(W))
+
+    # ---------------------------------------------------------------- probes
+    def candidates(self) -> np.ndarray:
+        """Every makespan a solution can have (sorted, finite)."""
+        vals = [t[np.isfinite(t)] for t in self.tables.values()]
+        if not vals:
+            return np.empty(0)
+        return np.unique(np.concatenate(vals))
+
+    def _servers_needed(self, tp: int, T: float) -> np.ndarray:
+        """Per interval: fewest servers of this TP with cost <= T (K+1 where even K servers miss T)."""
+        tab = self.tables[tp]
+        K = tab.shape[0]
+        lo = np.zeros(len(self._cols), dtype=np.int64)  # index into k-1
+        hi = np.full(len(self._cols), K, dtype=np.int64)  # K means "none"
+        while True:
+            active = lo < hi
+            if not active.any():
+                break
+            mid = (lo + hi) // 2
+            midc = np.minimum(mid, K - 1)
+            ok = tab[midc, self._cols] <= T
+            hi = np.where(active & ok, mid, hi)
+            lo = np.where(active & ~ok, mid + 1, lo)
+        return lo + 1
+
+    def min_gpus(self, T: float) -> tuple[float, list[tuple[int, int, int, int]] | None]:
+        """Fewest GPUs whose groups all finish within T, and the groups [(a, b, tp, k)] (None if impossible)."""
+        M = len(self._cols)
+        best_g = np.full(M, np.inf)
+        best_tp = np.zeros(M, dtype=np.int64)
+        best_k = np.zeros(M, dtype=np.int64)
+        for tp, tab in self.tables.items():
+            k = self._servers_needed(tp, T)
+            g = np.where(k <= tab.shape[0], (k * tp).astype(float), np.inf)
+            better = g < best_g  # ties keep the smaller TP (more replicas, more throughput per GPU)
+            best_g = np.where(better, g, best_g)
+            best_tp = np.where(better, tp, best_tp)
+            best_k = np.where(better, k, best_k)
+        n = self.n
+        f = np.full(n + 1, np.inf)
+        f[0] = 0.0
+        arg = np.zeros(n + 1, dtype=np.int64)
+        for b in range(1, n + 1):
+            s = b * (b - 1) // 2
+            tot = f[:b] + best_g[s:s + b]
+            a = int(np.argmin(tot))
+            f[b], arg[b] = tot[a], a
+        if not np.isfinite(f[n]):
+            return math.inf, None
+        groups = []
+        b = n
+        while b > 0:
+            a = int(arg[b])
+            j = b * (b - 1) // 2 + a
+            groups.append((a, b, int(best_tp[j]), int(best_k[j])))
+            b = a
+        return float(f[n]), groups[::-1]
+
+    def cost(self, tp: int, k: int, a: int, b: int) -> float:
+        tab = self.tables.get(tp)
+        if tab is None or k < 1:
+            return math.inf
+        return float(tab[min(k, tab.shape[0]) - 1, b * (b - 1) // 2 + a])
+
+    def solution(self, groups: list[tuple[int, int, int, int]]) -> RolloutSolution:
+        gs = tuple(Group(tp, k, a, b, self.cost(tp, k, a, b)) for a, b, tp, k in groups)
+        return RolloutSolution(max(g.t_s for g in gs), sum(g.gpus for g in gs), gs)
+
+    def best_within(self, budget: int, cands: np.ndarray | None = None) -> RolloutSolution | None:
+        """The minimum-makespan solution using at most `budget` GPUs (None if none exists)."""
+        cands = self.candidates() if cands is None else cands
+        if len(cands) == 0:
+            return None
+        lo, hi = 0, len(cands) - 1
+        if self.min_gpus(float(cands[hi]))[0] > budget:
+            return None
+        while lo < hi:  # smallest candidate T whose GPU need fits the budget
+            mid = (lo + hi) // 2
+            if self.min_gpus(float(cands[mid]))[0] <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        _, groups = self.min_gpus(float(cands[lo]))
+        return self.solution(groups)
+
+    def fill(self, sol: RolloutSolution, budget: int) -> tuple[RolloutSolution, int]:
+        """Spend leftover GPUs on extra servers for the slowest groups (cost never rises with k); returns the
+        solution and the GPUs that could not be placed."""
+        groups = list(sol.groups)
+        left = budget - sol.gpus
+        while left > 0:
+            options = [i for i, g in enumerate(groups) if g.tp <= left]
+            if not options:
+                break
+            new = {i: self.cost(groups[i].tp, groups[i].count + 1, groups[i].lo, groups[i].hi) for i in options}
+            # the slowest group that an extra server speeds up; if none, the slowest (budget is spent anyway)
+            improving = [i for i in options if new[i] < groups[i].t_s]
+            i = max(improving or options, key=lambda j: (groups[j].t_s, -groups[j].tp))
+            g = groups[i]
+            groups[i] = Group(g.tp, g.count + 1, g.lo, g.hi, new[i])
+            left -= g.tp
+        return RolloutSolution(max(g.t_s for g in groups), sum(g.gpus for g in groups), tuple(groups)), left
+

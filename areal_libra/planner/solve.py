@@ -1,0 +1,252 @@
+"""Joint planner: split a fixed GPU budget between training and rollout, minimising
+max(T_train, T_rollout) per step.
+
+T_train(g) for each training GPU count g comes from the decision tree; T_rollout(r) from the rollout DP.
+Both are monotone in the makespan target T, so the optimum is the smallest candidate T for which
+(fewest training GPUs meeting T) + (fewest rollout GPUs meeting T) <= N: a bisection over the sorted
+candidate makespans. Among the training sizes that achieve it, the planner keeps the one whose
+exact-budget rollout plan (leftover GPUs added as servers to the slowest groups) is best.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from areal_libra.cost.presets import ClusterSpec, ModelSpec, load_cluster, load_model
+from areal_libra.cost.rollout import RolloutCost
+from areal_libra.cost.training import BatchStats, TrainCost, TrainParallel
+from areal_libra.planner.rollout_dp import RolloutDP, RolloutSolution
+from areal_libra.planner.train_tree import TreeConfig, TreeResult, search
+from areal_libra.planner.types import DEFAULT_TP, Interval, Plan, PlanError, PlannerConfig, RolloutInstance
+
+
+def sample_history(history: Sequence[tuple[int, int]], n_samples: int, global_batch: int):
+    """Stratified sample of (prompt_tokens, final_length) pairs: sort by final length, cut into n_samples
+    strata of (nearly) equal size, represent each by its mean prompt/output (keeps the total work) and the
+    last stratum by its longest request (keeps the tail). Weights: real requests of one rollout batch per
+    sample. Returns prompts, outputs, weights, stratum min and max final length (all sorted ascending)."""
+    arr = np.asarray(history, dtype=float).reshape(-1, 2)
+    order = np.argsort(arr[:, 1], kind="stable")
+    arr = arr[order]
+    strata = [s for s in np.array_split(np.arange(len(arr)), min(n_samples, len(arr))) if len(s)]
+    prompts, outputs, weights, lo, hi = [], [], [], [], []
+    for i, s in enumerate(strata):
+        p, f = arr[s, 0], arr[s, 1]
+        if i == len(strata) - 1:
+            prompts.append(p[-1])
+            outputs.append(f[-1] - p[-1])
+        else:
+            prompts.append(p.mean())
+            outputs.append(f.mean() - p.mean())
+        weights.append(len(s) / len(arr) * global_batch)
+        lo.append(int(f[0]))
+        hi.append(int(f[-1]))
+    return (np.array(prompts), np.array(outputs), np.array(weights), np.array(lo, dtype=int),
+            np.array(hi, dtype=int))
+
+
+def _validate(cluster: ClusterSpec, history: Sequence[tuple[int, int]], cfg: PlannerConfig) -> None:
+    n = cluster.n_gpus
+    if n < 2:
+        raise PlanError(f"cluster has {n} GPU(s); a plan needs at least 1 training and 1 rollout GPU")
+    if not cfg.allowed_tp:
+        raise PlanError("allowed TP list is empty")
+    for tp in _rollout_tps(cluster, cfg):
+        if tp < 1:
+            raise PlanError(f"allowed TP {tp} must be >= 1")
+        if tp > cluster.gpus_per_node:
+            raise PlanError(f"allowed TP {tp} is larger than a node ({cluster.gpus_per_node} GPUs per node)")
+    if cfg.global_batch < 1:
+        raise PlanError(f"global batch must be >= 1, got {cfg.global_batch}")
+    if cfg.n_samples < 1:
+        raise PlanError(f"n_samples must be >= 1, got {cfg.n_samples}")
+    if len(history) == 0:
+        raise PlanError("the length history is empty")
+    for p, f in history:
+        if p < 0 or f < p:
+            raise PlanError(f"bad history entry (prompt_tokens={p}, final_length={f}): need 0 <= prompt <= final")
+    if cfg.min_train_gpus + cfg.min_rollout_gpus > n:
+        raise PlanError(f"min_train_gpus {cfg.min_train_gpus} + min_rollout_gpus {cfg.min_rollout_gpus} exceed "
+                        f"the cluster's {n} GPUs")
+
+
+def _rollout_tps(cluster: ClusterSpec, cfg: PlannerConfig) -> tuple[int, ...]:
+    """The default TP list is trimmed to the node size; an explicit list is taken as given (and checked)."""
+    if cfg.allowed_tp == DEFAULT_TP:
+        return tuple(tp for tp in cfg.allowed_tp if tp <= cluster.gpus_per_node)
+    return cfg.allowed_tp
+
+
+def _rollout_costs(cluster: ClusterSpec, model: ModelSpec, cfg: PlannerConfig, longest: int) -> dict[int, RolloutCost]:
+    costs = {tp: RolloutCost(cluster.hardware, model, tp, cfg.max_running)
+             for tp in sorted(set(_rollout_tps(cluster, cfg)))}
+    usable = {tp: rc for tp, rc in costs.items() if rc.kv_capacity_tokens() >= longest}
+    if usable:
+        return usable
+    hw = cluster.hardware
+    big = max(costs)
+    if not costs[big].fits():
+        room = big * (hw.hbm_bytes - hw.workspace_bytes)
+        raise PlanError(f"{model.name} does not fit any rollout server: weights {model.weight_bytes / 1e9:.1f} GB > "
+                        f"TP{big} memory after workspace {room / 1e9:.1f} GB (allowed TP {cfg.allowed_tp})")
+    raise PlanError(f"the longest request ({longest} tokens) exceeds the KV capacity of every allowed rollout TP "
+                    f"(TP{big}: {costs[big].kv_capacity_tokens()} tokens of KV cache)")
+
+
+def _train_frontier(tcost: TrainCost, st: BatchStats, n: int, cfg: PlannerConfig, tree_cfg: TreeConfig
+                    ) -> dict[int, TreeResult]:
+    m, c = tcost.model, tcost.cluster
+    lo = max(1, cfg.min_train_gpus)
+    hi = min(cfg.max_train_gpus or n, n - cfg.min_rollout_gpus)
+    tps = [tp for tp in tree_cfg.allowed_tp if tp <= c.gpus_per_node and m.n_heads % tp == 0]
+    pps = [pp for pp in range(1, min(m.n_layers, tree_cfg.max_pp) + 1) if m.n_layers % pp == 0]
+    out: dict[int, TreeResult] = {}
+    trees: list[TreeResult] = []
+    for g in range(lo, hi + 1):
+        # Skip sizes no layout can use (DP must divide the global batch) before building a tree.
+        if not any(g % (tp * pp) == 0 and st.n % (g // (tp * pp)) == 0 for tp in tps for pp in pps):
+            continue
+        res = search(tcost, g, st, tree_cfg)
+        trees.append(res)
+        if res.best is not None:
+            out[g] = res
+    if out:
+        return out
+    if not trees:
+        raise PlanError(f"no training size in {lo}..{hi} GPUs admits a layout: DP must divide the global batch "
+                        f"{st.n} and TP x PP the GPU count")
+    hbm = c.hardware.hbm_bytes
+    min_mem = min(t.min_memory for t in trees)
+    kinds = Counter(r.kind for t in trees for r in t.log if r.kind != "bound")
+    if min_mem > hbm or kinds.most_common(1)[0][0] == "memory":
+        raise PlanError(f"{m.name} cannot be trained on up to {hi} {c.hardware.name} GPUs: the leanest layout needs "
+                        f"{min_mem / 1e9:.1f} GB per GPU > {hbm / 1e9:.0f} GB HBM (memory is the binding constraint)")
+    kind = kinds.most_common(1)[0][0]
+    example = next(r for t in trees for r in t.log if r.kind == kind)
+    raise PlanError(f"no training layout is feasible; binding constraint: {kind} (e.g. {example.branch}: "
+                    f"{example.reason})")
+
+
+def _pareto(frontier: dict[int, TreeResult]) -> list[tuple[int, TreeResult]]:
+    """Training sizes that are faster than every smaller size."""
+    out, best = [], math.inf
+    for g in sorted(frontier):
+        if frontier[g].t_s < best:
+            out.append((g, frontier[g]))
+            best = frontier[g].t_s
+    return out
+
+
+def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[tuple[int, int]],
+          cfg: PlannerConfig | None = None) -> Plan:
+    """Plan the training layout and the rollout server mix for `cluster` from a (prompt_tokens,
+    final_length) history. Raises PlanError naming the binding constraint when nothing is feasible."""
+    t0 = time.perf_counter()
+    cfg = cfg or PlannerConfig()
+    cluster = load_cluster(cluster)
+    model = load_model(model)
+    history = [(int(p), int(f)) for p, f in history]
+    _validate(cluster, history, cfg)
+    n = cluster.n_gpus
+    prompts, outputs, weights, lo_len, hi_len = sample_history(history, cfg.n_samples, cfg.global_batch)
+    finals = np.array([f for _, f in history], dtype=float)
+    longest = int(finals.max())
+    st = BatchStats(cfg.global_batch, cfg.global_batch * float(finals.mean()),
+                    cfg.global_batch * float((finals**2).mean()), longest)
+
+    costs = _rollout_costs(cluster, model, cfg, longest)
+    tcost = TrainCost(cluster, model, recompute=cfg.recompute, logprob_passes=cfg.logprob_passes)
+    tree_cfg = TreeConfig(allowed_tp=cfg.train_tp, allowed_ep=cfg.train_ep, micro_batches=cfg.micro_batches,
+                          max_pp=cfg.max_pp, tp_comm_max=cfg.tp_comm_max, bubble_max=cfg.bubble_max)
+    frontier = _train_frontier(tcost, st, n, cfg, tree_cfg)
+    pareto = _pareto(frontier)
+    max_roll = n - pareto[0][0]
+    dp = RolloutDP(costs, prompts, outputs, weights, max_roll)
+    cands = dp.candidates()
+    if len(cands) == 0 or dp.min_gpus(float(cands[-1]))[0] > max_roll:
+        need = dp.min_gpus(float(cands[-1]))[0] if len(cands) else math.inf
+        raise PlanError(f"rollout needs at least {need:g} GPUs for this history but only {max_roll} remain after the "
+                        f"smallest training layout ({pareto[0][0]} GPUs)")
+
+    g_train = np.array([g for g, _ in pareto])
+    t_train = np.array([r.t_s for _, r in pareto])  # strictly decreasing
+
+    def train_need(T: float) -> int:
+        ok = np.nonzero(t_train <= T)[0]
+        return int(g_train[ok[0]]) if len(ok) else n + 1
+
+    def feasible(T: float) -> bool:
+        gt = train_need(T)
+        if gt > n:
+            return False
+        gr = dp.min_gpus(T)[0]
+        return gt + max(gr, cfg.min_rollout_gpus) <= n
+
+    allc = np.sort(np.concatenate([cands, t_train]))
+    lo, hi = 0, len(allc) - 1
+    if not feasible(float(allc[hi])):
+        raise PlanError(f"no split of {n} GPUs serves both sides: training needs >= {pareto[0][0]} GPUs and rollout "
+                        f">= {dp.min_gpus(float(cands[-1]))[0]:g}")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(float(allc[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    t_star = float(allc[lo])
+    r_need = max(dp.min_gpus(t_star)[0], cfg.min_rollout_gpus)
+    options = [(g, r) for g, r in pareto if r.t_s <= t_star and g + r_need <= n]
+    if len(options) > cfg.max_split_candidates:  # evenly spread, always keeping both ends
+        idx = np.unique(np.linspace(0, len(options) - 1, cfg.max_split_candidates).round().astype(int))
+        options = [options[i] for i in idx]
+    best: tuple | None = None
+    for g, res in options:
+        sol = dp.best_within(n - g, cands)
+        if sol is None:
+            continue
+        sol, left = dp.fill(sol, n - g)
+        key = (max(res.t_s, sol.t_s), left, res.t_s + sol.t_s)
+        if best is None or key < best[0]:
+            best = (key, g, res, sol, left)
+    assert best is not None  # t_star is feasible, so its smallest training option has a rollout plan
+    _, g, res, sol, left = best
+    return _build_plan(cluster, cfg, tcost, st, res, sol, left, lo_len, hi_len, weights, t0)
+
+
+def _build_plan(cluster: ClusterSpec, cfg: PlannerConfig, tcost: TrainCost, st: BatchStats, res: TreeResult,
+                sol: RolloutSolution, left: int, lo_len, hi_len, weights, t0: float) -> Plan:
+    par: TrainParallel = res.best  # type: ignore[assignment]
+    instances, intervals = [], []
+    for grp in sol.groups:
+        mn, mx = int(lo_len[grp.lo]), int(hi_len[grp.hi - 1])
+        instances.append(RolloutInstance(grp.tp, grp.count, mx, mn, grp.t_s))
+        intervals.append(Interval(grp.lo, grp.hi, mn, mx, float(weights[grp.lo:grp.hi].sum()), grp.tp, grp.count,
+                                  grp.t_s))
+    notes = []
+    if left:
+        smallest = min(i.tp for i in instances)
+        notes.append(f"{left} GPU(s) left idle: the smallest rollout server in the plan needs TP{smallest}, and "
+                     f"{res.gpus} training GPUs gave a better step than any larger training layout")
+    t_train = res.t_s
+    return Plan(
+        train=par,
+        rollout_gpus=sol.gpus,
+        instances=instances,
+        t_train_s=t_train,
+        t_rollout_s=sol.t_s,
+        makespan_s=max(t_train, sol.t_s),
+        solve_s=time.perf_counter() - t0,
+        n_gpus=cluster.n_gpus,
+        train_backend=cfg.train_backend,
+        rollout_backend=cfg.rollout_backend,
+        idle_gpus=left,
+        notes=notes,
+        tree_log=res.log,
+        intervals=intervals,
+        train_breakdown=tcost.breakdown(par, st),
+    )

@@ -1,0 +1,153 @@
+"""Planner configuration and result types (Plan, RolloutInstance, PlannerConfig, PlanError)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_libra.cost.training import TrainParallel
+from areal_libra.planner.train_tree import PruneRecord
+
+
+class PlanError(ValueError):
+    """No valid plan; the message names the binding constraint in one line."""
+
+
+DEFAULT_TP = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    allowed_tp: tuple[int, ...] = DEFAULT_TP  # rollout server TP degrees (the default is trimmed to a node)
+    n_samples: int = 64  # stratified sample of the length history the rollout DP works on
+    global_batch: int = 512  # sequences per training step (= trajectories per rollout batch)
+    min_train_gpus: int = 1
+    max_train_gpus: int | None = None
+    min_rollout_gpus: int = 1
+    train_tp: tuple[int, ...] = (1, 2, 4, 8)
+    train_ep: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    max_pp: int = 16
+    tp_comm_max: float = 0.5
+    bubble_max: float = 0.3
+    max_running: int = 256  # per rollout server
+    recompute: bool = True
+    logprob_passes: int = 1
+    train_backend: str = "megatron"
+    rollout_backend: str = "sglang"
+    max_split_candidates: int = 6  # train sizes compared once the optimal makespan is known
+
+
+@dataclass(frozen=True)
+class RolloutInstance:
+    """`count` servers of TP `tp` serving requests up to `max_len` tokens (the DP interval's longest)."""
+
+    tp: int
+    count: int
+    max_len: int
+    min_len: int = 0
+    t_s: float = 0.0  # predicted makespan of this group
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.count
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One DP interval for --explain: sample indices, lengths, and what serves it."""
+
+    lo: int
+    hi: int
+    min_len: int
+    max_len: int
+    requests: float  # real requests of one rollout batch this interval stands for
+    tp: int
+    count: int
+    t_s: float
+
+
+@dataclass
+class Plan:
+    train: TrainParallel
+    rollout_gpus: int
+    instances: list[RolloutInstance]
+    t_train_s: float
+    t_rollout_s: float
+    makespan_s: float
+    solve_s: float
+    n_gpus: int = 0
+    train_backend: str = "megatron"
+    rollout_backend: str = "sglang"
+    idle_gpus: int = 0
+    notes: list[str] = field(default_factory=list)
+    tree_log: list[PruneRecord] = field(default_factory=list)
+    intervals: list[Interval] = field(default_factory=list)
+    train_breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def train_gpus(self) -> int:
+        return self.train.gpus
+
+    def train_alloc(self) -> str:
+        return self.train.alloc(self.train_backend)
+
+    def tp_counts(self) -> list[tuple[int, int]]:
+        """(tp, servers) per distinct TP, ascending."""
+        out: dict[int, int] = {}
+        for i in self.instances:
+            out[i.tp] = out.get(i.tp, 0) + i.count
+        return sorted(out.items())
+
+    def rollout_alloc(self) -> str:
+        """One group per distinct TP, ascending: sglang:d2t1+d1t2+d1t4."""
+        return f"{self.rollout_backend}:" + "+".join(f"d{c}t{tp}" for tp, c in self.tp_counts())
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Ascending (max_len threshold, tp) from the DP intervals; neighbours with the same TP merge."""
+        out: list[tuple[int, int]] = []
+        for inst in sorted(self.instances, key=lambda i: i.max_len):
+            if out and out[-1][1] == inst.tp:
+                out[-1] = (max(out[-1][0], inst.max_len), inst.tp)
+            else:
+                out.append((inst.max_len, inst.tp))
+        return out
+
+    def to_json(self) -> dict:
+        t = self.train
+        return {
+            "train": {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "dp": t.dp, "ep": t.ep, "micro_batch": t.micro_batch,
+                      "backend": self.train_backend},
+            "rollout": {"gpus": self.rollout_gpus, "instances": [{"tp": tp, "count": c} for tp, c in self.tp_counts()],
+                        "backend": self.rollout_backend},
+            "t_train_s": round(self.t_train_s, 6),
+            "t_rollout_s": round(self.t_rollout_s, 6),
+            "makespan_s": round(self.makespan_s, 6),
+            "solve_s": round(self.solve_s, 6),
+        }
+
+    def summary(self) -> str:
+        lines = [
+            f"cluster: {self.n_gpus} GPUs = {self.train_gpus} training + {self.rollout_gpus} rollout"
+            + (f" + {self.idle_gpus} idle" if self.idle_gpus else ""),
+            f"train:   {self.train_alloc()}  micro-batch {self.train.micro_batch}  T_train {self.t_train_s:.2f} s",
+            f"rollout: {self.rollout_alloc()}  T_rollout {self.t_rollout_s:.2f} s",
+            "buckets: " + ", ".join(f"<= {ln} -> TP{tp}" for ln, tp in self.buckets()),
+            f"makespan {self.makespan_s:.2f} s per step (solved in {self.solve_s * 1000:.1f} ms)",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        lines = [f"training decision tree on {self.train_gpus} GPUs (levels TP -> EP -> PP -> DP/micro-batch):"]
+        for level in ("TP", "EP", "PP", "DP/mb"):
+            recs = [r for r in self.tree_log if r.level == level]
+            if recs:
+                lines.append(f"  level {level}: {len(recs)} branch(es) pruned")
+                lines += [f"    {r.branch}: {r.reason} [{r.kind}]" for r in recs]
+        lines.append(f"  chosen: {self.train_alloc()} mb={self.train.micro_batch} -> {self.t_train_s:.3f} s "
+                     + " ".join(f"{k}={v:.3g}" for k, v in self.train_breakdown.items() if k != "total"))
+        lines.append("rollout DP interval assignment (sample sorted by final length):")
+        for iv in self.intervals:
+            lines.append(f"  samples [{iv.lo},{iv.hi}) lengths {iv.min_len}..{iv.max_len} ({iv.requests:.1f} requests)"
+                         f" -> {iv.count} x TP{iv.tp}, {iv.t_s:.3f} s")
+        return "\n".join(lines)

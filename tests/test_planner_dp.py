@@ -1,0 +1,94 @@
+"""Rollout DP vs exhaustive search on small random instances (<= 12 requests, <= 8 GPUs).
+
+The exhaustive search shares nothing with the DP but the cost model: it recomputes each interval's
+statistics in plain Python, calls RolloutCost.group_makespan_s itself and tries every split of the sorted
+requests into contiguous intervals and every (TP, servers) per interval within the budget."""
+
+import math
+import random
+
+import pytest
+
+from areal_libra.cost.presets import load_hardware, load_model
+from areal_libra.cost.rollout import RolloutCost
+from areal_libra.planner.rollout_dp import RolloutDP
+
+MODEL = load_model("qwen3-4b")
+# A small-memory GPU so that long requests do not fit at TP1 and the TP choice matters.
+HW = load_hardware("a800").replace(hbm_bytes=8e9 + 8.1e9 + 0.6e9)
+
+
+def _cost_fn(costs, reqs, weights):
+    cache = {}
+
+    def cost(tp, k, a, b):
+        key = (tp, k, a, b)
+        if key not in cache:
+            rc = costs[tp]
+            ps, os_, ws = [r[0] for r in reqs[a:b]], [r[1] for r in reqs[a:b]], weights[a:b]
+            W = sum(ws)
+            mp = sum(w * p for w, p in zip(ws, ps)) / W
+            mo = sum(w * o for w, o in zip(ws, os_)) / W
+            if max(p + o for p, o in zip(ps, os_)) > rc.kv_capacity_tokens():
+                cache[key] = math.inf
+            else:
+                n_req = max(W / k, min(1.0, W))
+                cache[key] = float(rc.group_makespan_s(n_req, mp, mo, max(os_), max(p + o for p, o in zip(ps, os_))))
+        return cache[key]
+
+    return cost
+
+
+def exhaustive(costs, reqs, weights, budget):
+    cost = _cost_fn(costs, reqs, weights)
+    n = len(reqs)
+    best = math.inf
+
+    def rec(i, left, worst):
+        nonlocal best
+        if worst >= best:
+            return
+        if i == n:
+            best = worst
+            return
+        for j in range(i + 1, n + 1):
+            for tp in costs:
+                for k in range(1, left // tp + 1):
+                    rec(j, left - tp * k, max(worst, cost(tp, k, i, j)))
+
+    rec(0, budget, 0.0)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_equals_exhaustive(seed):
+    rng = random.Random(seed)
+    n = 12 - seed if seed < 3 else rng.randint(1, 8)
+    budget = rng.randint(1, 8)
+    tps = rng.choice([(1, 2, 4, 8), (1, 2), (2, 4), (1, 4, 8)])
+    costs = {tp: RolloutCost(HW, MODEL, tp, max_running=rng.choice([4, 16, 256])) for tp in tps}
+    reqs = sorted(((rng.randint(10, 2000), rng.randint(1, rng.choice([500, 5000, 30000]))) for _ in range(n)),
+                  key=lambda r: r[0] + r[1])
+    weights = [rng.choice([0.5, 1.0, 2.0, 3.5]) for _ in range(n)]
+    dp = RolloutDP(costs, [r[0] for r in reqs], [r[1] for r in reqs], weights, budget)
+    sol = dp.best_within(budget)
+    ref = exhaustive(costs, reqs, weights, budget)
+    if math.isinf(ref):
+        assert sol is None
+        return
+    assert sol is not None
+    assert sol.t_s == pytest.approx(ref, rel=1e-12)
+    assert sol.gpus <= budget
+    # the solution covers every request exactly once, in order
+    assert [g.lo for g in sol.groups] == [0] + [g.hi for g in sol.groups[:-1]] and sol.groups[-1].hi == n
+
+
+def test_fill_spends_budget_without_slowing_down():
+    rng = random.Random(7)
+    costs = {tp: RolloutCost(HW, MODEL, tp) for tp in (1, 2, 4)}
+    reqs = sorted(((rng.randint(10, 500), rng.randint(1, 8000)) for _ in range(10)), key=lambda r: sum(r))
+    dp = RolloutDP(costs, [r[0] for r in reqs], [r[1] for r in reqs], [4.0] * 10, 24)
+    sol = dp.best_within(6)
+    filled, left = dp.fill(sol, 24)
+    assert left == 0 and filled.gpus == 24
+    assert filled.t_s <= sol.t_s

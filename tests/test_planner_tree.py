@@ -1,0 +1,35 @@
+"""The training decision tree returns the same best layout as exhaustive enumeration."""
+
+import random
+
+import pytest
+
+from areal_libra.cost.presets import load_cluster, load_model
+from areal_libra.cost.training import BatchStats, TrainCost
+from areal_libra.planner.train_tree import TreeConfig, exhaustive, search
+
+
+@pytest.mark.parametrize("model", ["qwen3-4b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b"])
+def test_tree_matches_exhaustive(model):
+    rng = random.Random(model)
+    cost = TrainCost(load_cluster("a800x64"), load_model(model))
+    cfg = TreeConfig()
+    for gpus in (4, 8, 16, 24, 32, 64):
+        n = rng.choice([64, 128, 256])
+        lens = [rng.randint(200, rng.choice([4000, 16000, 40000])) for _ in range(n)]
+        st = BatchStats.of(lens)
+        res = search(cost, gpus, st, cfg)
+        ref, ref_t = exhaustive(cost, gpus, st, cfg)
+        assert res.best == ref, (model, gpus, res.best, ref)
+        if ref is not None:
+            assert res.t_s == ref_t
+            assert res.best.gpus == gpus
+
+
+def test_tree_records_prune_reasons():
+    cost = TrainCost(load_cluster("a800x64"), load_model("qwen3-32b"))
+    res = search(cost, 16, BatchStats.of([8000] * 128), TreeConfig())
+    kinds = {r.kind for r in res.log}
+    assert "memory" in kinds  # TP1/TP2 cannot hold 32B on 16 GPUs
+    assert all(r.reason and r.level in ("TP", "EP", "PP", "DP/mb") for r in res.log)
+    assert res.best is not None and res.evaluated >= 1
