@@ -36,7 +36,8 @@ struct Node {
   int32_t head = 0;           // index of the oldest sample once the ring is full
   int64_t wsum = 0;
   int64_t tick = 0;
-  std::vector<int64_t> sorted;
+  std::vector<int64_t> sorted;  // cached sorted window and its prefix sums, rebuilt after an insert
+  std::vector<int64_t> prefix;
   bool sorted_ok = false;
 
   int32_t child(int32_t s) const {
@@ -85,7 +86,11 @@ class TreeCore {
     if (alive_ > max_nodes_) evict();
   }
 
-  py::tuple lookup(const std::string& prompt, const std::vector<int32_t>& states, double q) {
+  // floors[d]: how far the trajectory has grown past its decision point at depth d; the statistics of
+  // the chosen node are taken over its window samples >= floors[depth] (empty floors: no conditioning).
+  // prompt_first: the prompt's deepest trusted node wins even when the global subtree matches deeper.
+  py::tuple lookup(const std::string& prompt, const std::vector<int32_t>& states, double q,
+                   const std::vector<int64_t>& floors, bool prompt_first) {
     ++tick_;
     int32_t g = walk(root_, states);
     int32_t p = -1;
@@ -93,7 +98,7 @@ class TreeCore {
     if (it != prompts_.end()) p = walk(it->second, states);
     bool from_global = true;
     int32_t n;
-    if (p >= 0 && (g < 0 || nodes_[p].depth >= nodes_[g].depth)) {
+    if (p >= 0 && (prompt_first || g < 0 || nodes_[p].depth >= nodes_[g].depth)) {
       n = p;
       from_global = false;
     } else {
@@ -107,13 +112,24 @@ class TreeCore {
       if (!node.sorted_ok) {
         node.sorted = node.ring;
         std::sort(node.sorted.begin(), node.sorted.end());
+        node.prefix.assign(w + 1, 0);
+        for (int64_t k = 0; k < w; ++k) node.prefix[k + 1] = node.prefix[k] + node.sorted[k];
         node.sorted_ok = true;
       }
-      mean = static_cast<double>(node.wsum) / static_cast<double>(w);
-      int64_t r = static_cast<int64_t>(std::ceil(q * static_cast<double>(w))) - 1;
-      r = std::min<int64_t>(w - 1, std::max<int64_t>(0, r));
-      pq = node.sorted[r];
-      p90 = node.sorted[(9 * w + 9) / 10 - 1];
+      const int64_t floor = static_cast<size_t>(node.depth) < floors.size() ? floors[node.depth] : 0;
+      const int64_t lo =
+          floor > 0 ? std::lower_bound(node.sorted.begin(), node.sorted.end(), floor) - node.sorted.begin() : 0;
+      const int64_t m = w - lo;
+      if (m == 0) {
+        mean = static_cast<double>(floor);
+        pq = p90 = floor;
+      } else {
+        mean = static_cast<double>(node.prefix[w] - node.prefix[lo]) / static_cast<double>(m);
+        int64_t r = static_cast<int64_t>(std::ceil(q * static_cast<double>(m))) - 1;
+        r = std::min<int64_t>(m - 1, std::max<int64_t>(0, r));
+        pq = node.sorted[lo + r];
+        p90 = node.sorted[lo + (9 * m + 9) / 10 - 1];
+      }
     }
     return py::make_tuple(mean, p90, node.count, node.depth, from_global, pq);
   }
@@ -325,7 +341,8 @@ PYBIND11_MODULE(_prefix_tree, m) {
       .def("clear", &TreeCore::clear)
       .def("node_count", &TreeCore::node_count)
       .def("insert", &TreeCore::insert, py::arg("prompt"), py::arg("states"), py::arg("remaining"))
-      .def("lookup", &TreeCore::lookup, py::arg("prompt"), py::arg("states"), py::arg("q") = 0.5)
+      .def("lookup", &TreeCore::lookup, py::arg("prompt"), py::arg("states"), py::arg("q") = 0.5,
+           py::arg("floors") = std::vector<int64_t>(), py::arg("prompt_first") = false)
       .def("dump", &TreeCore::dump)
       .def("restore", &TreeCore::restore);
 }

@@ -8,7 +8,9 @@ same nodes. Mean is sum/n over the window; P90 and P_q are nearest-rank values o
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 
 
 class _Node:
@@ -27,7 +29,7 @@ class _Node:
         self.win: deque[int] = deque(maxlen=window)
         self.wsum = 0
         self.tick = 0
-        self.q: list[int] | None = None  # cached sorted window, invalidated on insert
+        self.q: tuple[list[int], list[int]] | None = None  # cached sorted window + prefix sums
 
     def add(self, value: int) -> None:
         if len(self.win) == self.win.maxlen:
@@ -37,15 +39,26 @@ class _Node:
         self.count += 1
         self.q = None
 
-    def stats(self, q: float) -> tuple[float, int, int]:
-        """(mean, P_q, P90) of the window; quantiles are nearest-rank: sorted[ceil(q * n) - 1]."""
+    def stats(self, q: float, floor: int) -> tuple[float, int, int]:
+        """(mean, P_q, P90) of the window samples >= floor (all of them for floor <= 0): the remaining
+        length given that the trajectory already grew `floor` tokens past this node. Quantiles are
+        nearest-rank: sorted[ceil(q * n) - 1]. No sample that large: all three are `floor`."""
         n = len(self.win)
         if n == 0:
             return 0.0, 0, 0
         if self.q is None:
-            self.q = sorted(self.win)
-        w = self.q
-        return self.wsum / n, w[_rank(q, n)], w[(9 * n + 9) // 10 - 1]
+            w = sorted(self.win)
+            self.q = (w, list(accumulate(w, initial=0)))
+        w, pre = self.q
+        lo = bisect_left(w, floor) if floor > 0 else 0
+        m = n - lo
+        if m == 0:
+            return float(floor), floor, floor
+        return (pre[n] - pre[lo]) / m, w[lo + _rank(q, m)], w[lo + (9 * m + 9) // 10 - 1]
+
+
+def _floor(floors: list[int] | None, depth: int) -> int:
+    return floors[depth] if floors and depth < len(floors) else 0
 
 
 def _rank(q: float, n: int) -> int:
@@ -116,17 +129,21 @@ class PyTreeCore:
                 best = node
         return best
 
-    def lookup(self, prompt: str, states: list[int], q: float = 0.5) -> tuple[float, int, int, int, bool, int]:
-        """(mean, p90, count, depth, from_global, P_q) of the deepest matching node with enough samples."""
+    def lookup(self, prompt: str, states: list[int], q: float = 0.5, floors: list[int] | None = None,
+               prompt_first: bool = False) -> tuple[float, int, int, int, bool, int]:
+        """(mean, p90, count, depth, from_global, P_q) of the deepest matching node with enough samples.
+        floors[d]: how far the trajectory has grown past its decision point at depth d (conditions the
+        statistics of a node shallower than the query); None: no conditioning. prompt_first: the prompt's
+        own deepest trusted node wins even when the global one is deeper."""
         self.tick += 1
         g = self._walk(self.root, states)
         proot = self.prompts.get(prompt)
         p = self._walk(proot, states) if proot is not None else None
-        if p is not None and (g is None or p.depth >= g.depth):
-            mean, pq, p90 = p.stats(q)
+        if p is not None and (prompt_first or g is None or p.depth >= g.depth):
+            mean, pq, p90 = p.stats(q, _floor(floors, p.depth))
             return mean, p90, p.count, p.depth, False, pq
         node = g if g is not None else self.root
-        mean, pq, p90 = node.stats(q)
+        mean, pq, p90 = node.stats(q, _floor(floors, node.depth))
         return mean, p90, node.count, node.depth, True, pq
 
     def _drop(self, node: _Node) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from areal_libra.scheduler.states import SizeClasses, tool_state
+from areal_libra.scheduler.states import SizeClasses, ToolState, tool_state
 from areal_libra.scheduler.tree import PrefixTree
 from areal_libra.trace import ToolReturn, Trajectory
 
@@ -32,6 +32,9 @@ class RequestInfo:
     tool_returns: tuple[ToolReturn, ...]
     step: int = 0
     final_length: int | None = None  # known only to the oracle's callers (replay, simulator)
+    # Context at the start and after each tool return so far (len(tool_returns) + 1 entries, the last one
+    # = context_tokens) when the caller tracked it; lets C-MLFQ read a shallower tree node correctly.
+    decision_contexts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -233,10 +236,23 @@ class CMLFQConfig:
     rebuild_every: int = 0  # rebuild the tree every N inserted trajectories (0: never)
     rebuild_window: int = 5000  # ...from this many most recent trajectories
     online_siblings: bool = False  # insert finished trajectories at once (siblings of a running prompt see them)
-    move_cost: float = 0.0  # migrate only if predicted remaining length >= move_cost * context (0: off)
+    # The two defaults below were chosen on PolyTrace Search-R1 steps 0-1 -> 2 (README "cmlfq"); the paper's
+    # rule is center=None, move_cost=0.
+    move_cost: float = 0.05  # migrate only if predicted remaining length >= move_cost * context (0: off)
     overrun: bool = False  # when the context already overruns the bucket and mean/P90 disagree, go by the mean
-    center: float | None = None  # what must agree with the P90: None = the mean (paper), or a quantile q
-    start_lookup: bool = False  # place the start by the prompt's root too (paper: always start shortest)
+    center: float | None = 0.3  # what must agree with the P90: None = the mean (paper), or a quantile q
+    # Place the start by the centre estimate of the prompt's root (paper: always start shortest). Placing
+    # moves nothing, so it needs no mean/P90 agreement. Where prompts do not recur, the global root speaks.
+    start_lookup: bool = True
+    # When the deepest trusted node is shallower than the request (a rare state sequence), read its
+    # remaining-length samples from that node's decision point, keeping those that grew at least as far
+    # as this request already has (paper: use the node's remaining length as if it were measured now).
+    condition: bool = True
+    # Use the prompt's own deepest trusted node even when the global subtree matches deeper (the prompt's
+    # history says more than a deeper match over all prompts; needs `condition` to read a shallow node).
+    prompt_first: bool = True
+    # Which parts of a tool-return state key the tree: any of "tool", "size", "status" (paper: all three).
+    state_key: str = "tool,size,status"
     backend: str = "auto"
     tree_path: str | None = None  # load this tree file (empty tree + warning if it is missing or broken)
 
@@ -266,6 +282,12 @@ class CMLFQPolicy(_Base):
             self.tree = PrefixTree.load_or_empty(cfg.tree_path, **kw)
         else:
             self.tree = PrefixTree(**kw)
+        parts = {p.strip() for p in cfg.state_key.split(",") if p.strip()}
+        if not parts <= {"tool", "size", "status"}:
+            raise ValueError(f"state_key must list tool, size and/or status, got {cfg.state_key!r}")
+        self._mask = None if len(parts) == 3 else ("tool" in parts, "size" in parts, "status" in parts)
+        if self._mask is not None:
+            self.tree.state_map = self._masked
         self._recent: deque[Trajectory] = deque(maxlen=cfg.rebuild_window)
         self._since_rebuild = 0
         self._pending: list[Trajectory] = []
@@ -301,33 +323,47 @@ class CMLFQPolicy(_Base):
         self._pending = []
 
     # --- decisions ---
-    def _decide(self, req: RequestInfo, current: int, states: list) -> int:
-        q = self.config.center
-        mean, p90, count, _depth, from_global, pq = self.tree.lookup_ids(
-            req.prompt_id, self.tree.state_ids(states), 0.5 if q is None else q)
+    def _decide(self, req: RequestInfo, current: int, states: list, placing: bool = False) -> int:
+        cfg = self.config
+        q = cfg.center
+        ctx = req.context_tokens
+        dctx = req.decision_contexts
+        floors = [ctx - c for c in dctx] if cfg.condition and len(dctx) == len(states) + 1 else None
+        mean, p90, count, depth, from_global, pq = self.tree.lookup_ids(
+            req.prompt_id, self.tree.state_ids(states), 0.5 if q is None else q, floors,
+            cfg.prompt_first and floors is not None)
         self.decisions += 1
         self.lookups_from_global += from_global
         if count == 0:
             return current
-        ctx = req.context_tokens
-        b_mean = self.bucket_of(ctx + (mean if q is None else pq))
+        # Predicted final length = context at the node's decision point + its remaining length.
+        base = dctx[depth] if floors is not None else ctx
+        b_center = self.bucket_of(base + (mean if q is None else pq))
+        if placing:  # the first placement moves nothing, so it needs no agreement
+            return b_center
         target = current
-        if b_mean == self.bucket_of(ctx + p90):
-            target = b_mean
-        elif self.config.overrun and ctx > self.buckets[current]:
-            target = b_mean
-        if target != current and self.config.move_cost > 0 and mean < self.config.move_cost * ctx:
+        if b_center == self.bucket_of(base + p90):
+            target = b_center
+        elif cfg.overrun and ctx > self.buckets[current]:
+            target = b_center
+        if target != current and cfg.move_cost > 0 and base + mean - ctx < cfg.move_cost * ctx:
             return current
         return target
 
     def start(self, req: RequestInfo) -> int:
         if not self.config.start_lookup:
             return 0
-        return self._decide(req, 0, [])
+        return self._decide(req, 0, [], placing=True)
 
     def tool_return(self, req: RequestInfo, current: int) -> int:
         sizes = self.sizes
-        return self._decide(req, current, [tool_state(t, sizes) for t in req.tool_returns])
+        if self._mask is None:
+            return self._decide(req, current, [tool_state(t, sizes) for t in req.tool_returns])
+        return self._decide(req, current, [self._masked(tool_state(t, sizes)) for t in req.tool_returns])
+
+    def _masked(self, st: ToolState) -> ToolState:
+        tool, size, status = self._mask
+        return ToolState(st.tool if tool else "*", st.size_class if size else "*", st.status if status else "*")
 
 
 POLICIES: dict[str, type] = {

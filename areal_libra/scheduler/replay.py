@@ -45,7 +45,9 @@ def route_trajectory(policy, traj: Trajectory, acc: _Acc, reveal_length: bool) -
     oracle = policy.bucket_of(final)
     fl = final if reveal_length else None
     ctx, model, tools = traj.prompt_tokens, 0, []
-    req = RequestInfo(traj.trajectory_id, traj.prompt_id, traj.prompt_tokens, ctx, 0, (), traj.step, fl)
+    contexts = [ctx]
+    req = RequestInfo(traj.trajectory_id, traj.prompt_id, traj.prompt_tokens, ctx, 0, (), traj.step, fl,
+                      (ctx,))
     b = policy.start(req)
     acc.decisions += 1
     acc.correct += b == oracle
@@ -60,8 +62,9 @@ def route_trajectory(policy, traj: Trajectory, acc: _Acc, reveal_length: bool) -
             continue
         ctx += seg.tool.payload_tokens
         tools.append(seg.tool)
+        contexts.append(ctx)
         req = RequestInfo(traj.trajectory_id, traj.prompt_id, traj.prompt_tokens, ctx, model, tuple(tools),
-                          traj.step, fl)
+                          traj.step, fl, tuple(contexts))
         nb = policy.tool_return(req, b)
         if nb != b:
             acc.moves += 1

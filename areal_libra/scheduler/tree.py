@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +74,8 @@ class PrefixTree:
         core_cls = _cpp.TreeCore if self.backend == "cpp" else PyTreeCore
         self._core = core_cls(min_samples, window, max_nodes)
         self._ids: dict[ToolState, int] = {}
+        # Optional coarsening of states before they key the tree (the policy's state_key switch).
+        self.state_map: Callable[[ToolState], ToolState] | None = None
         self._states: list[ToolState] = []
 
     # --- state interning: both backends see the same small integers ---
@@ -92,17 +94,24 @@ class PrefixTree:
 
     # --- hot path ---
     def insert(self, traj: Trajectory) -> None:
-        ids = [self.state_id(tool_state(t, self.sizes)) for t in traj.tool_returns()]
+        sm = self.state_map
+        ids = [self.state_id(tool_state(t, self.sizes) if sm is None else sm(tool_state(t, self.sizes)))
+               for t in traj.tool_returns()]
         final = traj.final_length
         remaining = [max(0, final - c) for c in decision_contexts(traj)]
         self._core.insert(traj.prompt_id, ids, remaining)
 
-    def lookup(self, prompt_id: str, states: Sequence[ToolState], q: float = 0.5) -> NodeStats:
-        return NodeStats(*self._core.lookup(prompt_id, self.state_ids(states), q))
+    def lookup(self, prompt_id: str, states: Sequence[ToolState], q: float = 0.5,
+               floors: Sequence[int] | None = None, prompt_first: bool = False) -> NodeStats:
+        """Deepest matching node with enough samples (prompt's own subtree first, else the global one).
+        floors[d] = how far the trajectory grew past its decision point at depth d: a node shallower than
+        the query then reports the remaining length of its samples that grew at least that far."""
+        return NodeStats(*self._core.lookup(prompt_id, self.state_ids(states), q, list(floors or ()), prompt_first))
 
-    def lookup_ids(self, prompt_id: str, ids: list[int], q: float = 0.5) -> tuple[float, int, int, int, bool, int]:
+    def lookup_ids(self, prompt_id: str, ids: list[int], q: float = 0.5, floors: list[int] | None = None,
+                   prompt_first: bool = False) -> tuple[float, int, int, int, bool, int]:
         """Raw lookup on pre-interned ids (the policy's fast path)."""
-        return self._core.lookup(prompt_id, ids, q)
+        return self._core.lookup(prompt_id, ids, q, floors or [], prompt_first)
 
     def rebuild(self, trajs: Iterable[Trajectory]) -> None:
         """Forget everything and re-insert `trajs` in order (the caller bounds the window)."""

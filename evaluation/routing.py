@@ -1,0 +1,127 @@
+"""Score C-MLFQ and its baselines on trajectory traces (pinned CLI, issue 4).
+
+    python evaluation/routing.py --train FILES --eval FILES --buckets T1,T2,T3 \
+        [--policies cmlfq,mlfq,predictor,oracle] [--variant NAME:key=val,...] [--json]
+
+Builds the prefix tree (and trains the predictor) from --train, then replays --eval step by step under
+the visibility rule of shared/reference/trace-format.md: a trajectory sees the training traces and the
+evaluated trajectories of earlier steps, never those of its own step. Prints, per policy, the metrics
+defined there. --variant adds a C-MLFQ row with other switches (CMLFQConfig fields), e.g.
+`--variant paper:center=none,move_cost=0`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from areal_libra.scheduler import POLICIES, CMLFQConfig, make_policy  # noqa: E402
+from areal_libra.scheduler.replay import replay  # noqa: E402
+from areal_libra.trace import TraceError, read_traces  # noqa: E402
+
+METRICS = ("decision_accuracy", "token_accuracy", "migrated_token_ratio", "migrations_per_trajectory")
+DEFAULT_POLICIES = "cmlfq,mlfq,predictor,oracle,round_robin,least_loaded"
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _files(values: list[str]) -> list[str]:
+    out = [p for v in values for p in v.split(",") if p]
+    if not out:
+        raise UsageError("no trace files given")
+    return out
+
+
+def parse_buckets(text: str) -> list[int]:
+    try:
+        th = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--buckets must be comma-separated integers, got {text!r}") from None
+    if not th or any(t <= 0 for t in th) or th != sorted(set(th)):
+        raise UsageError(f"--buckets must be strictly ascending positive thresholds, got {text!r}")
+    return th
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    name, sep, rest = text.partition(":")
+    if not sep or not name:
+        raise UsageError(f"--variant must look like NAME:key=value,..., got {text!r}")
+    switches = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq or not hasattr(CMLFQConfig, key) or key in ("backend", "tree_path"):
+            raise UsageError(f"--variant {name}: unknown cmlfq switch {key!r}")
+        switches[key] = _value(val)
+    return name, switches
+
+
+def evaluate(train, evals, buckets: list[int], policies: list[tuple[str, str, dict]]) -> dict:
+    out = {}
+    for label, name, switches in policies:
+        pol = make_policy(name, buckets, **switches)
+        pol.fit(train)
+        m = replay(pol, evals)
+        out[label] = {k: getattr(m, k) for k in METRICS}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--train", nargs="+", required=True, help="trace files to build from (space or comma separated)")
+    ap.add_argument("--eval", nargs="+", required=True, help="trace files to replay and score")
+    ap.add_argument("--buckets", required=True, help="ascending final-length thresholds, e.g. 1536,3072,7168")
+    ap.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from {','.join(POLICIES)}")
+    ap.add_argument("--variant", action="append", default=[], help="extra C-MLFQ row NAME:key=value,...")
+    ap.add_argument("--skip-bad", action="store_true", help="skip malformed trace lines (counted on stderr)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        buckets = parse_buckets(args.buckets)
+        names = [p.strip() for p in args.policies.split(",") if p.strip()]
+        for n in names:
+            if n not in POLICIES:
+                raise UsageError(f"unknown policy {n!r}; choose from {', '.join(POLICIES)}")
+        rows = [(n, n, {}) for n in names] + [(v[0], "cmlfq", v[1]) for v in map(parse_variant, args.variant)]
+        stats: dict = {}
+        train = read_traces(_files(args.train), skip_bad=args.skip_bad, stats=stats)
+        evals = read_traces(_files(args.eval), skip_bad=args.skip_bad, stats=stats)
+        if not evals:
+            raise UsageError("the --eval files hold no trajectories")
+        if stats.get("bad_lines"):
+            print(f"routing: skipped {stats['bad_lines']} malformed trace lines", file=sys.stderr)
+        result = evaluate(train, evals, buckets, rows)
+    except (UsageError, TraceError, ValueError) as e:
+        print(f"routing: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"policies": result, "n_trajectories": len(evals)}))
+        return 0
+    print(f"{len(evals)} trajectories evaluated ({len(train)} for training), buckets {args.buckets}")
+    print(f"{'policy':<16}" + "".join(f"{m:>{len(m) + 3}}" for m in METRICS))
+    for label, m in result.items():
+        print(f"{label:<16}" + "".join(f"{m[k]:>{len(k) + 3}.4f}" for k in METRICS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Synthetic agentic trajectory traces in the canonical format (shared/reference/trace-format.md).
+
+    python evaluation/synth_trace.py --out DIR [--steps 10] [--seed 0] [--set key=value ...]
+
+writes DIR/step_{i}.jsonl.gz. The generative model (every knob is a SynthConfig field, settable with
+--set) is a task model of a tool-using agent, written without reference to any routing policy:
+
+- prompts: a pool of `n_prompts`; each has a prompt length, a difficulty d ~ LogNormal(0, difficulty_sigma),
+  a main tool (search / python / bash by `tool_weights`), a failure rate base_fail * d^0.5 and a number
+  of tool results the task needs, K_p = round(calls_mean * d) (per-prompt difficulty).
+- recurring prompts: each step draws `prompts_per_step` prompts, walking the pool epoch by epoch (the pool
+  is reshuffled each epoch), `samples_per_prompt` samples each (a GRPO group); a prompt keeps its id.
+- a sample needs K = K_p + noise successful calls (noise -1/+1 with probability sample_noise/2 each: the
+  policy's own randomness). Each turn is a generation, then a call. A failed or timed-out call makes no
+  progress, so the agent retries (tool failure -> retries); after `give_up` failures in a row it gives
+  up and answers. A success counts towards K; with probability `explore_prob` the agent makes one more,
+  unplanned call (the part of the length nothing foretells); a payload above `large_payload` tokens
+  triggers a follow-up call with probability `large_cont` (big outputs such as logs get inspected).
+- generation lengths: LogNormal(gen_median * d^0.5 * drift * (1 + prev_payload / payload_gain), gen_sigma)
+  (payload size -> longer continuations: the model reads and reasons about what came back), `retry_gen`
+  times longer after a failure; the final answer is LogNormal(answer_median * d^0.5 * drift, gen_sigma).
+- a call uses the main tool with probability main_tool_prob; it fails with the prompt's failure rate,
+  times out with timeout_rate; a success returns LogNormal(tool median * d^0.3, payload_sigma) tokens, a
+  failure an error of LogNormal(fail_payload, 0.5), a timeout `timeout_payload` tokens.
+- drift over steps: generation lengths grow by gen_drift and the needed calls by calls_drift per step.
+- a trajectory stops at max_turns or when its context reaches max_context (finish_reason "length").
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from areal_libra.trace import Segment, ToolReturn, Trajectory, write_traces  # noqa: E402
+
+
+@dataclass
+class SynthConfig:
+    n_prompts: int = 256
+    prompts_per_step: int = 64
+    samples_per_prompt: int = 8
+    prompt_median: int = 600
+    difficulty_sigma: float = 0.5
+    tool_weights: dict = field(default_factory=lambda: {"search": 0.5, "python": 0.3, "bash": 0.2})
+    tool_payload: dict = field(default_factory=lambda: {"search": 600, "python": 900, "bash": 2500})
+    main_tool_prob: float = 0.75
+    base_fail: float = 0.12
+    timeout_rate: float = 0.03
+    fail_payload: int = 150
+    timeout_payload: int = 30
+    payload_sigma: float = 0.8
+    gen_median: int = 250
+    answer_median: int = 300
+    gen_sigma: float = 0.5
+    payload_gain: float = 2000.0
+    retry_gen: float = 1.3
+    calls_mean: float = 3.0
+    sample_noise: float = 0.4
+    give_up: int = 3
+    explore_prob: float = 0.1
+    large_payload: int = 5000
+    large_cont: float = 0.3
+    gen_drift: float = 0.03
+    calls_drift: float = 0.03
+    max_turns: int = 30
+    max_context: int = 32768
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    pid: str
+    tokens: int
+    difficulty: float
+    tool: str
+    fail: float
+    calls: float
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float) -> int:
+    return max(1, int(round(median * math.exp(rng.gauss(0.0, sigma)))))
+
+
+def make_prompts(cfg: SynthConfig, rng: random.Random) -> list[_Prompt]:
+    names = list(cfg.tool_weights)
+    weights = [cfg.tool_weights[n] for n in names]
+    out = []
+    for i in range(cfg.n_prompts):
+        d = math.exp(rng.gauss(0.0, cfg.difficulty_sigma))
+        out.append(_Prompt(f"p{i}", min(4096, max(64, _lognormal(rng, cfg.prompt_median, 0.4))), d,
+                           rng.choices(names, weights)[0], min(0.6, cfg.base_fail * math.sqrt(d)),
+                           cfg.calls_mean * d))
+    return out
+
+
+def make_trajectory(cfg: SynthConfig, p: _Prompt, step: int, tid: str, rng: random.Random) -> Trajectory:
+    gen_scale = (1 + cfg.gen_drift) ** step
+    u = rng.random()
+    noise = -1 if u < cfg.sample_noise / 2 else (1 if u < cfg.sample_noise else 0)
+    needed = max(0, round(p.calls * (1 + cfg.calls_drift) ** step) + noise)
+    others = [t for t in cfg.tool_payload if t != p.tool] or [p.tool]
+    ctx = p.tokens
+    segments: list[Segment] = []
+    prev_payload, prev_failed, fails_in_row = 0, False, 0
+    finish = "stop"
+    for _turn in range(cfg.max_turns - 1):
+        if needed <= 0 or fails_in_row >= cfg.give_up:
+            break
+        median = cfg.gen_median * math.sqrt(p.difficulty) * gen_scale * (1 + prev_payload / cfg.payload_gain)
+        if prev_failed:
+            median *= cfg.retry_gen
+        gen = _lognormal(rng, median, cfg.gen_sigma)
+        if ctx + gen >= cfg.max_context:
+            break
+        ctx += gen
+        tool = p.tool if rng.random() < cfg.main_tool_prob else rng.choice(others)
+        u = rng.random()
+        if u < p.fail:
+            status, payload = "failure", _lognormal(rng, cfg.fail_payload, 0.5)
+        elif u < p.fail + cfg.timeout_rate:
+            status, payload = "timeout", cfg.timeout_payload
+        else:
+            status = "success"
+            payload = _lognormal(rng, cfg.tool_payload[tool] * p.difficulty ** 0.3, cfg.payload_sigma)
+        payload = min(payload, max(0, cfg.max_context - ctx - 1))
+        ctx += payload
+        segments.append(Segment(gen, ToolReturn(tool, payload, status, round(rng.uniform(0.05, 2.0), 3))))
+        prev_payload, prev_failed = payload, status != "success"
+        if prev_failed:
+            fails_in_row += 1
+            continue
+        fails_in_row = 0
+        needed -= 1
+        if rng.random() < cfg.explore_prob:
+            needed += 1
+        if payload > cfg.large_payload and rng.random() < cfg.large_cont:
+            needed += 1
+    answer = _lognormal(rng, cfg.answer_median * math.sqrt(p.difficulty) * gen_scale
+                        * (1 + prev_payload / cfg.payload_gain), cfg.gen_sigma)
+    if ctx + answer >= cfg.max_context:
+        answer, finish = max(0, cfg.max_context - ctx), "length"
+    segments.append(Segment(answer, None))
+    return Trajectory(tid, p.pid, step, p.tokens, tuple(segments), finish, None)
+
+
+def generate(cfg: SynthConfig, steps: int, seed: int = 0) -> list[list[Trajectory]]:
+    """Trajectories per step; deterministic in (cfg, steps, seed)."""
+    if cfg.prompts_per_step > cfg.n_prompts or cfg.prompts_per_step < 1:
+        raise ValueError("prompts_per_step must be between 1 and n_prompts")
+    rng = random.Random(seed)
+    prompts = make_prompts(cfg, rng)
+    order: list[_Prompt] = []
+    out = []
+    for step in range(steps):
+        chosen = []
+        while len(chosen) < cfg.prompts_per_step:
+            if not order:  # a new epoch over the pool
+                order = prompts[:]
+                rng.shuffle(order)
+            chosen.append(order.pop())
+        out.append([make_trajectory(cfg, p, step, f"s{step}-{p.pid}-{k}", rng)
+                    for p in chosen for k in range(cfg.samples_per_prompt)])
+    return out
+
+
+def _set(cfg: SynthConfig, item: str) -> None:
+    key, eq, val = item.partition("=")
+    names = {f.name: f for f in fields(SynthConfig)}
+    if not eq or key not in names or isinstance(getattr(cfg, key), dict):
+        raise ValueError(f"--set: unknown or non-scalar parameter {key!r}")
+    cur = getattr(cfg, key)
+    try:
+        setattr(cfg, key, type(cur)(val))
+    except ValueError:
+        raise ValueError(f"--set {key}: {val!r} is not a {type(cur).__name__}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="write synthetic agentic traces (canonical format)")
+    ap.add_argument("--out", required=True, help="output folder (step_{i}.jsonl.gz)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], help="SynthConfig field=value")
+    args = ap.parse_args(argv)
+    cfg = SynthConfig()
+    try:
+        if args.steps < 1:
+            raise ValueError("--steps must be >= 1")
+        for item in args.set:
+            _set(cfg, item)
+        per_step = generate(cfg, args.steps, args.seed)
+        out = Path(args.out)
+        for i, trajs in enumerate(per_step):
+            write_traces(out / f"step_{i}.jsonl.gz", trajs)
+    except (ValueError, OSError) as e:
+        print(f"synth_trace: {e}", file=sys.stderr)
+        return 2
+    n = sum(len(t) for t in per_step)
+    print(f"wrote {n} trajectories in {args.steps} steps to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
