@@ -105,6 +105,7 @@ class Simulation:
         self.n_gpus = n_gpus
         self.cfg = run or RunConfig()
         self.router = router or Router()
+        self.set_router(self.router)
         self.controller = controller or Controller()
         self.rng = random.Random(seed)
         self.wl_rng = random.Random(seed * 7919 + 1)
@@ -135,6 +136,7 @@ class Simulation:
         self._retired_busy = 0.0
         self._retired_gpu_s = 0.0
         self._last_step_t = 0.0
+        self._trainer_ready_t = 0.0
         self._last_busy = 0.0
         self._gpu_time_origin: dict[int, float] = {}
         self._check_layout(layout)
@@ -215,6 +217,12 @@ class Simulation:
             self._push(self.trainer_available_at, TRAIN_TRY, None)
 
     # ---------------- event plumbing ----------------
+    def set_router(self, router: Router) -> None:
+        self.router = router
+        bind = getattr(router, "bind", None)
+        if bind is not None:
+            bind(self)
+
     def _push(self, t: float, kind: int, obj, epoch: int = 0) -> None:
         self._seq += 1
         heapq.heappush(self.events, (t, self._seq, kind, obj, epoch))
@@ -235,14 +243,15 @@ class Simulation:
                 self._push(r[0], CHUNK, s, r[1])
 
     def _pick_server(self, bucket: int) -> RolloutServer:
+        bucket = min(bucket, max(s.bucket for s in self.servers))
         cands = [s for s in self.servers if s.bucket == bucket]
         if not cands:
             cands = self.servers
         return min(cands, key=lambda s: (s.load() / s.tp, s.sid))
 
     def _place(self, req: SimRequest, bucket: int, prior: int, new: int, server: RolloutServer | None = None) -> None:
-        req.bucket = bucket
         s = server or self._pick_server(bucket)
+        req.bucket = s.bucket
         s.enqueue(req, prior, new)
         self._kick(s)
 
@@ -341,7 +350,12 @@ class Simulation:
         self.train_gpu_s += dur * lay.gpus
         stale = [k - g.version for g in batch]
         self.staleness_seen.extend(stale)
+        # What the trainer measures before the step: how long it sat ready without a full batch (rollout
+        # too slow), and how many finished groups were already waiting beyond this batch (rollout ahead).
+        wait = max(0.0, self.t - max(self._trainer_ready_t, self.trainer_available_at))
+        backlog = sum(1 for g in self.pending if g.ready)
         info = {"groups": batch, "train_s": dur, "t_start": self.t, "max_staleness": max(stale),
+                "wait_s": wait, "backlog": backlog,
                 "tokens": sum(tr.model_tokens for g in batch for tr in g.trajs),
                 "final_tokens": sum(lens), "train_gpus": lay.gpus}
         self._push(self.t + dur, TRAIN_END, info)
@@ -362,6 +376,7 @@ class Simulation:
                 if r is not None:
                     self._push(r[0], CHUNK, s, r[1])
         self.trainer_available_at = max(self.trainer_available_at, self.t + sync)
+        self._trainer_ready_t = self.trainer_available_at
         busy = self._busy_total()
         interval = max(1e-9, self.t - self._last_step_t)
         roll_gpus = sum(s.tp for s in self.servers)
@@ -374,8 +389,13 @@ class Simulation:
             "queued": sum(len(s.queue) for s in self.servers),
             "running": sum(s.batch for s in self.servers),
         }
-        # What a live system measures as T_rollout: the time the fleet was busy producing this step.
-        rec["t_rollout_s"] = interval * rec["rollout_busy_frac"]
+        # T_rollout as a live trainer can measure it: the time one batch took to arrive. If the trainer
+        # waited, that is train + wait; if whole groups were already waiting, rollout is ahead by that share.
+        rec["wait_s"], rec["backlog"] = info["wait_s"], info["backlog"]
+        if info["wait_s"] > 0.02 * info["train_s"]:
+            rec["t_rollout_s"] = info["train_s"] + info["wait_s"]
+        else:
+            rec["t_rollout_s"] = info["train_s"] * max(0.5, 1.0 - info["backlog"] / max(1, self.batch))
         self._last_step_t, self._last_busy = self.t, busy
         self.records.append(rec)
         end_step = getattr(self.router, "end_step", None)

@@ -36,7 +36,7 @@ class Env:
     cluster: object | None = None  # areal_libra.cost.presets.ClusterSpec when the planner is used
     model: object | None = None  # areal_libra.cost.presets.ModelSpec
     seed: int = 0
-    profile_groups: int = 8
+    profile_groups: int = 16
 
 
 @dataclass
@@ -241,8 +241,9 @@ def run_system(name: str, env: Env, steps: int) -> tuple[dict, Simulation]:
     spec = build_system(name, env)
     sim = Simulation(env.truth, env.workload, env.n_gpus, spec.layout, spec.run, spec.router_factory(spec.layout),
                      spec.controller, seed=env.seed)
-    if hasattr(spec.controller, "attach"):
-        spec.controller.attach(sim)
+    attach = getattr(spec.controller, "attach", None)
+    if attach is not None:
+        attach(sim)
     res = sim.run(steps)
     return res, sim
 

@@ -140,12 +140,13 @@ class DapoMath(Workload):
     def sample_group(self, version: int, rng: random.Random) -> list[Trajectory]:
         self._prompts += 1
         pid = f"math-{rng.randrange(17000)}"
-        comp = rng.choices(range(len(self.w)), weights=self.w)[0]
+        prng = random.Random(pid)  # a prompt keeps its length and difficulty when it is drawn again
+        comp = prng.choices(range(len(self.w)), weights=self.w)[0]
         (mi, mo), (si, so) = self.means[comp], self.sd[comp]
-        prompt = max(16, int(rng.gauss(mi, si)))
-        z = rng.gauss(0.0, 1.0)
+        prompt = max(16, int(prng.gauss(mi, si)))
+        z = prng.gauss(0.0, 1.0)
         grow = 1.0 + self.cfg.drift * self.progress(version)
-        uses_tool = rng.random() < self.p_tool
+        uses_tool = prng.random() < self.p_tool
         out = []
         for _ in range(self.cfg.group_size):
             gen = (mo + so * (0.7 * z + 0.71 * rng.gauss(0.0, 1.0))) * grow * self.cfg.length_scale
@@ -184,9 +185,10 @@ class R2EGym(Workload):
 
     def sample_group(self, version: int, rng: random.Random) -> list[Trajectory]:
         pid = f"r2e-{rng.randrange(4578)}"
-        prompt = int(rng.lognormvariate(math.log(1800), 0.3))
-        hard = rng.random() < 0.12  # hard issues: long explorations with long test runs
-        difficulty = rng.lognormvariate(0.0, 0.7) * (12.0 if hard else 1.0)
+        prng = random.Random(pid)  # an issue keeps its prompt and difficulty when it is drawn again
+        prompt = int(prng.lognormvariate(math.log(1800), 0.3))
+        hard = prng.random() < 0.12  # hard issues: long explorations with long test runs
+        difficulty = prng.lognormvariate(0.0, 0.7) * (12.0 if hard else 1.0)
         slow = 2.5 if hard else 1.0
         p = self.progress(version)
         turns_mean = 3.5 * difficulty * (1.0 + self.cfg.drift * p)

@@ -1,0 +1,321 @@
+"""Libra and its ablation ladder in the simulator: the Global Resource Planner (areal_libra.planner) picks
+the split and the rollout server mix from the length history, its re-plan gate decides reconfigurations,
+C-MLFQ (areal_libra.scheduler) routes between TP buckets, and the elastic pool policy
+(areal_libra.elastic) moves whole data-parallel replicas between training and rollout.
+
+The controller sees only what the live system sees: (prompt_tokens, final_length) of finished
+trajectories, measured step/rollout/training times and server pressure.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
+from areal_libra.sim.systems import AREAL_STALENESS, Env, PolicyRouter, SystemSpec
+
+
+@dataclass
+class LibraOptions:
+    homogeneous: bool = False  # +planner: a single rollout TP (the planner's best homogeneous plan)
+    cmlfq: bool = True
+    elastic: bool = True
+    replan: bool = True
+    every_k: int = 10
+    reconfig_cost_s: float = 120.0  # the 48-GPU production config's gate cost
+    history: int = 2000  # finished trajectories the planner sees
+    hybrid_replicas: int = 3  # Elastic Hybrid Pool workers carved from the planned rollout pool
+
+
+TREE_BACKEND = "python"
+
+RUNGS = {
+    "+planner": LibraOptions(homogeneous=True, cmlfq=False, elastic=False),
+    "+hetero_tp": LibraOptions(cmlfq=False, elastic=False),
+    "+cmlfq": LibraOptions(elastic=False),
+    "+elastic": LibraOptions(),
+    "libra": LibraOptions(),
+}
+
+
+def _planner():
+    try:
+        from areal_libra.planner import PlanError, PlannerConfig, solve
+    except ImportError as e:  # the planner is another issue's code; say exactly what is missing
+        raise SimError(f"Libra needs areal_libra.planner ({e})") from None
+    return solve, PlannerConfig, PlanError
+
+
+def plan_for(env: Env, history, homogeneous: bool, **restrict):
+    """Call the planner; for the homogeneous rung, the best single-TP plan by the planner's own prediction.
+    `restrict` passes PlannerConfig fields (used to price the current layout on a new history)."""
+    solve, PlannerConfig, PlanError = _planner()
+    gb = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
+    cluster = env.cluster if env.cluster is not None else f"{env.truth.gpu.name}x{env.n_gpus}"
+    model = env.model if env.model is not None else env.truth.model.name
+    tps = restrict.pop("allowed_tp", (1, 2, 4, 8))
+    if not homogeneous:
+        return solve(cluster, model, history, PlannerConfig(global_batch=gb, allowed_tp=tuple(tps), **restrict))
+    best = None
+    for tp in tps:
+        try:
+            p = solve(cluster, model, history, PlannerConfig(global_batch=gb, allowed_tp=(tp,), **restrict))
+        except PlanError:
+            continue
+        if best is None or p.makespan_s < best.makespan_s:
+            best = p
+    if best is None:
+        raise SimError("the planner found no homogeneous plan for this cluster")
+    return best
+
+
+def layout_from_plan(plan, max_len: int) -> Layout:
+    buckets = plan.buckets()
+    limits = [b[0] for b in buckets]
+    limits[-1] = max(limits[-1], max_len)  # the last bucket takes everything longer than the history
+    servers = []
+    for inst in plan.instances:
+        b = next((i for i, (lim, tp) in enumerate(buckets) if inst.max_len <= lim and tp == inst.tp), len(buckets) - 1)
+        servers += [(inst.tp, b)] * inst.count
+    t = plan.train
+    return Layout(TrainLayout(t.tp, t.pp, t.dp), servers, limits)
+
+
+class BucketLoadRouter(PolicyRouter):
+    """least_loaded across TP buckets, fed with the simulator's per-bucket load per GPU (the live
+    Dispatcher plugs its server-group load into the same policy the same way)."""
+
+    def __init__(self, limits):
+        from areal_libra.scheduler import make_policy
+
+        self.sim: Simulation | None = None
+        super().__init__(make_policy("least_loaded", limits, load_fn=self._loads))
+        self.limits = limits
+
+    def bind(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def _loads(self) -> list[float]:
+        n = len(self.limits)
+        load, gpus = [0.0] * n, [0.0] * n
+        for s in self.sim.servers if self.sim is not None else ():
+            if s.bucket < n:
+                load[s.bucket] += s.load()
+                gpus[s.bucket] += s.tp
+        return [x / max(1.0, g) for x, g in zip(load, gpus)]
+
+
+@dataclass
+class HybridUnit:
+    """One Elastic Hybrid Pool worker: GPUs for exactly one training data-parallel replica (tp*pp), which
+    serve rollout as `specs` servers while not training."""
+
+    specs: list[tuple[int, int]]
+    servers: list = field(default_factory=list)
+    training: bool = False
+
+
+def carve_hybrid(layout: Layout, max_units: int, keep_frac: float = 0.5) -> tuple[Layout, list[HybridUnit]]:
+    """Take whole training-replica-sized groups of rollout servers out of the core rollout pool into the
+    Elastic Hybrid Pool, largest servers first, never emptying a bucket and keeping `keep_frac` of the
+    rollout GPUs in the core pool."""
+    unit = layout.train.tp * layout.train.pp
+    servers = sorted(layout.servers, key=lambda s: (-s[0], -s[1]))
+    core = list(layout.servers)
+    units: list[HybridUnit] = []
+    budget = int(layout.rollout_gpus * (1 - keep_frac))
+    while len(units) < max_units and budget >= unit:
+        picked, gpus = [], 0
+        for spec in servers:
+            if gpus + spec[0] > unit or spec not in core:
+                continue
+            if sum(1 for c in core if c[1] == spec[1]) - sum(1 for p in picked if p[1] == spec[1]) <= 1:
+                continue  # keep at least one server in every bucket
+            picked.append(spec)
+            gpus += spec[0]
+            if gpus == unit:
+                break
+        if gpus != unit:
+            break
+        for spec in picked:
+            core.remove(spec)
+        units.append(HybridUnit(picked))
+        budget -= unit
+    return Layout(layout.train, core, layout.bucket_limits), units
+
+
+class LibraController(Controller):
+    def __init__(self, env: Env, opts: LibraOptions, plan, units: list[HybridUnit]):
+        self.env, self.opts, self.plan = env, opts, plan
+        self.sim: Simulation | None = None
+        self.replan = None
+        self.elastic = None
+        if opts.replan:
+            from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
+
+            self.replan = ReplanPolicy(ReplanConfig(every_k=opts.every_k, reconfig_cost_s=opts.reconfig_cost_s,
+                                                    horizon_steps=opts.every_k))
+        if opts.elastic:
+            from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
+
+            self.elastic = ElasticPolicy(ElasticConfig(cooldown_steps=2))
+        self.intervals: deque[float] = deque(maxlen=opts.every_k)
+        self.t_train: deque[float] = deque(maxlen=3)
+        self.t_roll: deque[float] = deque(maxlen=3)
+        self.units = units
+        self.last_change = -10
+        self.log: list[str] = []
+
+    def attach(self, sim: Simulation) -> None:
+        self.sim = sim
+        self._bind_units(sim)
+
+    def _bind_units(self, sim: Simulation) -> None:
+        """Start every hybrid unit in rollout mode: its servers join the fleet (already warm at t=0)."""
+        for u in self.units:
+            u.servers = [sim._add_server(tp, b, sim.t) for tp, b in u.specs]
+            u.training = False
+            sim.layout = Layout(sim.layout.train, sim.layout.servers + list(u.specs), sim.layout.bucket_limits)
+
+    # -------------------------------------------------------------- per step
+    def on_step_end(self, sim: Simulation, rec: dict) -> None:
+        step = rec["step"]
+        self.intervals.append(rec["interval_s"])
+        self.t_train.append(rec["train_s"])
+        self.t_roll.append(rec["t_rollout_s"])
+        if self.replan is not None and step >= 2:  # steps 0-1 fill the asynchronous pipeline
+            qp = rec["queued"] / max(1, rec["queued"] + rec["running"])
+            if self.replan.should_replan(step, qp, rec["pressure"], _mean(self.t_roll), _mean(self.t_train)):
+                if self._replan(sim, step):
+                    return
+        if self.elastic is not None and self.units and step >= 2:
+            self._elastic(sim, step, rec)
+
+    def _replan(self, sim: Simulation, step: int) -> bool:
+        _, _, PlanError = _planner()
+        hist = list(sim.finished)[-self.opts.history:]
+        if len(hist) < 16:
+            return False
+        try:
+            new = plan_for(self.env, hist, self.opts.homogeneous)
+        except (PlanError, SimError) as e:
+            self.log.append(f"step {step}: re-plan failed: {e}")
+            return False
+        new_layout = layout_from_plan(new, self.env.workload.cfg.max_len)
+        cur_layout = layout_from_plan(self.plan, self.env.workload.cfg.max_len)
+        if _same(new_layout, cur_layout):
+            self.plan = new  # refresh the predictions; nothing to move
+            return False
+        # Price the current layout on the same new history (the planner restricted to the current training
+        # size and TP set), then scale both predictions by measured/predicted for the current layout, so the
+        # gate compares like with like and charges the reconfiguration cost in real seconds.
+        g = cur_layout.train.gpus
+        try:
+            cur = plan_for(self.env, hist, self.opts.homogeneous, min_train_gpus=g, max_train_gpus=g,
+                           allowed_tp=tuple(sorted({tp for tp, _ in cur_layout.servers})))
+            t_cur_pred = cur.makespan_s
+        except (PlanError, SimError):
+            t_cur_pred = self.plan.makespan_s
+        measured = _mean(self.intervals)
+        scale = measured / max(1e-9, t_cur_pred)
+        t_new = new.makespan_s * scale
+        if not self.replan.accept(measured, t_new):
+            self.log.append(f"step {step}: kept plan (measured {measured:.1f}s; predicted {t_cur_pred:.1f}s now vs "
+                            f"{new.makespan_s:.1f}s new)")
+            return False
+        self.log.append(f"step {step}: re-plan ({self.replan.last_reason}): {new.rollout_alloc()} train "
+                        f"{new.train_alloc()} (measured {measured:.1f}s -> predicted {t_new:.1f}s)")
+        self.plan = new
+        core, units = carve_hybrid(new_layout, self.opts.hybrid_replicas) if self.opts.elastic else (new_layout, [])
+        sim.apply_layout(core, train_changed=True)
+        self.units = units
+        self._bind_units(sim)
+        sim.set_router(_router_for(sim.layout, self.opts, sim.router))
+        self.intervals.clear()
+        self.last_change = step
+        return True
+
+    def _elastic(self, sim: Simulation, step: int, rec: dict) -> None:
+        n_active = sum(u.training for u in self.units)
+        d = self.elastic.decide(_mean(self.t_train), _mean(self.t_roll), rec["pressure"], n_active,
+                                len(self.units) - n_active, step - self.last_change)
+        if d.action == "join":
+            for u in [u for u in self.units if not u.training][: d.n]:
+                self._join(sim, u)
+        elif d.action == "release":
+            for u in [u for u in self.units if u.training][: d.n]:
+                self._release(sim, u)
+        else:
+            return
+        self.last_change = step
+        self.log.append(f"step {step}: elastic {d.action} {d.n}: {d.reason}")
+        self.t_train.clear()
+        self.t_roll.clear()
+
+    def _release(self, sim: Simulation, u: HybridUnit) -> None:
+        """The replica leaves training (core TP/PP untouched) and its GPUs start rollout servers again."""
+        sim.set_train_dp(sim.train_layout.dp - 1)
+        u.servers = [sim._add_server(tp, b, sim.t + sim.truth.server_start_s(tp)) for tp, b in u.specs]
+        u.training = False
+        sim.layout = Layout(sim.train_layout, sim.layout.servers + list(u.specs), sim.layout.bucket_limits)
+
+    def _join(self, sim: Simulation, u: HybridUnit) -> None:
+        """The unit stops serving (its requests re-prefill elsewhere), fetches the model + optimizer snapshot
+        while the core keeps training, then trains as one more data-parallel replica."""
+        for s in u.servers:
+            if not s.retired:
+                sim.retire_server(s)
+        specs = list(sim.layout.servers)
+        for spec in u.specs:
+            if spec in specs:
+                specs.remove(spec)
+        sim.layout = Layout(sim.train_layout, specs, sim.layout.bucket_limits)
+        u.servers = []
+        u.training = True
+        lay = sim.train_layout
+        fetch = 16.0 * sim.truth.model.params / (lay.tp * lay.pp) / sim.truth.gpu.internode_bw + 5.0
+
+        def activate() -> None:
+            if u.training:
+                sim.set_train_dp(sim.train_layout.dp + 1)
+
+        sim.call_at(sim.t + fetch, activate)
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _same(a: Layout, b: Layout) -> bool:
+    return a.train == b.train and sorted(a.servers) == sorted(b.servers) and a.bucket_limits == b.bucket_limits
+
+
+def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None) -> Router:
+    from areal_libra.scheduler import make_policy
+
+    limits = layout.bucket_limits
+    if len(limits) == 1:
+        return PolicyRouter(make_policy("least_loaded", limits))
+    if not opts.cmlfq:
+        return BucketLoadRouter(limits)
+    tree = getattr(getattr(old, "policy", None), "tree", None)
+    pol = (make_policy("cmlfq", limits, tree=tree) if tree is not None
+           else make_policy("cmlfq", limits, backend=TREE_BACKEND))
+    if tree is None and fit:
+        pol.fit(fit)  # the live system starts from the prefix tree of its profiling traces
+    return PolicyRouter(pol)
+
+
+def libra_system(name: str, env: Env) -> SystemSpec:
+    opts = RUNGS[name]
+    prof = env.workload.profile(env.profile_groups)
+    hist = [(t.prompt_tokens, t.final_length) for t in prof]
+    plan = plan_for(env, hist, opts.homogeneous)
+    layout = layout_from_plan(plan, env.workload.cfg.max_len)
+    core, units = carve_hybrid(layout, opts.hybrid_replicas) if opts.elastic else (layout, [])
+    ctl = LibraController(env, opts, plan, units)
+    spec = SystemSpec(name, core, RunConfig(max_staleness=AREAL_STALENESS),
+                      lambda lay: _router_for(lay, opts, None, prof), ctl)
+    return spec
