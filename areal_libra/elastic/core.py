@@ -1,0 +1,315 @@
+"""Core-replica side of the Elastic Hybrid Pool: the per-step plan, the domain reduction, failure handling.
+
+Every core rank calls `ElasticCore.reduce_gradients(step, tensors, weight)` once per step, between
+backward and the optimizer step. Core rank 0 is the leader: at each step boundary it reads the hybrid
+replicas' reports from the store, advances the pool's state machine, decides the domain membership for
+the step and writes it as `plan/<step>`. Protocol keys (under the namespace):
+
+    cmd/<rid>              leader -> hybrid  {"op": "join"|"release", "gen": g}
+    ack/<rid>/<g>          hybrid -> leader  rollout drained (handed-back requests), ready to enter the domain
+    prog/<rid>/<rank>      hybrid -> leader  {"gen", "state", "version", "t"}
+    hb/<rid>/<rank>        hybrid heartbeat  wall time, every heartbeat_interval_s
+    snapreq/<rid>/<g>      hybrid -> leader  count of refused snapshots: publish a fresh one
+    plan/<step>            leader -> all     {"attempt", "epoch", "members", "states", "gens", "snapshot"}
+    result/<step>/<a>      leader -> hybrids "commit" | "retry"
+    cur_step, shutdown
+
+The core's own process groups are never touched: the only core-group collective here is a MIN of a
+success flag, so that all core ranks retry or commit a step together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areal_libra.elastic.domain import DomainError, GradientDomain
+from areal_libra.elastic.kv import KV
+from areal_libra.elastic.snapshot import SnapshotStore
+from areal_libra.elastic.state import IN_DOMAIN, HybridReplica, Pool, ReplicaState
+
+CORE = "core"
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    namespace: str = "elastic"
+    backend: str = "gloo"  # "nccl" on GPU clusters
+    domain_timeout_s: float = 10.0  # a collective with a dead/hung peer fails after this
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 2.0  # a hybrid rank silent for this long is declared dead
+    plan_timeout_s: float = 600.0  # how long followers wait for the leader's next plan
+    chunk_elems: int = 1 << 22
+    snapshot_keep: int = 2
+    max_attempts: int = 4  # per step; after that every hybrid is dropped and the core goes on alone
+    fetch_retries: int = 5
+    fetch_delay_s: float = 0.0  # fault-injection and benchmarking: extra fetch time
+
+
+class ElasticCore:
+    def __init__(
+        self,
+        store: Any,
+        cfg: RuntimeConfig,
+        core_rank: int,
+        core_size: int,
+        core_group: Any,
+        snapshot_root: str,
+        state_fn: Callable[[], dict[str, Any]],
+        hybrids: list[tuple[str, int]] | None = None,
+        core_rollout_servers: int = 0,
+        initially_training: tuple[str, ...] = (),
+        corrupt_snapshots: list[str] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.kv = KV(store, cfg.namespace)
+        self.rank = core_rank
+        self.core_size = core_size
+        self.core_group = core_group
+        self.is_leader = core_rank == 0
+        self.state_fn = state_fn
+        self.snapshots = SnapshotStore(snapshot_root, keep=cfg.snapshot_keep)
+        self.domain = GradientDomain(store, position=core_rank, me=CORE, timeout_s=cfg.domain_timeout_s,
+                                     chunk_elems=cfg.chunk_elems, backend=cfg.backend,
+                                     namespace=f"{cfg.namespace}/dom")
+        self.pool = Pool(1, core_rollout_servers, [HybridReplica(rid, n) for rid, n in (hybrids or [])])
+        for rid in initially_training:  # static members (reference runs): trained from the start
+            h = self.pool.hybrid[rid]
+            h.state, h.generation = ReplicaState.TRAINING, 1
+        if self.is_leader:
+            for rid in initially_training:  # static members must be up before the first step counts them
+                for k in range(self.pool.hybrid[rid].n_ranks):
+                    self.kv.wait(f"hb/{rid}/{k}", cfg.plan_timeout_s)
+        self.corrupt = list(corrupt_snapshots or [])  # fault injection: applied to successive publishes
+        self.epoch = 0
+        self.members: tuple[str, ...] = ()
+        self.snapreq_seen: dict[str, int] = {}
+        self.t_request: dict[str, float] = {}
+        self.entered_step: dict[str, int] = {}
+        self.last: dict[str, float] = {}
+        self.events: list[dict[str, Any]] = []
+        self.published: list[int] = []
+
+    # -- leader: requests ------------------------------------------------------------------------
+    def request_join(self, rid: str) -> bool:
+        assert self.is_leader, "only core rank 0 drives the pool"
+        gen = self.pool.request_join(rid)
+        if gen is None:
+            return False
+        self.t_request[rid] = time.time()
+        self.kv.set(f"cmd/{rid}", {"op": "join", "gen": gen})
+        self._event("join_requested", rid, gen)
+        return True
+
+    def request_release(self, rid: str) -> bool:
+        assert self.is_leader, "only core rank 0 drives the pool"
+        gen = self.pool.request_release(rid)
+        if gen is None:
+            return False
+        self.t_request[rid] = time.time()
+        self.kv.set(f"cmd/{rid}", {"op": "release", "gen": gen})
+        self._event("release_requested", rid, gen)
+        return True
+
+    def _event(self, what: str, rid: str, gen: int, **kw: Any) -> None:
+        self.events.append({"t": time.time(), "event": what, "rid": rid, "gen": gen, **kw})
+
+    # -- leader: step boundary -------------------------------------------------------------------
+    def _reports(self, h: HybridReplica) -> list[dict[str, Any]]:
+        return [r for r in (self.kv.get(f"prog/{h.rid}/{k}") for k in range(h.n_ranks))
+                if r is not None and r.get("gen") == h.generation]
+
+    def _stale(self, h: HybridReplica, now: float) -> bool:
+        for k in range(h.n_ranks):
+            t = self.kv.get(f"hb/{h.rid}/{k}")
+            if t is None or now - float(t) > self.cfg.heartbeat_timeout_s:
+                return True
+        return False
+
+    def _advance_pool(self, step: int) -> bool:
+        """Apply the hybrids' reports; returns whether a fresh snapshot must be published now."""
+        publish = False
+        now = time.time()
+        for h in list(self.pool.hybrid.values()):
+            if not h.alive:
+                # A replica declared dead comes back only if it beats again and says it serves rollout.
+                reps = self._reports(h)
+                if reps and all(r["state"] == "rollout" for r in reps) and not self._stale(h, now):
+                    self.pool.revive(h.rid)
+                    self._event("revived", h.rid, h.generation, step=step)
+                continue
+            g = h.generation
+            if h.state in (ReplicaState.REQUESTED, *IN_DOMAIN) and self._stale(h, now):
+                # A replica that stopped beating is dropped before it can fail a step.
+                self._fail(h, step, "heartbeat lost")
+                continue
+            reps = self._reports(h)
+            states = {r["state"] for r in reps}
+            full = len(reps) == h.n_ranks
+            if "failed" in states and h.state != ReplicaState.ROLLOUT:
+                # The replica gave up by itself (snapshot never usable, missed a commit): roll it back.
+                self.pool.cancel(h.rid, g, "replica reported failure")
+                self.t_request.pop(h.rid, None)
+                self._event("rolled_back", h.rid, g, step=step,
+                            error=[r.get("error") for r in reps if r["state"] == "failed"])
+                self.kv.set(f"cmd/{h.rid}", {"op": "cancel", "gen": h.generation})
+                continue
+            if h.state == ReplicaState.REQUESTED and int(self.kv.get(f"ack/{h.rid}/{g}", 0)) >= h.n_ranks:
+                self.pool.advance(h.rid, ReplicaState.FETCHING, g)
+                self.entered_step[h.rid] = step
+                publish = True
+                self._event("fetching", h.rid, g, step=step, ack=self.kv.get(f"ack/{h.rid}/{g}"))
+            if h.state == ReplicaState.FETCHING and full and states <= {"zero_sync", "activating"}:
+                self.pool.advance(h.rid, ReplicaState.ZERO_SYNC, g)
+                self._event("zero_sync", h.rid, g, step=step)
+            if h.state == ReplicaState.ZERO_SYNC and full and states == {"activating"}:
+                self.pool.advance(h.rid, ReplicaState.ACTIVATING, g)
+                self._event("activating", h.rid, g, step=step)
+                # Aligned replicas replay every committed step as it commits, so they hold version
+                # `step` now: real gradients can start with this very step.
+                self.pool.advance(h.rid, ReplicaState.TRAINING, g)
+                self._event("training", h.rid, g, step=step)
+            if h.state == ReplicaState.RELEASING and full and states == {"rollout"}:
+                self.pool.advance(h.rid, ReplicaState.ROLLOUT, g)
+                t_done = max(float(r["t"]) for r in reps)
+                self.last["release_latency_s"] = t_done - self.t_request.get(h.rid, t_done)
+                self._event("released", h.rid, g, step=step, latency_s=self.last["release_latency_s"])
+            n_req = self.kv.get(f"snapreq/{h.rid}/{g}", 0)
+            if h.state == ReplicaState.FETCHING and int(n_req) > self.snapreq_seen.get(h.rid, 0):
+                self.snapreq_seen[h.rid] = int(n_req)
+                publish = True
+        return publish
+
+    def _fail_dead(self, step: int, attempt: int) -> None:
+        """After a failed attempt: wait for the heartbeats to tell who died; drop everyone if nobody did
+        and attempts are running out (the core alone is always a valid domain)."""
+        suspects = [h for h in self.pool.hybrid.values() if h.alive and h.state in IN_DOMAIN]
+        deadline = time.time() + self.cfg.heartbeat_timeout_s + 4 * self.cfg.heartbeat_interval_s
+        dead: list[HybridReplica] = []
+        while suspects and not dead and time.time() < deadline:
+            now = time.time()
+            dead = [h for h in suspects if self._stale(h, now)]
+            if not dead:
+                time.sleep(self.cfg.heartbeat_interval_s)
+        if not dead and attempt + 1 >= self.cfg.max_attempts - 1:
+            dead = suspects
+        for h in dead:
+            self._fail(h, step, f"domain failure at step {step}")
+
+    def _fail(self, h: HybridReplica, step: int, why: str) -> None:
+        g = h.generation
+        self.pool.fail(h.rid, g, why)
+        self.t_request.pop(h.rid, None)
+        # Tell the replica (if it still lives) its new generation, so its later reports are not stale.
+        self.kv.set(f"cmd/{h.rid}", {"op": "cancel", "gen": h.generation})
+        self._event("failed", h.rid, g, step=step, why=why)
+
+    def _write_plan(self, step: int, attempt: int, publish: bool) -> dict[str, Any]:
+        in_dom = sorted((h for h in self.pool.hybrid.values() if h.alive and h.state in IN_DOMAIN),
+                        key=lambda h: h.rid)
+        members = (CORE, *(h.rid for h in in_dom))
+        if members != self.members or attempt > 0:
+            self.epoch += 1  # a failed group is never reused, even with the same members
+        plan = {
+            "step": step, "attempt": attempt, "epoch": self.epoch, "members": list(members),
+            "states": {h.rid: h.state.value for h in in_dom},
+            "gens": {h.rid: h.generation for h in in_dom},
+            "snapshot": step if publish else None,
+        }
+        self.kv.set(f"plan/{step}", plan)
+        self.kv.set("cur_step", step)
+        return plan
+
+    # -- every core rank -------------------------------------------------------------------------
+    def _get_plan(self, step: int, min_attempt: int) -> dict[str, Any]:
+        deadline = time.monotonic() + self.cfg.plan_timeout_s
+        while True:
+            plan = self.kv.wait(f"plan/{step}", max(0.0, deadline - time.monotonic()))
+            if plan["attempt"] >= min_attempt:
+                return plan
+            time.sleep(0.002)
+
+    def _all_ok(self, ok: bool) -> bool:
+        if self.core_group is None or self.core_size == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        # The core group is healthy by construction (its membership never changes), so it can arbitrate.
+        from torch.distributed import ReduceOp
+        opts_work = self.core_group.allreduce([flag], _min_opts(ReduceOp.MIN))
+        opts_work.wait()
+        return bool(flag.item())
+
+    def reduce_gradients(self, step: int, tensors: list[torch.Tensor], weight: float) -> dict[str, float]:
+        """Reduce `tensors` in place over the domain for `step`; retries with the survivors on failure."""
+        t0 = time.perf_counter()
+        saved = [t.detach().clone() for t in tensors]
+        attempt = 0
+        if self.is_leader:
+            plan = self._write_plan(step, 0, self._advance_pool(step))
+        else:
+            plan = self._get_plan(step, 0)
+        if plan["snapshot"] == step:
+            self.snapshots.publish_async(step, self.rank, self.state_fn(), self.corrupt.pop(0) if self.corrupt else None)
+            self.published.append(step)
+        while True:
+            ok, err = True, ""
+            try:
+                if plan["epoch"] != self.domain.epoch or self.domain.group is None:
+                    self.domain.rebuild(plan["epoch"], plan["members"])
+                self.domain.reduce(tensors, weight)
+            except DomainError as e:
+                ok, err = False, str(e)
+            if self._all_ok(ok):
+                if self.is_leader:
+                    self.kv.set(f"result/{step}/{attempt}", "commit")
+                    self._on_commit(step, plan)
+                break
+            self._event("step_failed", CORE, 0, step=step, attempt=attempt, error=err[:300])
+            if self.is_leader:
+                # New plan first, then "retry": a hybrid that reads "retry" finds the next attempt waiting.
+                self._fail_dead(step, attempt)
+                plan = self._write_plan(step, attempt + 1, False)
+                self.kv.set(f"result/{step}/{attempt}", "retry")
+            else:
+                plan = self._get_plan(step, attempt + 1)
+            for t, s in zip(tensors, saved):
+                t.copy_(s)
+            attempt += 1
+        self.last.update(reduce_s=time.perf_counter() - t0, attempts=float(attempt + 1))
+        self.members = tuple(plan["members"])
+        return self.metrics()
+
+    def _on_commit(self, step: int, plan: dict[str, Any]) -> None:
+        for rid, st in plan["states"].items():
+            if st == ReplicaState.TRAINING.value and rid in self.t_request:
+                # First committed step with real gradients from this replica: the join is complete.
+                self.last["join_latency_s"] = time.time() - self.t_request.pop(rid)
+                self._event("first_real_gradient", rid, plan["gens"][rid], step=step,
+                            latency_s=self.last["join_latency_s"])
+
+    def metrics(self) -> dict[str, float]:
+        out = self.pool.metrics() if self.is_leader else {}
+        out["elastic/domain_epoch"] = float(self.domain.epoch or 0)
+        out["elastic/domain_size"] = float(self.domain.size)
+        out["elastic/domain_rebuilds"] = float(self.domain.rebuilds)
+        out["elastic/snapshots_published"] = float(len(self.published))
+        for k, v in self.last.items():
+            out[f"elastic/{k}"] = float(v)
+        return out
+
+    def shutdown(self) -> None:
+        self.snapshots.wait(30)
+        if self.is_leader:
+            self.kv.set("shutdown", 1)
+
+
+def _min_opts(op: Any) -> Any:
+    from torch.distributed import AllreduceOptions
+
+    o = AllreduceOptions()
+    o.reduceOp = op
+    return o

@@ -1,0 +1,124 @@
+"""Join/release policy of the Elastic Hybrid Pool: a pure function of measured times and pressure.
+
+The live controller, the simulator and the benchmarks all call this one implementation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Action = Literal["join", "release", "hold"]
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """Thresholds (public Libra defaults) and step limits of the hybrid-pool policy.
+
+    join when T_train / T_rollout >= join_ratio, release when it is <= release_ratio (the gap between
+    the two is the hysteresis band), and always release towards rollout when rollout pressure
+    >= protect_pressure, because a starved rollout side stalls the whole asynchronous loop.
+    """
+
+    join_ratio: float = 1.15
+    release_ratio: float = 0.90
+    protect_pressure: float = 0.80
+    max_join_per_decision: int = 1
+    max_release_per_decision: int = 1
+    # Decisions are suppressed for this many steps after a change, so a join is not undone before its
+    # effect on the measured times shows up.
+    cooldown_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.release_ratio > 0 and self.join_ratio > self.release_ratio):
+            raise ValueError(
+                f"need 0 < release_ratio < join_ratio, got release_ratio={self.release_ratio} join_ratio={self.join_ratio}"
+            )
+        if not 0.0 <= self.protect_pressure <= 1.0:
+            raise ValueError(f"protect_pressure must be in [0, 1], got {self.protect_pressure}")
+        if self.max_join_per_decision < 1 or self.max_release_per_decision < 1:
+            raise ValueError("max_join_per_decision and max_release_per_decision must be >= 1")
+        if self.cooldown_steps < 0:
+            raise ValueError(f"cooldown_steps must be >= 0, got {self.cooldown_steps}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    n: int
+    reason: str
+
+
+class ElasticPolicy:
+    """Deterministic join/release decisions; holds no state between calls."""
+
+    def __init__(self, cfg: ElasticConfig | None = None) -> None:
+        self.cfg = cfg or ElasticConfig()
+
+    def decide(
+        self,
+        t_train_s: float,
+        t_rollout_s: float,
+        rollout_pressure: float,
+        n_active: int,
+        n_idle: int,
+        steps_since_change: int | None = None,
+    ) -> Decision:
+        """n_active: hybrid replicas training now; n_idle: hybrid replicas serving rollout (joinable)."""
+        c = self.cfg
+        if n_active < 0 or n_idle < 0:
+            raise ValueError(f"replica counts must be >= 0, got n_active={n_active} n_idle={n_idle}")
+        if not (math.isfinite(t_train_s) and math.isfinite(t_rollout_s)) or t_train_s < 0 or t_rollout_s < 0:
+            return Decision("hold", 0, "no valid time measurement")
+        # Protection comes first and ignores the cooldown: an overloaded rollout side is an emergency.
+        if rollout_pressure >= c.protect_pressure:
+            if n_active > 0:
+                n = min(n_active, c.max_release_per_decision)
+                return Decision("release", n, f"rollout pressure {rollout_pressure:.2f} >= {c.protect_pressure:.2f}")
+            return Decision("hold", 0, f"rollout pressure {rollout_pressure:.2f} high, nothing to release")
+        if steps_since_change is not None and steps_since_change < c.cooldown_steps:
+            return Decision("hold", 0, f"cooldown {steps_since_change}/{c.cooldown_steps} steps")
+        if t_rollout_s == 0:
+            return Decision("hold", 0, "rollout time is zero")
+        ratio = t_train_s / t_rollout_s
+        if ratio >= c.join_ratio:
+            if n_idle > 0:
+                n = min(n_idle, c.max_join_per_decision)
+                return Decision("join", n, f"T_train/T_rollout {ratio:.2f} >= {c.join_ratio:.2f}")
+            return Decision("hold", 0, f"T_train/T_rollout {ratio:.2f} high, no idle hybrid replica")
+        if ratio <= c.release_ratio:
+            if n_active > 0:
+                n = min(n_active, c.max_release_per_decision)
+                return Decision("release", n, f"T_train/T_rollout {ratio:.2f} <= {c.release_ratio:.2f}")
+            return Decision("hold", 0, f"T_train/T_rollout {ratio:.2f} low, no active hybrid replica")
+        return Decision("hold", 0, f"T_train/T_rollout {ratio:.2f} inside hysteresis band")
+
+    def request_from_plan(
+        self, plan: Any, n_active: int, n_idle: int, core_dp: int | None = None
+    ) -> Decision:
+        """Turn the planner's target into a join/release request.
+
+        `plan` is either an int (target number of active hybrid replicas) or a planner Plan: its
+        `hybrid_replicas` attribute when it has one, else `plan.train.dp - core_dp` (hybrid replicas
+        are the data-parallel replicas beyond the fixed core).
+        """
+        if isinstance(plan, int):
+            target = plan
+        elif getattr(plan, "hybrid_replicas", None) is not None:
+            target = int(plan.hybrid_replicas)
+        else:
+            train = getattr(plan, "train", None)
+            if train is None or core_dp is None:
+                raise ValueError("plan needs .hybrid_replicas, or .train with core_dp given")
+            dp = train.dp if hasattr(train, "dp") else train[2]
+            target = int(dp) - int(core_dp)
+        target = max(0, target)
+        if target > n_active:
+            n = min(target - n_active, n_idle)
+            if n == 0:
+                return Decision("hold", 0, f"plan wants {target} hybrid replicas, none idle")
+            return Decision("join", n, f"plan wants {target} hybrid replicas, {n_active} active")
+        if target < n_active:
+            return Decision("release", n_active - target, f"plan wants {target} hybrid replicas, {n_active} active")
+        return Decision("hold", 0, f"plan satisfied ({target} hybrid replicas)")
