@@ -92,3 +92,22 @@ def test_fill_spends_budget_without_slowing_down():
     filled, left = dp.fill(sol, 24)
     assert left == 0 and filled.gpus == 24
     assert filled.t_s <= sol.t_s
+
+
+def test_native_probe_matches_numpy():
+    """The C++ probe (when built) returns exactly what the numpy fallback returns."""
+    from areal_libra.planner import rollout_dp
+
+    if rollout_dp._native is None:
+        pytest.skip("C++ extension not built (pure-Python fallback in use)")
+    rng = random.Random(21)
+    costs = {tp: RolloutCost(HW, MODEL, tp) for tp in (1, 2, 4, 8)}
+    reqs = sorted(((rng.randint(10, 2000), rng.randint(1, 20000)) for _ in range(40)), key=lambda r: sum(r))
+    dp = RolloutDP(costs, [r[0] for r in reqs], [r[1] for r in reqs], [rng.random() * 5 for _ in reqs], 64)
+    cands = dp.candidates()
+    for T in list(cands[:: max(1, len(cands) // 50)]) + [0.0, float(cands[-1]) * 2]:
+        assert rollout_dp._native.min_gpus(list(dp.tables.values()), list(dp.tables), float(T), dp.n)[0] == \
+            dp.min_gpus_py(float(T))[0]
+        g_py, groups_py = dp.min_gpus_py(float(T))
+        g_c, groups_c = dp.min_gpus(float(T))
+        assert g_py == g_c and groups_py == groups_c

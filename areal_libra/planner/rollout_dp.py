@@ -20,6 +20,11 @@ import numpy as np
 
 from areal_libra.cost.rollout import RolloutCost
 
+try:  # the C++ probe (csrc/rollout_dp.cpp); the numpy version below gives identical results
+    from areal_libra import _rollout_dp as _native
+except ImportError:  # no compiler at install time
+    _native = None
+
 
 @dataclass(frozen=True)
 class Group:
@@ -51,7 +56,8 @@ class RolloutDP:
     """
 
     def __init__(self, costs: dict[int, RolloutCost], prompts: Sequence[float], outputs: Sequence[float],
-                 weights: Sequence[float], max_gpus: int) -> None:
+                 weights: Sequence[float], max_gpus: int, native: bool = True) -> None:
+        self.native = native
         self.costs = dict(sorted(costs.items()))
         self.p = np.asarray(prompts, dtype=float)
         self.o = np.asarray(outputs, dtype=float)
@@ -99,7 +105,7 @@ class RolloutDP:
                                       self.max_f[None, :])
             tab = np.where(ok[None, :], tab, np.inf)
             tab = np.minimum.accumulate(tab, axis=0)  # guard monotonicity in k against float noise
-            self.tables[tp] = tab
+            self.tables[tp] = np.ascontiguousarray(tab)
         self._cols = np.arange(len(W))
 
     # ---------------------------------------------------------------- probes
@@ -129,6 +135,13 @@ class RolloutDP:
 
     def min_gpus(self, T: float) -> tuple[float, list[tuple[int, int, int, int]] | None]:
         """Fewest GPUs whose groups all finish within T, and the groups [(a, b, tp, k)] (None if impossible)."""
+        if self.native and _native is not None:
+            g, groups = _native.min_gpus(list(self.tables.values()), list(self.tables), float(T), self.n)
+            return float(g), (None if groups is None else [tuple(x) for x in groups])
+        return self.min_gpus_py(T)
+
+    def min_gpus_py(self, T: float) -> tuple[float, list[tuple[int, int, int, int]] | None]:
+        """Pure numpy version of `min_gpus`."""
         M = len(self._cols)
         best_g = np.full(M, np.inf)
         best_tp = np.zeros(M, dtype=np.int64)
