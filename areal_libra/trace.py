@@ -167,21 +167,36 @@ def parse_polytrace(rec: dict, where: str) -> Trajectory:
     turns = _need(rec, "turns", list, where)
     if not turns:
         raise TraceError(f"{where}: field 'turns' must hold at least one turn")
+    calls_raw = rec.get("tool_calls") or []
+    if not isinstance(calls_raw, list):
+        raise TraceError(f"{where}: field 'tool_calls' must be a list, got {type(calls_raw).__name__}")
     calls_by_turn: dict[int, list[dict]] = {}
-    for c in rec.get("tool_calls") or []:
-        calls_by_turn.setdefault(int(c.get("turn", -1)), []).append(c)
+    for j, c in enumerate(calls_raw):
+        cw = f"{where}: tool_calls[{j}]"
+        if not isinstance(c, dict):
+            raise TraceError(f"{cw}: must be an object")
+        _need(c, "append_len", int, cw)
+        if "latency_s" in c and c["latency_s"] is not None:
+            _need(c, "latency_s", float, cw)
+        calls_by_turn.setdefault(_need(c, "turn", int, cw), []).append(c)
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise TraceError(f"{where}: turns[{i}]: must be an object")
+        if "turn" in t:
+            _need(t, "turn", int, f"{where}: turns[{i}]")
     segments = []
     for i, t in enumerate(sorted(turns, key=lambda t: t.get("turn", 0))):
         gen = _need(t, "assistant_append_len", int, f"{where}: turns[{i}]")
-        calls = calls_by_turn.get(int(t.get("turn", i)), [])
+        calls = calls_by_turn.get(t.get("turn", i), [])
         tool = None
         if calls:
+            # Several calls in one turn form one tool return; any non-success makes it a failure.
             status = "success" if all(c.get("status") == "success" for c in calls) else "failure"
             tool = ToolReturn(
                 name=str(calls[0].get("tool_name", "tool")),
-                payload_tokens=sum(int(c.get("append_len", 0)) for c in calls),
+                payload_tokens=sum(c["append_len"] for c in calls),
                 status=status,
-                latency_s=float(sum(float(c.get("latency_s", 0.0)) for c in calls)),
+                latency_s=float(sum(float(c.get("latency_s") or 0.0) for c in calls)),
             )
         segments.append(Segment(gen, tool))
     group = _need(rec, "prompt_group_id", int, where)

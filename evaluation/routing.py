@@ -1,12 +1,12 @@
 """Score C-MLFQ and its baselines on trajectory traces (pinned CLI, issue 4).
 
     python evaluation/routing.py --train FILES --eval FILES --buckets T1,T2,T3 \
-        [--policies cmlfq,mlfq,predictor,oracle] [--variant NAME:key=val,...] [--json]
+        [--policies cmlfq,mlfq,predictor,oracle] [--cmlfq key=val,...] [--variant NAME:key=val,...] [--json]
 
 Builds the prefix tree (and trains the predictor) from --train, then replays --eval step by step under
 the visibility rule of shared/reference/trace-format.md: a trajectory sees the training traces and the
 evaluated trajectories of earlier steps, never those of its own step. Prints, per policy, the metrics
-defined there. --variant adds a C-MLFQ row with other switches (CMLFQConfig fields), e.g.
+defined there. --cmlfq sets the switches of the cmlfq row; --variant adds a C-MLFQ row with other switches (CMLFQConfig fields), e.g.
 `--variant paper:center=none,move_cost=0`.
 """
 
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval", nargs="+", required=True, help="trace files to replay and score")
     ap.add_argument("--buckets", required=True, help="ascending final-length thresholds, e.g. 1536,3072,7168")
     ap.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from {','.join(POLICIES)}")
+    ap.add_argument("--cmlfq", default="", help="switches of the cmlfq row, key=value,... (CMLFQConfig fields)")
     ap.add_argument("--variant", action="append", default=[], help="extra C-MLFQ row NAME:key=value,...")
     ap.add_argument("--skip-bad", action="store_true", help="skip malformed trace lines (counted on stderr)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -101,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             if n not in POLICIES:
                 raise UsageError(f"unknown policy {n!r}; choose from {', '.join(POLICIES)}")
-        rows = [(n, n, {}) for n in names] + [(v[0], "cmlfq", v[1]) for v in map(parse_variant, args.variant)]
+        own = parse_variant(f"cmlfq:{args.cmlfq}")[1]
+        rows = [(n, n, own if n == "cmlfq" else {}) for n in names]
+        rows += [(v[0], "cmlfq", v[1]) for v in map(parse_variant, args.variant)]
         stats: dict = {}
         train = read_traces(_files(args.train), skip_bad=args.skip_bad, stats=stats)
         evals = read_traces(_files(args.eval), skip_bad=args.skip_bad, stats=stats)

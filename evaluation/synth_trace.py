@@ -42,9 +42,9 @@ from areal_libra.trace import Segment, ToolReturn, Trajectory, write_traces  # n
 
 @dataclass
 class SynthConfig:
-    n_prompts: int = 256
-    prompts_per_step: int = 64
-    samples_per_prompt: int = 8
+    n_prompts: int = 128
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 16  # Libra trains with 16 samples per prompt
     prompt_median: int = 600
     difficulty_sigma: float = 0.5
     tool_weights: dict = field(default_factory=lambda: {"search": 0.5, "python": 0.3, "bash": 0.2})

@@ -10,7 +10,7 @@ least-loaded healthy server wins; a group with no healthy server falls through t
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from areal_libra.scheduler.policy import LeastLoadedPolicy, RequestInfo
 from areal_libra.scheduler.states import as_tool_return
@@ -31,6 +31,7 @@ class _TrajState:
     group: int  # where it actually runs (differs only when a group has no healthy server)
     seen_tools: int
     server: str
+    contexts: tuple[int, ...]  # context at the start and after each tool return seen so far
 
 
 class NoHealthyServer(RuntimeError):
@@ -52,6 +53,7 @@ def request_from_meta(meta: dict) -> RequestInfo:
             tool_returns=tools,
             step=int(meta.get("step", 0)),
             final_length=None if fl is None else int(fl),
+            decision_contexts=tuple(int(c) for c in meta.get("decision_contexts") or ()),
         )
     except KeyError as e:
         raise ValueError(f"routing metadata lacks {e.args[0]!r}") from None
@@ -110,12 +112,18 @@ class Dispatcher:
             st = self._traj.get(req.trajectory_id)
             n_tools = len(req.tool_returns)
             if st is None:
-                bucket = self.policy.start(req)
-                if n_tools:
+                contexts: tuple[int, ...] = (req.context_tokens,) if n_tools == 0 else ()
+                bucket = self.policy.start(replace(req, decision_contexts=contexts or req.decision_contexts))
+                if n_tools:  # first seen mid-trajectory (e.g. after a restart): no earlier contexts known
                     bucket = self.policy.tool_return(req, bucket)
             elif n_tools > st.seen_tools:
-                bucket = self.policy.tool_return(req, st.bucket)
+                contexts = st.contexts + (req.context_tokens,) if st.contexts else ()
+                if len(contexts) != n_tools + 1:
+                    contexts = ()
+                bucket = self.policy.tool_return(replace(req, decision_contexts=contexts or req.decision_contexts),
+                                                 st.bucket)
             else:
+                contexts = st.contexts
                 bucket = st.bucket
             bucket = max(0, min(int(bucket), len(self.groups) - 1))
             # Sticky: stay on the same server while the group does not change (its prefix cache holds the
@@ -125,7 +133,8 @@ class Dispatcher:
             if st is not None and group != st.group:
                 self.counters["migrations"] += 1
                 self.counters["migrated_tokens"] += req.context_tokens
-            self._traj[req.trajectory_id] = _TrajState(bucket, group, max(n_tools, st.seen_tools if st else 0), addr)
+            self._traj[req.trajectory_id] = _TrajState(bucket, group, max(n_tools, st.seen_tools if st else 0), addr,
+                                                       contexts)
             self._routed[addr] += 1
             self.counters["routed"] += 1
             return addr

@@ -116,6 +116,8 @@ class PrefixTree:
     def rebuild(self, trajs: Iterable[Trajectory]) -> None:
         """Forget everything and re-insert `trajs` in order (the caller bounds the window)."""
         self._core.clear()
+        self._ids.clear()
+        self._states.clear()
         for t in trajs:
             self.insert(t)
 
@@ -164,6 +166,8 @@ class PrefixTree:
         except OSError as e:
             raise TreeFileError(f"{p}: cannot read tree file ({e.strerror or e})") from None
         head, sep, body = raw.partition(b"\n")
+        if not sep and head.startswith(b'{"format"'):
+            raise TreeFileError(f"{p}: truncated tree file (no complete header line)")
         try:
             header = json.loads(head)
         except (ValueError, UnicodeDecodeError):

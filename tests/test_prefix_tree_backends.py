@@ -1,0 +1,45 @@
+"""The C++ and Python prefix-tree cores give identical results on the real PolyTrace traces."""
+
+from pathlib import Path
+
+import pytest
+
+from areal_libra.scheduler import PrefixTree, cpp_available, decision_contexts, tool_state
+from areal_libra.trace import read_traces
+
+POLY = Path("/work/shared/data/polytrace/search_r1")
+
+pytestmark = [
+    pytest.mark.skipif(not cpp_available(), reason="C++ prefix tree not built (pip install -e . with a compiler)"),
+    pytest.mark.skipif(not POLY.is_dir(), reason="PolyTrace data not present"),
+]
+
+
+@pytest.fixture(scope="module")
+def trajs():
+    return read_traces([POLY / f"step_{i}.jsonl.gz" for i in range(5)])
+
+
+@pytest.mark.parametrize("max_nodes,window", [(200_000, 200), (2_500, 31)])
+def test_backends_agree_on_real_traces(trajs, max_nodes, window, tmp_path):
+    py = PrefixTree(min_samples=4, window=window, max_nodes=max_nodes, backend="python")
+    cc = PrefixTree(min_samples=4, window=window, max_nodes=max_nodes, backend="cpp")
+    probes = 0
+    for i, t in enumerate(trajs):
+        py.insert(t)
+        cc.insert(t)
+        if i % 3 == 0:  # interleave lookups: they move the LRU clock too
+            states = [tool_state(r) for r in t.tool_returns()]
+            ctx = decision_contexts(t)
+            for k in range(len(states) + 1):
+                floors = [ctx[k] - c for c in ctx[: k + 1]]
+                args = (t.prompt_id.replace("s", "x", i % 2), states[:k])
+                for kw in ({}, {"q": 0.3, "floors": floors, "prompt_first": True}):
+                    assert py.lookup(*args, **kw) == cc.lookup(*args, **kw)
+                    probes += 1
+    assert probes > 10_000
+    assert py.node_count() == cc.node_count() <= max_nodes
+    assert py.dump() == cc.dump()
+    py.save(tmp_path / "py.tree")
+    cc.save(tmp_path / "cc.tree")
+    assert (tmp_path / "py.tree").read_bytes() == (tmp_path / "cc.tree").read_bytes()
