@@ -191,6 +191,8 @@ class HybridWorker:
             self._loop()
         finally:
             self._stop.set()
+            if self.rollout is not None and not self.in_domain:
+                self.rollout.drain()  # hand unfinished requests back rather than dropping them
         return {"events": self.events, "steps_trained": self.steps_trained}
 
     def _loop(self) -> None:

@@ -75,6 +75,7 @@ class QueueRollout:
                 if req in self.in_flight:
                     self.in_flight.discard(req)
                     kv.set(f"rollout/done/{req}", {"by": self.name, "weights": fingerprint})
+                    kv.add(f"rollout/done_n/{req}", 1)  # >1 would mean a request was served twice
                     self.served += 1
 
     def drain(self) -> list[int]:

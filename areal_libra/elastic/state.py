@@ -125,7 +125,7 @@ class Pool:
         if generation != h.generation:
             return False
         if h.state != ReplicaState.ROLLOUT:
-            h.rollback(generation, reason)
+            self.counters.rollbacks += int(h.rollback(generation, reason))
         h.alive = False
         self.counters.failures += 1
         return True

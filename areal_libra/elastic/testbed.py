@@ -239,7 +239,7 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
     kv = KV(store, cfg.runtime.namespace)
     if cfg.rollout_requests:
         push_requests(kv, list(range(cfg.rollout_requests)))
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(os.environ.get("ELASTIC_TB_START", "fork"))
     procs: dict[tuple[str, int], Any] = {}
     for r in range(cfg.replica_size):
         procs[(CORE, r)] = ctx.Process(target=_core_main, args=(cfg, r, "127.0.0.1", store.port, outdir))
@@ -279,6 +279,9 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
                 torch.load(path, weights_only=False) if os.path.exists(path) else None)
     if cfg.rollout_requests:
         res["rollout_done"] = {i: kv.get(f"rollout/done/{i}") for i in range(cfg.rollout_requests)}
+        res["rollout_done_n"] = {i: int(kv.get(f"rollout/done_n/{i}", 0)) for i in range(cfg.rollout_requests)}
+        cur, tot = int(kv.get("rollout/cursor", 0)), int(kv.get("rollout/total", 0))
+        res["rollout_queued"] = [int(kv.get(f"rollout/ticket/{i}")) for i in range(cur, tot)]
     return res
 
 

@@ -1,0 +1,157 @@
+"""Pure parts of the Elastic Hybrid Pool: policy, state machine, snapshots, domain normalisation."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from areal_libra.elastic.domain import GradientDomain
+from areal_libra.elastic.policy import Decision, ElasticConfig, ElasticPolicy
+from areal_libra.elastic.snapshot import SnapshotError, SnapshotStore
+from areal_libra.elastic.state import HybridReplica, Pool, ReplicaState
+
+
+# -- policy ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "t_train,t_roll,pressure,active,idle,expect",
+    [
+        (1.15, 1.0, 0.1, 0, 2, ("join", 1)),  # exactly at the join threshold
+        (1.14, 1.0, 0.1, 0, 2, ("hold", 0)),  # inside the band
+        (0.91, 1.0, 0.1, 1, 0, ("hold", 0)),
+        (0.90, 1.0, 0.1, 1, 0, ("release", 1)),  # exactly at the release threshold
+        (2.0, 1.0, 0.1, 0, 0, ("hold", 0)),  # nothing to join
+        (0.5, 1.0, 0.1, 0, 3, ("hold", 0)),  # nothing to release
+        (2.0, 1.0, 0.80, 2, 1, ("release", 1)),  # protect rollout wins over a high ratio
+        (2.0, 1.0, 0.79, 2, 1, ("join", 1)),
+        (2.0, 0.0, 0.1, 0, 1, ("hold", 0)),
+    ],
+)
+def test_policy_thresholds(t_train, t_roll, pressure, active, idle, expect):
+    d = ElasticPolicy().decide(t_train, t_roll, pressure, active, idle)
+    assert (d.action, d.n) == expect, d.reason
+
+
+def test_policy_config_and_plan_requests():
+    p = ElasticPolicy(ElasticConfig(join_ratio=1.5, release_ratio=0.5, max_join_per_decision=3, cooldown_steps=2))
+    assert p.decide(1.6, 1.0, 0.0, 0, 5) == Decision("join", 3, p.decide(1.6, 1.0, 0.0, 0, 5).reason)
+    assert p.decide(1.6, 1.0, 0.0, 0, 5, steps_since_change=1).action == "hold"
+    assert p.decide(1.6, 1.0, 0.0, 0, 5, steps_since_change=2).action == "join"
+    with pytest.raises(ValueError):
+        ElasticConfig(join_ratio=0.9, release_ratio=0.9)
+
+    class Train:
+        tp, pp, dp = 2, 1, 5
+
+    class Plan:
+        train = Train()
+
+    assert p.request_from_plan(Plan(), n_active=1, n_idle=4, core_dp=2).action == "join"
+    assert p.request_from_plan(Plan(), n_active=1, n_idle=4, core_dp=2).n == 2
+    assert p.request_from_plan(0, n_active=2, n_idle=0) .n == 2
+    assert p.request_from_plan(2, n_active=2, n_idle=0).action == "hold"
+    with pytest.raises(ValueError):
+        p.request_from_plan(Plan(), n_active=0, n_idle=0)
+
+
+# -- state machine ---------------------------------------------------------------------------------
+def test_state_machine_cycle_and_stale_generations():
+    pool = Pool(1, 2, [HybridReplica("h0", 2), HybridReplica("h1")])
+    g = pool.request_join("h0")
+    assert g == 1 and pool.request_join("h0") is None  # already joining
+    for st in (ReplicaState.FETCHING, ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING, ReplicaState.TRAINING):
+        assert not pool.advance("h0", st, g - 1)  # stale generation: no-op
+        assert pool.advance("h0", st, g)
+    assert not pool.advance("h0", ReplicaState.FETCHING, g)  # no such edge
+    g2 = pool.request_release("h0")
+    assert g2 == 2 and pool.advance("h0", ReplicaState.ROLLOUT, g2)
+    m = pool.metrics()
+    assert m["elastic/joins"] == 1 and m["elastic/releases"] == 1 and m["elastic/n_rollout"] == 2
+
+
+def test_cancel_and_failure_roll_back_the_whole_replica():
+    pool = Pool(1, 0, [HybridReplica("h0")])
+    g = pool.request_join("h0")
+    pool.advance("h0", ReplicaState.FETCHING, g)
+    assert pool.request_release("h0") is not None  # release while joining = cancel
+    h = pool.hybrid["h0"]
+    assert h.state == ReplicaState.ROLLOUT and h.generation == g + 1
+    assert not pool.advance("h0", ReplicaState.ZERO_SYNC, g)  # the cancelled attempt's late report
+    g = pool.request_join("h0")
+    pool.advance("h0", ReplicaState.FETCHING, g)
+    assert pool.fail("h0", g, "killed")
+    assert h.state == ReplicaState.ROLLOUT and not h.alive
+    assert pool.request_join("h0") is None  # dead replicas do not join
+    pool.revive("h0")
+    assert pool.request_join("h0") is not None
+    assert pool.metrics()["elastic/failures"] == 1 and pool.counters.rollbacks == 2
+
+
+# -- snapshots -------------------------------------------------------------------------------------
+def _state(x: float):
+    m = torch.nn.Linear(3, 2)
+    torch.nn.init.constant_(m.weight, x)
+    return {"model": m.state_dict(), "n": x}
+
+
+def test_snapshot_publish_fetch_verify_gc(tmp_path):
+    st = SnapshotStore(str(tmp_path), keep=2)
+    for v in range(4):
+        st.publish_async(v, 0, _state(float(v)))
+    st.wait()
+    assert st.versions(0) == [2, 3] and st.latest(0) == 3 and st.latest(0, min_version=4) is None
+    got = st.fetch(3, 0)
+    assert got["n"] == 3.0 and torch.equal(got["model"]["weight"], torch.full((2, 3), 3.0))
+    with pytest.raises(SnapshotError, match="missing"):
+        st.fetch(0, 0)
+
+
+def test_snapshot_refuses_truncated_and_wrong_version(tmp_path):
+    st = SnapshotStore(str(tmp_path), keep=5)
+    st.write(1, 0, _state(1.0), corrupt="truncate")
+    with pytest.raises(SnapshotError, match="truncated"):
+        st.fetch(1, 0)
+    st.write(2, 0, _state(2.0), corrupt="wrong_version")
+    with pytest.raises(SnapshotError, match="wrong version"):
+        st.fetch(2, 0)
+    # A file rewritten behind the manifest's back is caught by the checksum.
+    st.write(3, 0, _state(3.0))
+    pt = os.path.join(str(tmp_path), "v00000003_p0.pt")
+    data = bytearray(open(pt, "rb").read())
+    data[-10] ^= 0xFF
+    open(pt, "wb").write(bytes(data))
+    with pytest.raises(SnapshotError, match="checksum"):
+        st.fetch(3, 0)
+
+
+# -- domain normalisation --------------------------------------------------------------------------
+def _member(i: int, port: int, weights, values, q) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    names = [f"m{k}" for k in range(len(weights))]
+    d = GradientDomain(store, position=0, me=names[i], timeout_s=10, chunk_elems=3)  # 7 elements: 3 chunks
+    d.rebuild(1, names)
+    t = [torch.full((2, 2), values[i]), torch.full((2,), 10 * values[i])]
+    total = d.reduce(t, weights[i])
+    q.put((i, total, [x.tolist() for x in t]))
+
+
+def test_domain_weighted_mean_and_zero_weight_joiner():
+    weights, values = [2.0, 1.0, 0.0], [1.0, 4.0, 1000.0]  # the joiner's values must not leak in
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_member, args=(i, store.port, weights, values, q)) for i in range(3)]
+    for p in ps:
+        p.start()
+    res = [q.get(timeout=60) for _ in ps]
+    for p in ps:
+        p.join(10)
+    expect = (2.0 * 1.0 + 1.0 * 4.0) / 3.0
+    for _i, total, t in res:
+        assert total == 3.0
+        assert t[0] == [[expect, expect], [expect, expect]]
+        assert t[1] == [10 * expect, 10 * expect]
