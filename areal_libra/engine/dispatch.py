@@ -111,8 +111,9 @@ class RequestRouter:
                 raise ValueError(f"rollout group {g.name} has no server address")
         self.group_of = {a: gi for gi, addrs in enumerate(self.group_addrs) for a in addrs}
         self.all_addresses = [a for addrs in self.group_addrs for a in addrs]
-        switches = dict(cfg.cmlfq)
+        switches = {}
         if cfg.policy == "cmlfq":
+            switches = dict(cfg.cmlfq)
             switches["rebuild_every"] = 0  # the live tree rebuilds off the request path instead
         policy = make_policy(cfg.policy, [Bucket(g.max_len, g.tp) for g in self.groups], **switches)
         self.dispatcher = Dispatcher(

@@ -24,6 +24,14 @@ TREE_FILE = "cmlfq_tree.bin"
 WINDOW_FILE = "cmlfq_window.jsonl"
 
 
+def _like(old: PrefixTree, tree: PrefixTree | None = None) -> PrefixTree:
+    """An empty tree (or `tree`) with the parameters and state coarsening of `old`."""
+    out = tree if tree is not None else PrefixTree(min_samples=old.min_samples, window=old.window,
+                                                  max_nodes=old.max_nodes, sizes=old.sizes, backend=old.backend)
+    out.state_map = getattr(old, "state_map", None)  # the policy's state_key switch
+    return out
+
+
 class LiveTree:
     def __init__(self, dispatcher: Dispatcher, run_dir: str | Path | None, rebuild_every_steps: int = 1,
                  window: int = 5000, online: bool = False, save: bool = True) -> None:
@@ -62,7 +70,7 @@ class LiveTree:
             log.warning("live tree: %s; the rebuild window starts empty", e)
             window = []
         with self.dispatcher.lock:
-            self.policy.tree = loaded
+            self.policy.tree = _like(tree, loaded)
         with self._lock:
             for t in window:
                 self._seq += 1
@@ -105,8 +113,7 @@ class LiveTree:
             with self._lock:
                 snap = list(self._learned)
             cut = snap[-1][0] if snap else 0
-            fresh = PrefixTree(min_samples=old.min_samples, window=old.window, max_nodes=old.max_nodes,
-                               sizes=old.sizes, backend=old.backend)
+            fresh = _like(old)
             window = [t for _, t in snap]
             fresh.rebuild(window)
             if self.save_enabled:

@@ -1,0 +1,312 @@
+"""The request router AReaL calls: C-MLFQ placement and migration, load accounting, online accuracy,
+live tree (rebuild off the request path, save, reload on recover), failover and health over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from areal.api.io_struct import ModelRequest
+
+from areal_libra.engine.dispatch import (
+    DispatchConfig,
+    RequestRouter,
+    ServerDown,
+    build_router,
+    write_groups_file,
+)
+from areal_libra.engine.groups import RolloutGroup
+from areal_libra.engine.live_tree import TREE_FILE, WINDOW_FILE
+from areal_libra.trace import Segment, ToolReturn, Trajectory
+from areal_libra.utils import free_port
+
+SHORT = RolloutGroup("short", tp=1, count=2, max_len=100)
+LONG = RolloutGroup("long", tp=2, count=1, max_len=400)
+ADDRS = [["127.0.0.1:1", "127.0.0.1:2"], ["127.0.0.1:3"]]
+NOSTART = {"start_lookup": False, "min_samples": 2}
+
+
+def make_router(tmp_path: Path | None = None, addrs=ADDRS, **kw) -> RequestRouter:
+    cfg = DispatchConfig(cmlfq=dict(NOSTART), **kw)
+    # groups given long-first: the router orders them by threshold, addresses follow their group
+    return RequestRouter([LONG, SHORT], [addrs[1], addrs[0]], cfg, run_dir=tmp_path, health=False)
+
+
+def tool(status: str, payload: int = 5) -> dict:
+    return {"name": "calc", "payload_tokens": payload, "status": status}
+
+
+def req(tid: str, ctx: int, tools: list[dict], prompt: str = "p0", model: int = 0) -> ModelRequest:
+    meta = {"trajectory_id": tid, "prompt_id": prompt, "prompt_tokens": 10, "context_tokens": ctx,
+            "model_tokens": model, "tool_returns": tools, "turn": len(tools)}
+    return ModelRequest(input_ids=list(range(ctx)), metadata=meta)
+
+
+def traj(tid: str, status: str, tail: int, step: int = 0, prompt: str = "p0") -> Trajectory:
+    """Prompt 10, 20 generated, a calc return (5 tokens), then `tail` more generated tokens."""
+    return Trajectory(tid, prompt, step, 10,
+                      (Segment(20, ToolReturn("calc", 5, status)), Segment(tail)), "stop", 1.0)
+
+
+def teach(router: RequestRouter, n: int = 6, step: int = 0) -> None:
+    """A history where a successful calc return is followed by a long answer, a failed one by a short one."""
+    for i in range(n):
+        router.on_trajectory(traj(f"h{step}-s{i}", "success", 300, step))
+        router.on_trajectory(traj(f"h{step}-f{i}", "failure", 10, step))
+    router.step_metrics()  # step boundary: the step's trajectories become visible
+    router.live.wait(10)
+
+
+def run_turns(router: RequestRouter, tid: str, status: str) -> tuple[str, str]:
+    r0 = req(tid, 10, [])
+    a0 = router.route(r0, None)
+    router.done(r0, a0, [1] * 20, "tool_calls")
+    r1 = req(tid, 35, [tool(status)], model=20)
+    a1 = router.route(r1, None)
+    router.done(r1, a1, [1] * 7, "stop")
+    return a0, a1
+
+
+def test_tool_return_predicting_long_continuation_migrates_to_the_larger_group() -> None:
+    router = make_router()
+    teach(router)
+    a0, a1 = run_turns(router, "t-long", "success")
+    assert router.group_of[a0] == 0 and router.group_of[a1] == 1  # short -> long at the tool return
+    b0, b1 = run_turns(router, "t-short", "failure")
+    assert router.group_of[b0] == 0 and router.group_of[b1] == 0  # a failed call predicts a short answer
+    m = router.step_metrics()
+    assert m["cmlfq/migrations"] == 1 and m["cmlfq/migrated_tokens"] == 35
+    assert m["cmlfq/requests/short"] == 3 and m["cmlfq/requests/long"] == 1
+    assert m["cmlfq/inflight/short"] == 0 and m["cmlfq/inflight/long"] == 0
+    assert m["cmlfq/tokens_per_s/long"] > 0
+
+
+def test_without_history_nothing_moves_and_round_robin_policy_never_migrates() -> None:
+    router = make_router()
+    a0, a1 = run_turns(router, "t", "success")
+    assert router.group_of[a0] == router.group_of[a1] == 0
+    assert router.step_metrics()["cmlfq/migrations"] == 0
+    rr = make_router(policy="least_loaded")
+    teach(rr)
+    starts = []
+    for i in range(4):
+        a0, a1 = run_turns(rr, f"t{i}", "success")
+        assert a0 == a1  # placed once at the start, never moved
+        starts.append(rr.group_of[a0])
+    assert rr.step_metrics()["cmlfq/migrations"] == 0
+
+
+def test_group_choice_holds_and_servers_are_least_loaded_inside_a_group() -> None:
+    router = make_router()
+    reqs = [req(f"t{i}", 10, []) for i in range(4)]
+    addrs = [router.route(r, None) for r in reqs]
+    # no history: everything starts in the short group, spread over its two servers by load
+    assert sorted(addrs) == sorted(ADDRS[0] * 2)
+    # the next turn of a trajectory without a new tool return stays on its server (sticky)
+    router.done(reqs[0], addrs[0], [1], "stop")
+    again = router.route(req("t0", 12, []), None)
+    assert again == addrs[0]
+
+
+def test_online_accuracy_is_scored_when_trajectories_finish() -> None:
+    router = make_router()
+    teach(router)
+    run_turns(router, "a", "success")  # decisions: short (wrong: final 335 > 100), long (right)
+    router.on_trajectory(traj("a", "success", 300, step=1))
+    run_turns(router, "b", "failure")  # decisions: short, short (both right: final 45)
+    router.on_trajectory(traj("b", "failure", 10, step=1))
+    m = router.step_metrics()
+    assert m["cmlfq/finished"] == 2
+    assert m["cmlfq/decision_accuracy"] == pytest.approx(3 / 4)
+    # tokens: a: 20 in the wrong bucket, 7 in the right one; b: 27 right
+    assert m["cmlfq/token_accuracy"] == pytest.approx(34 / 54)
+
+
+def test_requests_without_trajectory_metadata_still_go_through_the_dispatcher() -> None:
+    router = make_router()
+    r = ModelRequest(input_ids=[1, 2, 3])
+    a = router.route(r, None)
+    assert a in router.all_addresses
+    router.done(r, a, [4], "stop")
+    m = router.step_metrics()
+    assert m["cmlfq/routed"] == 1 and m["cmlfq/inflight/short"] == 0
+    assert router.dispatcher.placement(f"rid:{r.rid}") is None  # forgotten once done
+
+
+def test_live_tree_rebuilds_off_path_saves_and_reloads_on_recover(tmp_path: Path) -> None:
+    router = make_router(tmp_path)
+    teach(router)
+    assert (tmp_path / TREE_FILE).exists() and (tmp_path / WINDOW_FILE).exists()
+    assert router.live.rebuilds == 1
+    nodes = router.live.tree.node_count()
+    assert nodes > 0
+    # a fresh router for the same run directory (recover) picks the tree and its window up
+    again = RequestRouter([SHORT, LONG], ADDRS, DispatchConfig(cmlfq=dict(NOSTART)), run_dir=tmp_path,
+                          restore=True, health=False)
+    assert again.restored and again.live.tree.node_count() == nodes
+    a0, a1 = run_turns(again, "r", "success")
+    assert again.group_of[a1] == 1  # the reloaded tree predicts like the saved one
+    # the rebuild window came back too: a rebuild from it keeps the knowledge
+    again.step_metrics()
+    again.live.wait(10)
+    assert again.live.tree.node_count() == nodes
+    # without restore the same directory gives an empty tree
+    cold = RequestRouter([SHORT, LONG], ADDRS, DispatchConfig(cmlfq=dict(NOSTART)), run_dir=tmp_path, health=False)
+    assert not cold.restored and cold.live.tree.node_count() <= 1
+
+
+def test_learning_during_a_rebuild_is_not_lost(tmp_path: Path) -> None:
+    router = make_router(tmp_path)
+    teach(router)
+    before = router.live.tree.node_count()
+    # a trajectory with a new state sequence arrives and becomes visible while no rebuild runs;
+    router.on_trajectory(Trajectory("x", "p9", 1, 10, (Segment(5, ToolReturn("search", 5, "timeout")),
+                                                        Segment(5)), "stop", 0.0))
+    router.step_metrics()
+    router.live.wait(10)
+    assert router.live.tree.node_count() > before
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server API
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+def _serve(port: int = 0) -> http.server.ThreadingHTTPServer:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Health)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+def _dead_addr() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+def test_failover_moves_a_request_off_a_dead_server_and_keeps_live_errors() -> None:
+    live = _serve()
+    live_addr = f"127.0.0.1:{live.server_address[1]}"
+    dead = _dead_addr()
+    try:
+        router = make_router(addrs=[[dead, live_addr], [_dead_addr()]], health_timeout_s=1.0)
+        r = req("t", 10, [])
+        first = router.route(r, None)
+        if first != dead:  # make the dead server the one in use
+            router.done(r, first, [], "stop")
+            router.dispatcher.begin(dead)
+            first = dead
+        new = asyncio.run(router.failover(r, first, ConnectionRefusedError("refused")))
+        assert new == live_addr
+        assert dead in router.down_addresses()
+        assert router.step_metrics()["cmlfq/failovers"] == 1
+        # a server that still answers /health: the error is not a server failure, it is raised again
+        err = ValueError("bad request")
+        with pytest.raises(ValueError, match="bad request"):
+            asyncio.run(router.failover(r, live_addr, err))
+        assert live_addr not in router.down_addresses()
+        m = router.step_metrics()
+        assert m["cmlfq/inflight/short"] == 0 and m["cmlfq/health_down"] == 0
+    finally:
+        live.shutdown()
+
+
+def test_failover_falls_through_to_the_next_group_when_a_group_is_empty() -> None:
+    dead = _dead_addr()
+    router = make_router(addrs=[[dead], ["127.0.0.1:9"]], health_timeout_s=0.5)
+    r = req("t", 10, [])
+    assert router.route(r, None) == dead
+    new = asyncio.run(router.failover(r, dead, ConnectionResetError()))
+    assert new == "127.0.0.1:9" and router.step_metrics()["cmlfq/unhealthy_servers"] == 1
+
+
+def test_watch_gives_up_on_a_server_that_stops_answering() -> None:
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(8)  # accepts connections, never answers
+    addr = f"127.0.0.1:{hang.getsockname()[1]}"
+    router = make_router(addrs=[[addr, "127.0.0.1:2"], ["127.0.0.1:3"]], watch_interval_s=0.05)
+
+    async def never():
+        await asyncio.sleep(60)
+
+    async def main():
+        r = req("t", 10, [])
+        threading.Timer(0.2, router.health.report_failure, (addr, "probe failed")).start()
+        t0 = time.monotonic()
+        with pytest.raises(ServerDown):
+            await router.watch(r, addr, never())
+        return time.monotonic() - t0
+
+    try:
+        assert asyncio.run(main()) < 2.0
+        assert router.step_metrics()["cmlfq/health_down"] == 1
+    finally:
+        hang.close()
+
+
+def test_health_probe_marks_down_and_readmits() -> None:
+    srv = _serve()
+    port = srv.server_address[1]
+    addr = f"127.0.0.1:{port}"
+    router = make_router(addrs=[[addr], ["127.0.0.1:3"]], fail_after=1, ok_after=1, health_timeout_s=0.5)
+    mon = router.health
+    mon.addresses = [addr]
+    mon.check_once()
+    assert addr not in router.down_addresses()
+    srv.shutdown()
+    srv.server_close()
+    mon.check_once()
+    assert addr in router.down_addresses()
+    assert router.route(req("t", 10, []), None) == "127.0.0.1:3"  # the short group is empty: next group
+    srv2 = _serve(port)
+    try:
+        # it missed a weight update while out: stays out
+        class Engine:
+            v = 0
+
+            def get_version(self):
+                return self.v
+
+        eng = Engine()
+        router.attach_engine(eng)
+        router._version_down[addr] = 0
+        eng.v = 1
+        mon.check_once()
+        assert addr in router.down_addresses()
+        eng.v = 0
+        mon.check_once()
+        assert addr not in router.down_addresses()
+        m = router.step_metrics()
+        assert m["cmlfq/health_down"] == 1 and m["cmlfq/health_up"] == 1
+    finally:
+        srv2.shutdown()
+
+
+def test_build_router_from_groups_file_and_from_config(tmp_path: Path, monkeypatch) -> None:
+    groups = [RolloutGroup("short", 1, 2, max_len=80), RolloutGroup("long", 2, 1, max_len=160)]
+    write_groups_file(tmp_path, groups, ["a:1", "a:2", "b:1"])
+    libra = {"scheduler": {"policy": "cmlfq", "cmlfq": {"min_samples": 3}}}
+    r = build_router(libra, tmp_path, health=False)
+    assert r.group_addrs == [["a:1", "a:2"], ["b:1"]] and [g.max_len for g in r.groups] == [80, 160]
+    assert r.dispatcher.policy.config.min_samples == 3
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setenv("AREAL_LLM_SERVER_ADDRS", "x:1,y:1")
+    libra2 = {"rollout_groups": [{"name": "s", "tp": 1}, {"name": "l", "tp": 2}], "scheduler": {"policy": "mlfq"}}
+    r2 = build_router(libra2, other, max_tokens=100, health=False)
+    assert r2.group_addrs == [["x:1"], ["y:1"]] and [g.max_len for g in r2.groups] == [50, 100]
+    with pytest.raises(ValueError, match="unknown key"):
+        build_router({"scheduler": {"polcy": "cmlfq"}}, tmp_path, health=False)
+    with pytest.raises(ValueError, match="2 servers but 3"):
+        build_router(libra2, other, addresses=["a", "b", "c"], max_tokens=100, health=False)
+    assert json.loads((tmp_path / "rollout_groups.json").read_text())["groups"][1]["addresses"] == ["b:1"]
