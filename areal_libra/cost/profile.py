@@ -1,0 +1,179 @@
+"""python -m areal_libra.cost.profile [--device cpu|cuda] [--out FILE.yaml] [--json] [--quick]
+
+Measures a small Hugging Face Qwen2 model with torch on this machine — prefill, decode steps at several
+batch sizes and cache lengths, and full training steps (forward, backward, AdamW) — and fits the hardware
+preset's efficiency factors to them (areal_libra.cost.calibrate). On CPU one "device" is one thread;
+the result is the `cpu` preset the planner uses for the embedded CPU cluster. On a GPU machine the same
+command measures there (the start values are the --hardware preset).
+
+Writes the calibrated HardwareSpec as YAML (atomically) to --out, or prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from areal_libra.cost.calibrate import Calibration
+from areal_libra.cost.presets import ModelSpec, PresetError, load_hardware
+from areal_libra.cost.training import TrainParallel
+
+
+@dataclass(frozen=True)
+class ProfileShape:
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 1024
+    vocab: int = 2048
+
+
+def _median_time(fn, repeat: int, sync) -> float:
+    times = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def build_model(shape: ProfileShape, device: str):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                      num_key_value_heads=shape.kv_heads, intermediate_size=shape.ffn, vocab_size=shape.vocab,
+                      max_position_embeddings=8192, tie_word_embeddings=True)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
+    spec = ModelSpec(name=f"qwen2-h{shape.hidden}-l{shape.layers}", n_layers=shape.layers, hidden=shape.hidden,
+                     n_heads=shape.heads, n_kv_heads=shape.kv_heads, head_dim=shape.hidden // shape.heads,
+                     ffn=shape.ffn, vocab=shape.vocab, tie_embeddings=True, dtype_bytes=4 if device == "cpu" else 2)
+    return model, spec
+
+
+def measure(model, spec: ModelSpec, device: str, quick: bool, cal: Calibration, log) -> None:
+    import torch
+
+    sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
+    rep = 2 if quick else 3
+    model.eval()
+    with torch.no_grad():
+        for n in ((64, 256) if quick else (64, 256, 1024)):
+            ids = torch.randint(0, spec.vocab, (1, n), device=device)
+            model(ids)  # warm-up
+            t = _median_time(lambda ids=ids: model(ids, use_cache=True), rep, sync)
+            cal.add_prefill(1, n, t)
+            log(f"prefill tokens={n}: {t * 1000:.2f} ms")
+        for batch in ((1, 8) if quick else (1, 4, 16)):
+            for kv in ((64,) if quick else (64, 256)):
+                ids = torch.randint(0, spec.vocab, (batch, kv), device=device)
+                out = model(ids, use_cache=True)
+                cache = out.past_key_values
+                nxt = torch.randint(0, spec.vocab, (batch, 1), device=device)
+                steps = 4
+
+                def run(cache=cache, nxt=nxt, steps=steps):
+                    for _ in range(steps):
+                        model(nxt, past_key_values=cache, use_cache=True)
+
+                model(nxt, past_key_values=cache, use_cache=True)  # warm-up
+                t = _median_time(run, 1 if quick else 2, sync) / steps
+                cal.add_decode(1, batch, batch * (kv + 2 + steps), t)
+                log(f"decode batch={batch} kv={kv}: {t * 1000:.2f} ms/step")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for bs, n in (((2, 128),) if quick else ((4, 128), (2, 512))):
+        ids = torch.randint(0, spec.vocab, (bs, n), device=device)
+
+        def step(ids=ids):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()  # warm-up (allocates optimizer state)
+        t = _median_time(step, rep, sync)
+        cal.add_train(TrainParallel(1, 1, 1, 1, bs), [n] * bs, t)
+        log(f"train batch={bs}x{n}: {t * 1000:.1f} ms")
+
+
+def _atomic_write(path: str, text: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".profile.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m areal_libra.cost.profile", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--hardware", default=None, help="preset to start from (default: cpu, or h100 on cuda)")
+    ap.add_argument("--out", default=None, help="write the calibrated hardware YAML here")
+    ap.add_argument("--json", action="store_true", help="print the fit report as JSON")
+    ap.add_argument("--quick", action="store_true", help="fewer, smaller measurements (a few seconds)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU (one device = one thread)")
+    ap.add_argument("--hidden", type=int, default=ProfileShape.hidden)
+    ap.add_argument("--layers", type=int, default=ProfileShape.layers)
+    args = ap.parse_args(argv)
+    try:
+        import torch
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            print("error: --device cuda but no CUDA device is available", file=sys.stderr)
+            return 2
+        hw0 = load_hardware(args.hardware or ("cpu" if args.device == "cpu" else "h100"))
+    except PresetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, args.threads))
+    shape = ProfileShape(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
+                         kv_heads=max(1, args.hidden // 128), ffn=4 * args.hidden)
+    model, spec = build_model(shape, args.device)
+    cal = Calibration(hw0, spec)
+    log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    t0 = time.perf_counter()
+    measure(model, spec, args.device, args.quick, cal, log)
+    # The profiled train step is forward + backward + optimizer: no recompute, no extra log-prob pass.
+    train_kw = {"recompute": False, "logprob_passes": 0}
+    res = cal.fit(train_kw)
+    hw = res.hardware
+    fields = {k: v for k, v in asdict(hw).items() if k != "name"}
+    header = (f"# Calibrated by: python -m areal_libra.cost.profile --device {args.device}"
+              f"{' --quick' if args.quick else ''} ({spec.name}, {args.threads} thread(s))\n"
+              f"# mean relative error after fit: "
+              + ", ".join(f"{k} {v:.1%}" for k, v in res.rel_error.items()) + "\n")
+    text = header + "".join(f"{k}: {v!r}\n" for k, v in fields.items())
+    if args.out:
+        _atomic_write(args.out, text)
+    report = {"hardware": fields, "alpha": res.alpha, "beta": res.beta, "rel_error": res.rel_error,
+              "model": spec.name, "samples": len(cal.samples), "wall_s": round(time.perf_counter() - t0, 2)}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        if not args.out:
+            print(text, end="")
+        print(f"fit: alpha={res.alpha} beta={res.beta} rel_error={res.rel_error} ({report['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
