@@ -310,3 +310,28 @@ def test_build_router_from_groups_file_and_from_config(tmp_path: Path, monkeypat
     with pytest.raises(ValueError, match="2 servers but 3"):
         build_router(libra2, other, addresses=["a", "b", "c"], max_tokens=100, health=False)
     assert json.loads((tmp_path / "rollout_groups.json").read_text())["groups"][1]["addresses"] == ["b:1"]
+
+
+def test_single_controller_router_travels_over_areal_rpc_serialization(tmp_path: Path) -> None:
+    from areal.infra.rpc.serialization import deserialize_value, serialize_value
+    from omegaconf import OmegaConf
+
+    from areal_libra.engine.dispatch import RemoteRouter
+
+    groups = [RolloutGroup("short", 1, 2, max_len=80), RolloutGroup("long", 2, 1, max_len=160)]
+    write_groups_file(tmp_path, groups, ["a:1", "a:2", "b:1"])
+    libra = OmegaConf.create({"scheduler": {"policy": "cmlfq", "cmlfq": {"start_lookup": False},
+                                            "health_interval_s": 60}})
+    spec = RemoteRouter.from_groups_file(tmp_path, libra)
+    wire = json.loads(json.dumps(serialize_value({"router": spec})))  # what the RPC body carries
+    worker_side = deserialize_value(wire)["router"]
+    assert isinstance(worker_side, RemoteRouter) and worker_side == spec
+    # on the worker it routes over all groups, not only the worker's own server
+    r = req("t", 10, [])
+    a = worker_side.route(r, ["b:1"])
+    assert a in ("a:1", "a:2")
+    worker_side.done(r, a, [1, 2], "stop")
+    inner = worker_side._get()
+    assert inner.step_metrics()["cmlfq/requests/short"] == 1
+    assert inner.run_dir.parent == tmp_path and inner.run_dir.name.startswith("router-")
+    inner.close()

@@ -96,9 +96,15 @@ class _StepCounters:
 class RequestRouter:
     """Implements the router protocol of patches 02 and 10: route, done, watch, failover, down_addresses."""
 
-    def __init__(self, groups: Sequence[RolloutGroup], addresses: Sequence[Sequence[str]],
-                 config: DispatchConfig | None = None, run_dir: str | Path | None = None,
-                 restore: bool = False, health: bool = True) -> None:
+    def __init__(
+        self,
+        groups: Sequence[RolloutGroup],
+        addresses: Sequence[Sequence[str]],
+        config: DispatchConfig | None = None,
+        run_dir: str | Path | None = None,
+        restore: bool = False,
+        health: bool = True,
+    ) -> None:
         cfg = config or DispatchConfig()
         self.config = cfg
         if len(groups) != len(addresses):
@@ -117,11 +123,14 @@ class RequestRouter:
             switches["rebuild_every"] = 0  # the live tree rebuilds off the request path instead
         policy = make_policy(cfg.policy, [Bucket(g.max_len, g.tp) for g in self.groups], **switches)
         self.dispatcher = Dispatcher(
-            policy, [ServerGroup(g.name, g.tp, g.max_len, list(a)) for g, a in zip(self.groups, self.group_addrs)],
-            sticky=cfg.sticky)
+            policy,
+            [ServerGroup(g.name, g.tp, g.max_len, list(a)) for g, a in zip(self.groups, self.group_addrs)],
+            sticky=cfg.sticky,
+        )
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.live = LiveTree(self.dispatcher, self.run_dir, cfg.rebuild_every_steps, cfg.rebuild_window,
-                             online=cfg.online_siblings)
+        self.live = LiveTree(
+            self.dispatcher, self.run_dir, cfg.rebuild_every_steps, cfg.rebuild_window, online=cfg.online_siblings
+        )
         self.restored = bool(restore and self.run_dir is not None and self.live.restore(self.run_dir))
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}
@@ -131,8 +140,15 @@ class RequestRouter:
         self._engine = None
         self._version_down: dict[str, int] = {}
         self._warned_addresses = False
-        self.health = HealthMonitor(self.all_addresses, self._on_health, cfg.health_interval_s,
-                                    cfg.health_timeout_s, cfg.fail_after, cfg.ok_after, self._may_readmit)
+        self.health = HealthMonitor(
+            self.all_addresses,
+            self._on_health,
+            cfg.health_interval_s,
+            cfg.health_timeout_s,
+            cfg.fail_after,
+            cfg.ok_after,
+            self._may_readmit,
+        )
         if health:
             self.health.start()
 
@@ -170,8 +186,10 @@ class RequestRouter:
         log.warning("rollout server %s %s (%s)", addr, "re-admitted" if up else "marked down", reason)
         if self.run_dir is not None:
             try:
-                append_jsonl(self.run_dir / "dispatch_health.jsonl",
-                             {"t": round(time.time(), 3), "addr": addr, "up": up, "reason": reason})
+                append_jsonl(
+                    self.run_dir / "dispatch_health.jsonl",
+                    {"t": round(time.time(), 3), "addr": addr, "up": up, "reason": reason},
+                )
             except OSError:
                 pass
 
@@ -193,8 +211,9 @@ class RequestRouter:
         meta, anonymous = self._meta(req)
         if addresses is not None and not self._warned_addresses and not set(self.all_addresses) <= set(addresses):
             self._warned_addresses = True  # single-controller workers know only their own server
-            log.info("router: engine addresses %s differ from the rollout groups; routing over all groups",
-                     list(addresses))
+            log.info(
+                "router: engine addresses %s differ from the rollout groups; routing over all groups", list(addresses)
+            )
         tid = str(meta["trajectory_id"])
         n_tools = len(meta.get("tool_returns") or ())
         addr = self.dispatcher.route(meta)
@@ -268,8 +287,9 @@ class RequestRouter:
         def _send() -> None:
             try:
                 body = json.dumps({"rid": rid}).encode()
-                r = urllib.request.Request(f"http://{addr}/abort_request", data=body,
-                                           headers={"Content-Type": "application/json"})
+                r = urllib.request.Request(
+                    f"http://{addr}/abort_request", data=body, headers={"Content-Type": "application/json"}
+                )
                 urllib.request.urlopen(r, timeout=2).close()
             except Exception:  # noqa: BLE001 - the server is probably gone
                 pass
@@ -287,8 +307,7 @@ class RequestRouter:
             tr = self._tracks.get(tid)
             n = getattr(req, "_libra_failovers", 0) + 1
         if not isinstance(exc, ServerDown):
-            alive = await asyncio.get_running_loop().run_in_executor(
-                None, probe, addr, self.config.health_timeout_s)
+            alive = await asyncio.get_running_loop().run_in_executor(None, probe, addr, self.config.health_timeout_s)
             if alive:
                 self.dispatcher.end(addr)
                 raise exc
@@ -315,8 +334,7 @@ class RequestRouter:
                 c.failovers += 1
             if tr is not None:
                 tr.group, tr.addr = self.group_of[new], new
-        log.warning("request %s moved from %s to %s after %s", getattr(req, "rid", "?"), addr, new,
-                    type(exc).__name__)
+        log.warning("request %s moved from %s to %s after %s", getattr(req, "rid", "?"), addr, new, type(exc).__name__)
         return new
 
     # --- trajectory end ---
@@ -369,10 +387,19 @@ class RequestRouter:
     def totals(self) -> dict:
         with self._lock:
             t = self._totals
-            return {"migrations": t.migrations, "migrated_tokens": t.migrated_tokens, "failovers": t.failovers,
-                    "routed": t.routed, "finished": t.finished, "decisions": t.decisions, "correct": t.correct,
-                    "health_down": t.health_down, "health_up": t.health_up,
-                    "group_requests": dict(t.group_requests), "group_tokens": dict(t.group_tokens)}
+            return {
+                "migrations": t.migrations,
+                "migrated_tokens": t.migrated_tokens,
+                "failovers": t.failovers,
+                "routed": t.routed,
+                "finished": t.finished,
+                "decisions": t.decisions,
+                "correct": t.correct,
+                "health_down": t.health_down,
+                "health_up": t.health_up,
+                "group_requests": dict(t.group_requests),
+                "group_tokens": dict(t.group_tokens),
+            }
 
     def close(self) -> None:
         self.health.stop()
@@ -388,8 +415,18 @@ def write_groups_file(run_dir: str | Path, groups: Sequence[RolloutGroup], addre
     if len(servers) != len(addresses):
         raise ValueError(f"{len(servers)} servers in the rollout groups but {len(addresses)} addresses")
     it = iter(addresses)
-    body = [{"name": g.name, "tp": g.tp, "count": g.count, "threads": g.threads, "max_running": g.max_running,
-             "max_len": g.max_len, "addresses": [next(it) for _ in range(g.count)]} for g in groups]
+    body = [
+        {
+            "name": g.name,
+            "tp": g.tp,
+            "count": g.count,
+            "threads": g.threads,
+            "max_running": g.max_running,
+            "max_len": g.max_len,
+            "addresses": [next(it) for _ in range(g.count)],
+        }
+        for g in groups
+    ]
     p = Path(run_dir) / GROUPS_FILE
     atomic_write_text(p, json.dumps({"groups": body}, indent=1) + "\n")
     return p
@@ -398,8 +435,9 @@ def write_groups_file(run_dir: str | Path, groups: Sequence[RolloutGroup], addre
 def read_groups_file(path: str | Path) -> tuple[list[RolloutGroup], list[list[str]]]:
     try:
         d = json.loads(Path(path).read_text())
-        groups = [group_from_mapping({k: v for k, v in g.items() if k != "addresses"}, i)
-                  for i, g in enumerate(d["groups"])]
+        groups = [
+            group_from_mapping({k: v for k, v in g.items() if k != "addresses"}, i) for i, g in enumerate(d["groups"])
+        ]
         addrs = [list(g["addresses"]) for g in d["groups"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: cannot read rollout groups ({type(e).__name__}: {e})") from None
@@ -416,8 +454,13 @@ def _recover_enabled(run_dir: Path) -> bool:
     return mode not in ("disabled", "None", "")
 
 
-def build_router(libra: Mapping, run_dir: str | Path, addresses: Sequence[str] | None = None,
-                 max_tokens: int | None = None, health: bool = True) -> RequestRouter:
+def build_router(
+    libra: Mapping,
+    run_dir: str | Path,
+    addresses: Sequence[str] | None = None,
+    max_tokens: int | None = None,
+    health: bool = True,
+) -> RequestRouter:
     """The run's router: groups and addresses from <run_dir>/rollout_groups.json (written by launch), or
     from the config's groups split over `addresses` / AREAL_LLM_SERVER_ADDRS in launch order."""
     run_dir = Path(run_dir)
@@ -432,11 +475,105 @@ def build_router(libra: Mapping, run_dir: str | Path, addresses: Sequence[str] |
         if max_tokens is None:
             raise ValueError("build_router: max_tokens is needed when there is no rollout_groups.json")
         groups = resolve_groups(libra, max_tokens)
-        flat = list(addresses) if addresses is not None else \
-            [a for a in os.environ.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
+        flat = (
+            list(addresses)
+            if addresses is not None
+            else [a for a in os.environ.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
+        )
         servers = expand_servers(groups)
         if len(flat) != len(servers):
             raise ValueError(f"rollout groups have {len(servers)} servers but {len(flat)} addresses were given")
         it = iter(flat)
         addrs = [[next(it) for _ in range(g.count)] for g in groups]
     return RequestRouter(groups, addrs, cfg, run_dir, restore=_recover_enabled(run_dir), health=health)
+
+
+# --- single-controller mode ----------------------------------------------------------------------------
+
+
+@dataclass
+class RemoteRouter:
+    """The router for AReaL's single-controller mode, where workflows run inside rollout workers.
+
+    Choice: every rollout worker gets the full group map and routes its own requests (instead of asking
+    the controller per request). A trajectory never leaves the worker that runs its workflow, so its
+    placement state is local anyway; a per-request round trip to the controller would add an RPC to every
+    turn and make the controller a bottleneck. The price: each worker sees only its own load, and learns
+    its tree from its own trajectories (saved per worker under <run_dir>/router-<pid>/).
+
+    It is a dataclass of plain fields so that AReaL's RPC serialization (dataclass by class path) carries
+    it to the worker: `controller._collective_rpc("set_request_router", router=RemoteRouter(...))`. The
+    live router is built on first use inside the worker.
+    """
+
+    groups: list
+    scheduler: dict
+    run_dir: str = ""
+    workflow: str = ""  # module path whose set_trajectory_sink should feed this router
+
+    def _get(self) -> RequestRouter:
+        r = self.__dict__.get("_router")
+        if r is None:
+            gs = [
+                group_from_mapping({k: v for k, v in g.items() if k != "addresses"}, i)
+                for i, g in enumerate(self.groups)
+            ]
+            run_dir = Path(self.run_dir) / f"router-{os.getpid()}" if self.run_dir else None
+            if run_dir is not None:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            r = RequestRouter(
+                gs, [list(g["addresses"]) for g in self.groups], DispatchConfig.from_mapping(self.scheduler), run_dir
+            )
+            self.__dict__["_router"] = r
+            if self.workflow:
+                import importlib
+
+                mod = importlib.import_module(self.workflow.rpartition(".")[0] or self.workflow)
+                if hasattr(mod, "set_trajectory_sink"):
+                    mod.set_trajectory_sink(r.on_trajectory)
+        return r
+
+    def route(self, req, addresses=None) -> str:
+        return self._get().route(req, addresses)
+
+    def done(self, req, addr: str, output_tokens, stop_reason) -> None:
+        self._get().done(req, addr, output_tokens, stop_reason)
+
+    def watch(self, req, addr: str, send):
+        return self._get().watch(req, addr, send)
+
+    async def failover(self, req, addr: str, exc: BaseException) -> str:
+        return await self._get().failover(req, addr, exc)
+
+    def down_addresses(self) -> set[str]:
+        return self._get().down_addresses()
+
+    @classmethod
+    def from_groups_file(cls, run_dir: str | Path, libra: Mapping) -> RemoteRouter:
+        groups, addrs = read_groups_file(Path(run_dir) / GROUPS_FILE)
+        body = [
+            {
+                "name": g.name,
+                "tp": g.tp,
+                "count": g.count,
+                "threads": g.threads,
+                "max_running": g.max_running,
+                "max_len": g.max_len,
+                "addresses": a,
+            }
+            for g, a in zip(groups, addrs)
+        ]
+        sched = libra.get("scheduler") or {}
+        try:
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(sched, DictConfig):
+                sched = OmegaConf.to_container(sched, resolve=True)
+        except ImportError:  # pragma: no cover - omegaconf is a dependency
+            pass
+        return cls(body, dict(sched), str(run_dir), str(libra.get("workflow", "")))
+
+
+def install_single_controller(controller, router: RemoteRouter) -> None:
+    """Give every rollout worker of a RolloutController the full group map and its own router."""
+    controller._collective_rpc("set_request_router", router=router)
