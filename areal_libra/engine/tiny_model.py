@@ -1,0 +1,77 @@
+"""A tiny random Qwen2 model and a character-level tokenizer, built offline.
+
+Tests and benchmarks of the embedded server need a real Hugging Face checkpoint without any download;
+this writes one (config, safetensors weights, tokenizer.json) into a directory in well under a second.
+It is not the project's default policy model (that one is trained); it only has the right format.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from dataclasses import dataclass
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+# Small enough for a ~40-token vocabulary, rich enough for "What is 3+4? Answer: 7" style text.
+DEFAULT_ALPHABET = string.digits + "+-*/=()<>?:. " + "ACDEIRSWacdehilnorstuw\n"
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 2048
+    alphabet: str = DEFAULT_ALPHABET
+    seed: int = 0
+
+
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """A character-level fast tokenizer: one token per character plus EOS and PAD."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))  # dedupe, keep order
+    vocab = {EOS_TOKEN: 0, PAD_TOKEN: 1}
+    for ch in chars:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    return hf
+
+
+def build_tiny_model(out_dir: str, spec: TinyModelSpec | None = None) -> str:
+    """Write a random Qwen2 causal LM and its tokenizer to ``out_dir``; returns ``out_dir``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    spec = spec or TinyModelSpec()
+    tokenizer = build_char_tokenizer(spec.alphabet)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config)
+    # Random init gives near-uniform logits; a larger output scale makes greedy/sampled text differ by seed
+    # and weight updates visibly change outputs, which the contract tests rely on.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(20.0)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
