@@ -57,23 +57,28 @@ def check_dataset(c: Composed) -> None:
         raise LaunchError(f"train_dataset.path={path}: no such file or directory")
 
 
+def rollout_groups(c: Composed):
+    """The run's rollout groups, short to long: `libra.rollout_alloc` (e.g. sglang:d2t1+d1t2) or the
+    `libra.rollout_groups` list; bucket thresholds default to an even split of gconfig.max_tokens."""
+    from areal_libra.engine.groups import GroupConfigError, resolve_groups
+
+    try:
+        return resolve_groups(c.libra, int(c.areal.gconfig.max_tokens))
+    except GroupConfigError as e:
+        raise LaunchError(f"libra.rollout_groups: {e}") from None
+
+
+def _servers(c: Composed):
+    from areal_libra.engine.groups import expand_servers
+
+    # Launch order = address order: group after group (rollout_groups.json records the split).
+    return expand_servers(rollout_groups(c))
+
+
 def server_specs(c: Composed):
     from areal_libra.engine.launcher import ServerSpec
 
-    specs = []
-    for g in c.libra.rollout_groups:
-        for _ in range(int(g.get("count", 1))):
-            specs.append(
-                ServerSpec(
-                    tp=int(g.get("tp", 1)),
-                    threads=int(g.get("threads", 1)),
-                    max_running=int(g.get("max_running", 256)),
-                    group=str(g.get("name", f"tp{g.get('tp', 1)}")),
-                )
-            )
-    if not specs:
-        raise LaunchError("libra.rollout_groups is empty: at least one rollout server is needed")
-    return specs
+    return [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name) for g in _servers(c)]
 
 
 def trainer_env(c: Composed, addrs: list[str]) -> dict[str, str]:
@@ -83,6 +88,8 @@ def trainer_env(c: Composed, addrs: list[str]) -> dict[str, str]:
     env.update(
         AREAL_SPMD_MODE="1",
         AREAL_LLM_SERVER_ADDRS=",".join(addrs),
+        # GPUs per server in address order: xccl weight-update ranks for mixed TP (patch 11)
+        AREAL_LLM_SERVER_SIZES=",".join(str(g.tp) for g in _servers(c)),
         RANK="0",
         LOCAL_RANK="0",
         WORLD_SIZE="1",
@@ -177,6 +184,9 @@ def run(argv: list[str]) -> int:
     try:
         addrs = [s.addr for s in servers]
         print(f"areal_libra: rollout servers {', '.join(addrs)}", flush=True)
+        from areal_libra.engine.dispatch import write_groups_file
+
+        write_groups_file(log_dir, rollout_groups(c), addrs)  # which address serves which group
         with open(log_dir / "trainer.log", "w") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "areal_libra.train", "--run-dir", str(log_dir)],

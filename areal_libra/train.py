@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     metrics = StepMetrics(run_dir / "metrics.jsonl", total_steps=config.total_train_steps)
     workflow_mod, _, _ = str(libra.workflow).rpartition(".")
     wf_module = importlib.import_module(workflow_mod)
+    # Fan-out: finished trajectories go to the metrics and, once installed, to the router's live tree.
+    sinks = [metrics.on_trajectory]
     if hasattr(wf_module, "set_trajectory_sink"):
-        wf_module.set_trajectory_sink(metrics.on_trajectory)
+        wf_module.set_trajectory_sink(lambda traj: [sink(traj) for sink in sinks])
 
     workflow_kwargs = dict(
         gconfig=config.gconfig,
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     with PPOTrainer(config, train_dataset=dataset, valid_dataset=None) as trainer:
         trainer.stats_logger.add_sink(metrics.on_commit)
         router = install_router(trainer, libra, run_dir, metrics)
+        if router is not None:
+            sinks.append(router.on_trajectory)
+            router.attach_engine(trainer.rollout)  # a server that missed a weight update stays out
         try:
             trainer.train(workflow=str(libra.workflow), workflow_kwargs=workflow_kwargs)
         finally:
