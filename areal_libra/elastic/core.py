@@ -93,6 +93,7 @@ class ElasticCore:
         self.last: dict[str, float] = {}
         self.events: list[dict[str, Any]] = []
         self.published: list[int] = []
+        self.last_step: int | None = None
 
     # -- leader: requests ------------------------------------------------------------------------
     def request_join(self, rid: str) -> bool:
@@ -119,13 +120,15 @@ class ElasticCore:
         self.events.append({"t": time.time(), "event": what, "rid": rid, "gen": gen, **kw})
 
     # -- leader: step boundary -------------------------------------------------------------------
-    def _reports(self, h: HybridReplica) -> list[dict[str, Any]]:
-        return [r for r in (self.kv.get(f"prog/{h.rid}/{k}") for k in range(h.n_ranks))
+    def _reports(self, h: HybridReplica, vals: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        vals = vals if vals is not None else self.kv.get_many([f"prog/{h.rid}/{k}" for k in range(h.n_ranks)])
+        return [r for r in (vals.get(f"prog/{h.rid}/{k}") for k in range(h.n_ranks))
                 if r is not None and r.get("gen") == h.generation]
 
-    def _stale(self, h: HybridReplica, now: float) -> bool:
+    def _stale(self, h: HybridReplica, now: float, vals: dict[str, Any] | None = None) -> bool:
+        vals = vals if vals is not None else self.kv.get_many([f"hb/{h.rid}/{k}" for k in range(h.n_ranks)])
         for k in range(h.n_ranks):
-            t = self.kv.get(f"hb/{h.rid}/{k}")
+            t = vals.get(f"hb/{h.rid}/{k}")
             if t is None or now - float(t) > self.cfg.heartbeat_timeout_s:
                 return True
         return False
@@ -133,21 +136,27 @@ class ElasticCore:
     def _advance_pool(self, step: int) -> bool:
         """Apply the hybrids' reports; returns whether a fresh snapshot must be published now."""
         publish = False
+        # One batched read of every key that matters this step: store round trips are per-step overhead.
+        busy = [h for h in self.pool.hybrid.values() if not h.alive or h.state != ReplicaState.ROLLOUT]
+        keys = [f"{kind}/{h.rid}/{k}" for h in busy for k in range(h.n_ranks) for kind in ("hb", "prog")]
+        keys += [f"ack/{h.rid}/{h.generation}" for h in busy if h.state == ReplicaState.REQUESTED]
+        keys += [f"snapreq/{h.rid}/{h.generation}" for h in busy if h.state == ReplicaState.FETCHING]
+        vals = self.kv.get_many(keys)
         now = time.time()
-        for h in list(self.pool.hybrid.values()):
+        for h in busy:
             if not h.alive:
                 # A replica declared dead comes back only if it beats again and says it serves rollout.
-                reps = self._reports(h)
-                if reps and all(r["state"] == "rollout" for r in reps) and not self._stale(h, now):
+                reps = self._reports(h, vals)
+                if reps and all(r["state"] == "rollout" for r in reps) and not self._stale(h, now, vals):
                     self.pool.revive(h.rid)
                     self._event("revived", h.rid, h.generation, step=step)
                 continue
             g = h.generation
-            if h.state in (ReplicaState.REQUESTED, *IN_DOMAIN) and self._stale(h, now):
+            if self._stale(h, now, vals):
                 # A replica that stopped beating is dropped before it can fail a step.
                 self._fail(h, step, "heartbeat lost")
                 continue
-            reps = self._reports(h)
+            reps = self._reports(h, vals)
             states = {r["state"] for r in reps}
             full = len(reps) == h.n_ranks
             if "failed" in states and h.state != ReplicaState.ROLLOUT:
@@ -158,11 +167,11 @@ class ElasticCore:
                             error=[r.get("error") for r in reps if r["state"] == "failed"])
                 self.kv.set(f"cmd/{h.rid}", {"op": "cancel", "gen": h.generation})
                 continue
-            if h.state == ReplicaState.REQUESTED and int(self.kv.get(f"ack/{h.rid}/{g}", 0)) >= h.n_ranks:
+            if h.state == ReplicaState.REQUESTED and int(vals.get(f"ack/{h.rid}/{g}", 0)) >= h.n_ranks:
                 self.pool.advance(h.rid, ReplicaState.FETCHING, g)
                 self.entered_step[h.rid] = step
                 publish = True
-                self._event("fetching", h.rid, g, step=step, ack=self.kv.get(f"ack/{h.rid}/{g}"))
+                self._event("fetching", h.rid, g, step=step, ack=vals.get(f"ack/{h.rid}/{g}"))
             if h.state == ReplicaState.FETCHING and full and states <= {"zero_sync", "activating"}:
                 self.pool.advance(h.rid, ReplicaState.ZERO_SYNC, g)
                 self._event("zero_sync", h.rid, g, step=step)
@@ -178,7 +187,7 @@ class ElasticCore:
                 t_done = max(float(r["t"]) for r in reps)
                 self.last["release_latency_s"] = t_done - self.t_request.get(h.rid, t_done)
                 self._event("released", h.rid, g, step=step, latency_s=self.last["release_latency_s"])
-            n_req = self.kv.get(f"snapreq/{h.rid}/{g}", 0)
+            n_req = vals.get(f"snapreq/{h.rid}/{g}", 0)
             if h.state == ReplicaState.FETCHING and int(n_req) > self.snapreq_seen.get(h.rid, 0):
                 self.snapreq_seen[h.rid] = int(n_req)
                 publish = True
@@ -246,6 +255,7 @@ class ElasticCore:
     def reduce_gradients(self, step: int, tensors: list[torch.Tensor], weight: float) -> dict[str, float]:
         """Reduce `tensors` in place over the domain for `step`; retries with the survivors on failure."""
         t0 = time.perf_counter()
+        self.last_step = step
         saved = [t.detach().clone() for t in tensors]
         attempt = 0
         if self.is_leader:
@@ -305,6 +315,9 @@ class ElasticCore:
         self.snapshots.wait(30)
         if self.is_leader:
             self.kv.set("shutdown", 1)
+            if self.last_step is not None:
+                # Hybrids block on the next plan: give them one that tells them to stop.
+                self.kv.set(f"plan/{self.last_step + 1}", {"shutdown": True})
 
 
 def _min_opts(op: Any) -> Any:

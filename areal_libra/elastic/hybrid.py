@@ -185,6 +185,8 @@ class HybridWorker:
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        self.kv.set(f"hb/{self.rid}/{self.rank}", time.time())
+        self._report("rollout" if self.start_active is None else "training")
         hb = threading.Thread(target=self._heartbeat, daemon=True)
         hb.start()
         try:
@@ -213,7 +215,7 @@ class HybridWorker:
                 time.sleep(0.005)
                 continue
             plan = self.kv.wait(f"plan/{s}", self.cfg.plan_timeout_s, abort=self._shutdown)
-            if plan is None:
+            if plan is None or plan.get("shutdown"):
                 return
             if plan["gens"].get(self.rid) != self.gen:
                 if self.in_domain:
@@ -279,10 +281,10 @@ class HybridWorker:
                     self.log_buf.append((s, self._flat()))
                 return True
             failed_attempt = plan["attempt"]
-            plan = self.kv.wait(f"plan/{s}", self.cfg.plan_timeout_s)
+            plan = self.kv.get(f"plan/{s}")
             while plan["attempt"] <= failed_attempt:  # the leader writes the next plan before "retry"
                 time.sleep(0.002)
-                plan = self.kv.wait(f"plan/{s}", self.cfg.plan_timeout_s)
+                plan = self.kv.get(f"plan/{s}")
             if plan["gens"].get(self.rid) != self.gen:
                 self._to_rollout("dropped from the domain after a failed step")
                 return False

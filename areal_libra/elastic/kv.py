@@ -36,19 +36,34 @@ class KV:
             return default
         return json.loads(self.store.get(self.key(k)))
 
-    def wait(self, k: str, timeout_s: float, poll_s: float = 0.002, abort: Any = None) -> Any:
-        """Poll until `k` exists; TimeoutError after timeout_s; `abort()` returning True stops early (None)."""
+    def wait(self, k: str, timeout_s: float, poll_s: float = 2.0, abort: Any = None) -> Any:
+        """Block until `k` exists (server-side wait: no polling, wakes as soon as it is set).
+
+        TimeoutError after timeout_s; `abort()` is checked every poll_s and returning True gives None.
+        (Each slice that runs out makes c10d log a warning, so slices are long and protocols avoid them.)
+        """
         deadline = time.monotonic() + timeout_s
-        sleep = poll_s
+        key = self.key(k)
         while True:
-            if self.has(k):
-                return json.loads(self.store.get(self.key(k)))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"store key {key} not set within {timeout_s:.1f}s")
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=min(poll_s, left)))
+                return json.loads(self.store.get(key))
+            except dist.DistStoreError:
+                pass  # timed out this slice
             if abort is not None and abort():
                 return None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"store key {self.key(k)} not set within {timeout_s:.1f}s")
-            time.sleep(sleep)
-            sleep = min(sleep * 1.5, 0.02)  # short polls first: the key usually arrives within a millisecond
+
+    def get_many(self, ks: list[str]) -> dict[str, Any]:
+        """Values of the keys that exist; two round trips when all exist (the common case)."""
+        if not ks:
+            return {}
+        full = [self.key(k) for k in ks]
+        if self.store.check(full):
+            return {k: json.loads(v) for k, v in zip(ks, self.store.multi_get(full))}
+        return {k: v for k in ks if (v := self.get(k)) is not None}
 
     def add(self, k: str, n: int = 1) -> int:
         return int(self.store.add(self.key(k), n))

@@ -1,0 +1,140 @@
+"""Elastic Hybrid Pool benchmark on loopback gloo (pinned --json keys, issue 6).
+
+    python evaluation/elastic_bench.py [--model qwen2|mlp] [--hidden N] [--batch N] [--repeats R]
+        [--join-at S] [--release-after K] [--fetch-delay SEC] [--json]
+
+Per repeat, three runs of the same deterministic training (areal_libra.elastic.testbed):
+  joined  one core replica; hybrid h0 is asked to join at --join-at and released --release-after steps
+          after its first real gradient;
+  ref_a   the same steps with no hybrid (also the step-time baseline);
+  ref_b   from ref_a's state at h0's activation step, h0 a static member, up to the release.
+Reported:
+  equivalence_max_abs_diff  max |joined - ref_a| over steps up to activation and |joined - ref_b| from
+                            activation to release (fp32 parameters);
+  core_step_s_no_join       median core step time of ref_a over the steps the join spanned in `joined`;
+  core_step_s_during_join   median core step time of `joined` over those steps (request .. first real
+                            gradient: requested, fetching, zero-sync, activating);
+  join_latency_s            request -> first committed step with the replica's real gradients (median);
+  release_latency_s         request -> its rollout server serving again with current weights (median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from areal_libra.elastic.core import RuntimeConfig  # noqa: E402
+from areal_libra.elastic.testbed import TestbedConfig, run  # noqa: E402
+
+KEYS = ("equivalence_max_abs_diff", "core_step_s_no_join", "core_step_s_during_join", "join_latency_s",
+        "release_latency_s")
+JOINING = ("elastic/n_requested", "elastic/n_fetching", "elastic/n_zero_sync", "elastic/n_activating")
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _maxdiff(a, b) -> float:
+    return float((a - b).abs().max())
+
+
+def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, object]:
+    rt = RuntimeConfig(fetch_delay_s=args.fetch_delay)
+    base = dict(model=args.model, hidden=args.hidden, batch_per_rank=args.batch, seed=seed, runtime=rt,
+                lr=args.lr)
+    joined = run(TestbedConfig(max_steps=args.max_steps, join_at={"h0": args.join_at},
+                               release_after={"h0": args.release_after}, tail_steps=args.tail, **base),
+                 f"{workdir}/joined")["core"][0]
+    if "h0" not in joined["first_real"]:
+        raise RuntimeError(f"h0 never activated within {args.max_steps} steps; events: {joined['events']}")
+    a = joined["first_real"]["h0"]
+    n = joined["final_step"]
+    released = [m["step"] for m in joined["metrics"] if "h0" not in m["members"] and m["step"] > a]
+    r = released[0] if released else n  # first step without h0: params[r] is the last one it shaped
+    ref_a = run(TestbedConfig(max_steps=n, hybrids=(), save_state_at=a, **base), f"{workdir}/ref_a")["core"][0]
+    ref_b = run(TestbedConfig(max_steps=r, start_step=a, static=("h0",),
+                              init_state=f"{workdir}/ref_a/state_v{a}_p{{rank}}.pt", **base),
+                f"{workdir}/ref_b")["core"][0]
+    diff = max([_maxdiff(joined["params"][k], ref_a["params"][k]) for k in range(a + 1)]
+               + [_maxdiff(joined["params"][k], ref_b["params"][k]) for k in range(a, r + 1)])
+    join_steps = [m["step"] for m in joined["metrics"] if any(m.get(k, 0) > 0 for k in JOINING)]
+    ev = {e["event"]: e for e in joined["events"]}
+    return {
+        "diff": diff,
+        "during": [joined["step_s"][s] for s in join_steps],
+        "no_join": [ref_a["step_s"][s] for s in join_steps],
+        "join_latency_s": ev["first_real_gradient"]["latency_s"],
+        "release_latency_s": ev["released"]["latency_s"] if "released" in ev else float("nan"),
+        "activation_step": a, "release_step": r, "join_steps": join_steps,
+        "all_no_join_median": statistics.median(ref_a["step_s"].values()),
+    }
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2", choices=("qwen2", "mlp"))
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--join-at", type=int, default=4)
+    p.add_argument("--release-after", type=int, default=3)
+    p.add_argument("--tail", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=80)
+    p.add_argument("--fetch-delay", type=float, default=0.0, help="extra seconds per snapshot fetch (emulates a big model)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("hidden", "batch", "repeats", "max_steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.join_at < 0 or args.release_after < 1 or args.fetch_delay < 0 or args.lr <= 0:
+        raise UsageError("--join-at >= 0, --release-after >= 1, --fetch-delay >= 0 and --lr > 0 are required")
+    if args.model == "qwen2" and args.hidden % 4:
+        raise UsageError("--hidden must be a multiple of 4 for qwen2 (4 attention heads)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        print(f"elastic_bench: {e}", file=sys.stderr)
+        return 2
+    if args.model == "qwen2":
+        import transformers  # noqa: F401 - imported once here; forked workers inherit it
+    reps = []
+    with tempfile.TemporaryDirectory(prefix="elastic_bench_") as tmp:
+        for i in range(args.repeats):
+            reps.append(one_repeat(args, f"{tmp}/r{i}", seed=i))
+    during = [x for r in reps for x in r["during"]]
+    no_join = [x for r in reps for x in r["no_join"]]
+    out = {
+        "equivalence_max_abs_diff": max(r["diff"] for r in reps),
+        "core_step_s_no_join": statistics.median(no_join),
+        "core_step_s_during_join": statistics.median(during),
+        "join_latency_s": statistics.median(r["join_latency_s"] for r in reps),
+        "release_latency_s": statistics.median(r["release_latency_s"] for r in reps),
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k in KEYS:
+            print(f"{k:28s} {out[k]:.6g}")
+        ratio = out["core_step_s_during_join"] / out["core_step_s_no_join"]
+        print(f"{'during/no-join step time':28s} {ratio:.3f}  (steps during joins: {len(during)}, "
+              f"repeats: {args.repeats}, model: {args.model} hidden {args.hidden})")
+        for i, r in enumerate(reps):
+            print(f"repeat {i}: activation step {r['activation_step']}, release step {r['release_step']}, "
+                  f"join steps {r['join_steps']}, median no-join step (all) {r['all_no_join_median']:.4f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
