@@ -1,6 +1,9 @@
 """python -m areal_libra.plan --cluster C --model M (--trace FILE | --lengths FILE) [--json] [--explain]
 [--allowed-tp 1,2,4,8] [--global-batch N]
 
+With --trace only the trajectories' model tokens count as decoded (prompt and tool returns are prefilled);
+with --lengths everything after the prompt counts as decoded.
+
 Plans the training/rollout split, the training parallelism and the rollout server mix for a cluster from a
 length history. Bad input prints one line naming the problem on stderr and exits with status 2.
 """
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster = load_cluster(args.cluster)
         model = load_model(args.model)
         if args.trace:
-            history = [(t.prompt_tokens, t.final_length) for t in read_traces(args.trace)]
+            # model tokens are decoded; prompt and tool returns are prefilled
+            history = [(t.prompt_tokens, t.final_length, t.model_tokens) for t in read_traces(args.trace)]
         else:
             history = read_lengths(args.lengths)
         if not history:

@@ -162,3 +162,19 @@ def test_training_time_is_for_the_global_batch():
         st = BatchStats(gb, gb * sum(finals) / len(finals), gb * sum(f * f for f in finals) / len(finals), max(finals))
         expect = TrainCost(load_cluster("a800x16"), load_model("qwen3-4b")).step_time_s(plan.train, st)
         assert plan.t_train_s == pytest.approx(expect, rel=1e-12)
+
+
+def test_model_tokens_move_tool_returns_from_decode_to_prefill():
+    """(prompt, final, model_tokens) entries decode only the model tokens: same lengths, less rollout time."""
+    rng = random.Random(6)
+    three = []
+    for _ in range(300):
+        p, gen, payload = rng.randint(100, 400), rng.randint(50, 400), rng.randint(200, 2000)
+        three.append((p, p + gen + payload, gen))
+    two = [(p, f) for p, f, _ in three]
+    cfg = PlannerConfig(global_batch=256, min_train_gpus=8, max_train_gpus=8)
+    a, b = solve("a800x16", "qwen3-4b", two, cfg), solve("a800x16", "qwen3-4b", three, cfg)
+    assert b.t_rollout_s < a.t_rollout_s
+    assert a.t_train_s == b.t_train_s  # training sees the same sequence lengths
+    with pytest.raises(PlanError, match="model_tokens"):
+        solve("a800x16", "qwen3-4b", [(100, 200, 150)])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, fields
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -70,41 +70,41 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
-    @property
+    @cached_property
     def attn_params_per_layer(self) -> int:
         q = self.hidden * self.n_heads * self.head_dim
         kv = 2 * self.hidden * self.n_kv_heads * self.head_dim
         o = self.n_heads * self.head_dim * self.hidden
         return q + kv + o + 2 * self.hidden  # + the two RMSNorm weights
 
-    @property
+    @cached_property
     def expert_params(self) -> int:
         """Parameters of all routed experts, all layers."""
         return self.n_layers * self.n_experts * 3 * self.hidden * self.moe_ffn
 
-    @property
+    @cached_property
     def dense_params(self) -> int:
         """Everything that is not a routed expert (attention, dense MLP, router, embeddings)."""
         per_layer = self.attn_params_per_layer + 3 * self.hidden * self.ffn + self.hidden * self.n_experts
         emb = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb
 
-    @property
+    @cached_property
     def params(self) -> int:
         return self.dense_params + self.expert_params
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Parameters one token touches (all of them for a dense model)."""
         if not self.is_moe:
             return self.params
         return self.dense_params + self.n_layers * self.experts_per_token * 3 * self.hidden * self.moe_ffn
 
-    @property
+    @cached_property
     def weight_bytes(self) -> int:
         return self.params * self.dtype_bytes
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """K and V for every layer, all KV heads."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype_bytes

@@ -13,7 +13,7 @@ and O(|TP| * n^2 * log G) per probe instead of O(G^2 * n^2 * |TP|).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,12 +109,19 @@ class RolloutDP:
         self._cols = np.arange(len(W))
 
     # ---------------------------------------------------------------- probes
-    def candidates(self) -> np.ndarray:
-        """Every makespan a solution can have (sorted, finite)."""
-        vals = [t[np.isfinite(t)] for t in self.tables.values()]
-        if not vals:
-            return np.empty(0)
-        return np.unique(np.concatenate(vals))
+    def value_range(self) -> tuple[float, float] | None:
+        """Smallest and largest finite cost in the tables (None if no server type can serve anything)."""
+        if hasattr(self, "_range"):
+            return self._range
+        vals = [(float(t[np.isfinite(t)].min()), float(t[np.isfinite(t)].max()))
+                for t in self.tables.values() if np.isfinite(t).any()]
+        self._range = (min(v[0] for v in vals), max(v[1] for v in vals)) if vals else None
+        return self._range
+
+    def candidates_between(self, lo: float, hi: float) -> np.ndarray:
+        """Sorted distinct table costs c with lo < c <= hi: the only makespans a solution can have there."""
+        parts = [t[(t > lo) & (t <= hi)] for t in self.tables.values()]
+        return np.unique(np.concatenate(parts)) if parts else np.empty(0)
 
     def _servers_needed(self, tp: int, T: float) -> np.ndarray:
         """Per interval: fewest servers of this TP with cost <= T (K+1 where even K servers miss T)."""
@@ -183,21 +190,13 @@ class RolloutDP:
         gs = tuple(Group(tp, k, a, b, self.cost(tp, k, a, b)) for a, b, tp, k in groups)
         return RolloutSolution(max(g.t_s for g in gs), sum(g.gpus for g in gs), gs)
 
-    def best_within(self, budget: int, cands: np.ndarray | None = None) -> RolloutSolution | None:
+    def best_within(self, budget: int) -> RolloutSolution | None:
         """The minimum-makespan solution using at most `budget` GPUs (None if none exists)."""
-        cands = self.candidates() if cands is None else cands
-        if len(cands) == 0:
+        rng = self.value_range()
+        if rng is None or self.min_gpus(rng[1])[0] > budget:
             return None
-        lo, hi = 0, len(cands) - 1
-        if self.min_gpus(float(cands[hi]))[0] > budget:
-            return None
-        while lo < hi:  # smallest candidate T whose GPU need fits the budget
-            mid = (lo + hi) // 2
-            if self.min_gpus(float(cands[mid]))[0] <= budget:
-                hi = mid
-            else:
-                lo = mid + 1
-        _, groups = self.min_gpus(float(cands[lo]))
+        T = smallest_feasible(lambda T: self.min_gpus(T)[0] <= budget, rng[0] / 2, rng[1], self.candidates_between)
+        _, groups = self.min_gpus(T)
         return self.solution(groups)
 
     def fill(self, sol: RolloutSolution, budget: int) -> tuple[RolloutSolution, int]:
@@ -218,3 +217,27 @@ class RolloutDP:
             left -= g.tp
         return RolloutSolution(max(g.t_s for g in groups), sum(g.gpus for g in groups), tuple(groups)), left
 
+
+
+def smallest_feasible(feasible: Callable[[float], bool], lo: float, hi: float,
+                      between: Callable[[float, float], np.ndarray], rel: float = 1e-3) -> float:
+    """Smallest candidate T in (lo, hi] with feasible(T), for a monotone `feasible` that can change only at
+    candidate values, given feasible(hi) and not feasible(lo). A geometric bisection first narrows the
+    window to a ratio of 1 + rel (cheap: no candidate list), then an exact bisection runs over the
+    candidates left in the window — avoiding a sort of every tabulated cost."""
+    while hi > lo * (1.0 + rel):
+        mid = math.sqrt(lo * hi) if lo > 0 else hi / 2.0
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    vals = between(lo, hi)
+    # feasible is constant between candidates, so the largest candidate <= hi is feasible like hi itself.
+    i, j = 0, len(vals) - 1
+    while i < j:
+        m = (i + j) // 2
+        if feasible(float(vals[m])):
+            j = m
+        else:
+            i = m + 1
+    return float(vals[i])

@@ -20,7 +20,7 @@ import numpy as np
 from areal_libra.cost.presets import ClusterSpec, ModelSpec, load_cluster, load_model
 from areal_libra.cost.rollout import RolloutCost
 from areal_libra.cost.training import BatchStats, TrainCost, TrainParallel
-from areal_libra.planner.rollout_dp import RolloutDP, RolloutSolution
+from areal_libra.planner.rollout_dp import RolloutDP, RolloutSolution, smallest_feasible
 from areal_libra.planner.train_tree import TreeConfig, TreeResult, search
 from areal_libra.planner.types import DEFAULT_TP, Interval, Plan, PlanError, PlannerConfig, RolloutInstance
 
@@ -33,24 +33,21 @@ def sample_history(history: Sequence[tuple[int, int]], n_samples: int, global_ba
     arr = np.asarray(history, dtype=float).reshape(-1, 2)
     order = np.argsort(arr[:, 1], kind="stable")
     arr = arr[order]
-    strata = [s for s in np.array_split(np.arange(len(arr)), min(n_samples, len(arr))) if len(s)]
-    prompts, outputs, weights, lo, hi = [], [], [], [], []
-    for i, s in enumerate(strata):
-        p, f = arr[s, 0], arr[s, 1]
-        if i == len(strata) - 1:
-            prompts.append(p[-1])
-            outputs.append(f[-1] - p[-1])
-        else:
-            prompts.append(p.mean())
-            outputs.append(f.mean() - p.mean())
-        weights.append(len(s) / len(arr) * global_batch)
-        lo.append(int(f[0]))
-        hi.append(int(f[-1]))
-    return (np.array(prompts), np.array(outputs), np.array(weights), np.array(lo, dtype=int),
-            np.array(hi, dtype=int))
+    n, k = len(arr), min(n_samples, len(arr))
+    bounds = (np.arange(k + 1) * n) // k  # k strata of nearly equal size, like np.array_split
+    cp = np.concatenate([[0.0], np.cumsum(arr[:, 0])])
+    cf = np.concatenate([[0.0], np.cumsum(arr[:, 1])])
+    a, b = bounds[:-1], bounds[1:]
+    size = (b - a).astype(float)
+    mp, mf = (cp[b] - cp[a]) / size, (cf[b] - cf[a]) / size
+    mp[-1], mf[-1] = arr[-1, 0], arr[-1, 1]  # the last stratum keeps the longest request
+    prompts, outputs, weights = mp, mf - mp, size / n * global_batch
+    lo, hi = arr[a, 1].astype(int), arr[b - 1, 1].astype(int)
+    return prompts, outputs, weights, lo, hi
 
 
-def _validate(cluster: ClusterSpec, history: Sequence[tuple[int, int]], cfg: PlannerConfig) -> None:
+def _validate(cluster: ClusterSpec, history: Sequence[tuple[int, ...]], cfg: PlannerConfig) -> np.ndarray:
+    """Check the inputs; returns the history as an int64 array of 2 or 3 columns."""
     n = cluster.n_gpus
     if n < 2:
         raise PlanError(f"cluster has {n} GPU(s); a plan needs at least 1 training and 1 rollout GPU")
@@ -67,12 +64,27 @@ def _validate(cluster: ClusterSpec, history: Sequence[tuple[int, int]], cfg: Pla
         raise PlanError(f"n_samples must be >= 1, got {cfg.n_samples}")
     if len(history) == 0:
         raise PlanError("the length history is empty")
-    for p, f in history:
-        if p < 0 or f < p:
-            raise PlanError(f"bad history entry (prompt_tokens={p}, final_length={f}): need 0 <= prompt <= final")
+    try:
+        arr = np.asarray(history, dtype=np.int64)
+    except (ValueError, TypeError):
+        arr = np.empty((0, 0))
+    if arr.ndim != 2 or arr.shape[1] not in (2, 3):
+        raise PlanError("bad history: every entry must be (prompt_tokens, final_length) or (prompt_tokens, "
+                        "final_length, model_tokens), all of the same kind")
+    bad = np.nonzero((arr[:, 0] < 0) | (arr[:, 1] < arr[:, 0]))[0]
+    if len(bad):
+        p, f = arr[bad[0], :2]
+        raise PlanError(f"bad history entry (prompt_tokens={p}, final_length={f}): need 0 <= prompt <= final")
+    if arr.shape[1] == 3:
+        bad = np.nonzero((arr[:, 2] < 0) | (arr[:, 2] > arr[:, 1] - arr[:, 0]))[0]
+        if len(bad):
+            p, f, g = arr[bad[0]]
+            raise PlanError(f"bad history entry (prompt_tokens={p}, final_length={f}, model_tokens={g}): need "
+                            f"0 <= model_tokens <= final - prompt")
     if cfg.min_train_gpus + cfg.min_rollout_gpus > n:
         raise PlanError(f"min_train_gpus {cfg.min_train_gpus} + min_rollout_gpus {cfg.min_rollout_gpus} exceed "
                         f"the cluster's {n} GPUs")
+    return arr
 
 
 def _rollout_tps(cluster: ClusterSpec, cfg: PlannerConfig) -> tuple[int, ...]:
@@ -142,19 +154,24 @@ def _pareto(frontier: dict[int, TreeResult]) -> list[tuple[int, TreeResult]]:
     return out
 
 
-def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[tuple[int, int]],
+def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[tuple[int, ...]],
           cfg: PlannerConfig | None = None) -> Plan:
     """Plan the training layout and the rollout server mix for `cluster` from a (prompt_tokens,
-    final_length) history. Raises PlanError naming the binding constraint when nothing is feasible."""
+    final_length) history. Raises PlanError naming the binding constraint when nothing is feasible.
+
+    An entry may carry a third element, the trajectory's model (generated) tokens: then only those are
+    decoded and the rest of the final context (prompt and tool returns) is prefilled. With two elements
+    everything after the prompt counts as decoded, which overstates decode work for agentic traces."""
     t0 = time.perf_counter()
     cfg = cfg or PlannerConfig()
     cluster = load_cluster(cluster)
     model = load_model(model)
-    history = [(int(p), int(f)) for p, f in history]
-    _validate(cluster, history, cfg)
+    arr = _validate(cluster, history, cfg)
+    # (prefilled tokens, final length): a 3-element entry moves tool-return tokens from decode to prefill
+    history = np.stack([arr[:, 1] - arr[:, 2], arr[:, 1]], axis=1) if arr.shape[1] == 3 else arr[:, :2]
     n = cluster.n_gpus
     prompts, outputs, weights, lo_len, hi_len = sample_history(history, cfg.n_samples, cfg.global_batch)
-    finals = np.array([f for _, f in history], dtype=float)
+    finals = history[:, 1].astype(float)
     longest = int(finals.max())
     st = BatchStats(cfg.global_batch, cfg.global_batch * float(finals.mean()),
                     cfg.global_batch * float((finals**2).mean()), longest)
@@ -167,9 +184,9 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     pareto = _pareto(frontier)
     max_roll = n - pareto[0][0]
     dp = RolloutDP(costs, prompts, outputs, weights, max_roll)
-    cands = dp.candidates()
-    if len(cands) == 0 or dp.min_gpus(float(cands[-1]))[0] > max_roll:
-        need = dp.min_gpus(float(cands[-1]))[0] if len(cands) else math.inf
+    rng = dp.value_range()
+    if rng is None or dp.min_gpus(rng[1])[0] > max_roll:
+        need = dp.min_gpus(rng[1])[0] if rng else math.inf
         raise PlanError(f"rollout needs at least {need:g} GPUs for this history but only {max_roll} remain after the "
                         f"smallest training layout ({pareto[0][0]} GPUs)")
 
@@ -187,18 +204,15 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
         gr = dp.min_gpus(T)[0]
         return gt + max(gr, cfg.min_rollout_gpus) <= n
 
-    allc = np.sort(np.concatenate([cands, t_train]))
-    lo, hi = 0, len(allc) - 1
-    if not feasible(float(allc[hi])):
+    def between(lo: float, hi: float) -> np.ndarray:
+        tt = t_train[(t_train > lo) & (t_train <= hi)]
+        return np.unique(np.concatenate([dp.candidates_between(lo, hi), tt]))
+
+    top = max(rng[1], float(t_train.max()))
+    if not feasible(top):
         raise PlanError(f"no split of {n} GPUs serves both sides: training needs >= {pareto[0][0]} GPUs and rollout "
-                        f">= {dp.min_gpus(float(cands[-1]))[0]:g}")
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(float(allc[mid])):
-            hi = mid
-        else:
-            lo = mid + 1
-    t_star = float(allc[lo])
+                        f">= {dp.min_gpus(rng[1])[0]:g}")
+    t_star = smallest_feasible(feasible, min(rng[0], float(t_train.min())) / 2, top, between)
     r_need = max(dp.min_gpus(t_star)[0], cfg.min_rollout_gpus)
     options = [(g, r) for g, r in pareto if r.t_s <= t_star and g + r_need <= n]
     if len(options) > cfg.max_split_candidates:  # evenly spread, always keeping both ends
@@ -206,7 +220,7 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
         options = [options[i] for i in idx]
     best: tuple | None = None
     for g, res in options:
-        sol = dp.best_within(n - g, cands)
+        sol = dp.best_within(n - g)
         if sol is None:
             continue
         sol, left = dp.fill(sol, n - g)
