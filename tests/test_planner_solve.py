@@ -63,15 +63,18 @@ def test_plan_is_no_worse_than_any_other_split():
 
 
 def test_lengthening_moves_gpus_to_rollout():
+    """Search-R1 step 0 with every trajectory's generated tokens x4 (tool returns unchanged)."""
     from areal_libra.trace import read_traces
 
-    hist = [(t.prompt_tokens, t.final_length) for t in read_traces(SEARCH_R1)]
+    trajs = read_traces(SEARCH_R1)
     cfg = PlannerConfig(global_batch=2048)
-    base = solve("a800x48", "qwen3-14b", hist, cfg)
-    longer = solve("a800x48", "qwen3-14b", [(p, p + 4 * (f - p)) for p, f in hist], cfg)
+    base = solve("a800x48", "qwen3-14b", [(t.prompt_tokens, t.final_length, t.model_tokens) for t in trajs], cfg)
+    longer = solve("a800x48", "qwen3-14b", [(t.prompt_tokens, t.final_length + 3 * t.model_tokens,
+                                             4 * t.model_tokens) for t in trajs], cfg)
     assert longer.rollout_gpus > base.rollout_gpus
     assert longer.train_gpus < base.train_gpus
     assert longer.t_rollout_s > base.t_rollout_s
+    assert longer.train_gpus + longer.rollout_gpus + longer.idle_gpus == 48
 
 
 def test_long_tail_gets_larger_tp_at_the_long_end():

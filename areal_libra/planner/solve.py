@@ -25,25 +25,31 @@ from areal_libra.planner.train_tree import TreeConfig, TreeResult, search
 from areal_libra.planner.types import DEFAULT_TP, Interval, Plan, PlanError, PlannerConfig, RolloutInstance
 
 
-def sample_history(history: Sequence[tuple[int, int]], n_samples: int, global_batch: int):
-    """Stratified sample of (prompt_tokens, final_length) pairs: sort by final length, cut into n_samples
-    strata of (nearly) equal size, represent each by its mean prompt/output (keeps the total work) and the
-    last stratum by its longest request (keeps the tail). Weights: real requests of one rollout batch per
-    sample. Returns prompts, outputs, weights, stratum min and max final length (all sorted ascending)."""
+def sample_history(history: Sequence[tuple[int, int]] | np.ndarray, n_samples: int, global_batch: int):
+    """Stratified sample of (prompt_tokens, final_length) pairs: sort by final length; the longest request is
+    a sample of its own (the tail sets the critical path), the rest is cut into n_samples - 1 strata of
+    nearly equal size, each represented by its mean prompt and final length (keeps the total work).
+    Weights: real requests of one rollout batch per sample. Returns prompts, outputs, weights, stratum
+    min and max final length, all sorted by final length."""
     arr = np.asarray(history, dtype=float).reshape(-1, 2)
-    order = np.argsort(arr[:, 1], kind="stable")
-    arr = arr[order]
-    n, k = len(arr), min(n_samples, len(arr))
-    bounds = (np.arange(k + 1) * n) // k  # k strata of nearly equal size, like np.array_split
-    cp = np.concatenate([[0.0], np.cumsum(arr[:, 0])])
-    cf = np.concatenate([[0.0], np.cumsum(arr[:, 1])])
+    arr = arr[np.argsort(arr[:, 1], kind="stable")]
+    n = len(arr)
+    if n <= n_samples:
+        w = np.full(n, global_batch / n)
+        f = arr[:, 1].astype(int)
+        return arr[:, 0], arr[:, 1] - arr[:, 0], w, f, f.copy()
+    body, k = n - 1, n_samples - 1
+    bounds = (np.arange(k + 1) * body) // k  # strata of nearly equal size, like np.array_split
+    cp = np.concatenate([[0.0], np.cumsum(arr[:body, 0])])
+    cf = np.concatenate([[0.0], np.cumsum(arr[:body, 1])])
     a, b = bounds[:-1], bounds[1:]
     size = (b - a).astype(float)
-    mp, mf = (cp[b] - cp[a]) / size, (cf[b] - cf[a]) / size
-    mp[-1], mf[-1] = arr[-1, 0], arr[-1, 1]  # the last stratum keeps the longest request
-    prompts, outputs, weights = mp, mf - mp, size / n * global_batch
-    lo, hi = arr[a, 1].astype(int), arr[b - 1, 1].astype(int)
-    return prompts, outputs, weights, lo, hi
+    prompts = np.append((cp[b] - cp[a]) / size, arr[-1, 0])
+    finals = np.append((cf[b] - cf[a]) / size, arr[-1, 1])
+    weights = np.append(size, 1.0) / n * global_batch
+    lo = np.append(arr[a, 1], arr[-1, 1]).astype(int)
+    hi = np.append(arr[b - 1, 1], arr[-1, 1]).astype(int)
+    return prompts, finals - prompts, weights, lo, hi
 
 
 def _validate(cluster: ClusterSpec, history: Sequence[tuple[int, ...]], cfg: PlannerConfig) -> np.ndarray:
