@@ -98,8 +98,11 @@ def assign_buckets(groups: Sequence[RolloutGroup], max_tokens: int) -> list[Roll
     if not groups:
         raise GroupConfigError("at least one rollout group is needed")
     max_tokens = _pos_int(max_tokens, "max_tokens")
-    ordered = sorted(groups, key=lambda g: (g.max_len or 0, g.tp)) if all(g.max_len for g in groups) \
+    ordered = (
+        sorted(groups, key=lambda g: (g.max_len or 0, g.tp))
+        if all(g.max_len for g in groups)
         else sorted(groups, key=lambda g: g.tp)
+    )
     n = len(ordered)
     out = []
     for i, g in enumerate(ordered):
@@ -197,14 +200,16 @@ def place_local(groups: Sequence[RolloutGroup], n_gpus: int, first_gpu: int = 0)
     servers = list(enumerate(expand_servers(groups)))
     need = sum(g.tp for _, g in servers)
     if first_gpu < 0 or need > n_gpus - first_gpu:
-        raise GroupConfigError(f"rollout groups need {need} GPUs, only {max(0, n_gpus - first_gpu)} available "
-                               f"(GPUs {first_gpu}..{n_gpus - 1})")
+        raise GroupConfigError(
+            f"rollout groups need {need} GPUs, only {max(0, n_gpus - first_gpu)} available "
+            f"(GPUs {first_gpu}..{n_gpus - 1})"
+        )
     free = [True] * n_gpus
     for i in range(first_gpu):
         free[i] = False
     placed: dict[int, ServerPlacement] = {}
     for idx, g in sorted(servers, key=lambda ig: (-ig[1].tp, ig[0])):
-        start = next((s for s in range(0, n_gpus - g.tp + 1, g.tp) if all(free[s:s + g.tp])), None)
+        start = next((s for s in range(0, n_gpus - g.tp + 1, g.tp) if all(free[s : s + g.tp])), None)
         if start is None:
             raise GroupConfigError(f"cannot place a TP{g.tp} server on an aligned block of {g.tp} free GPUs")
         for k in range(start, start + g.tp):
@@ -225,12 +230,16 @@ def create_ray_placement_groups(groups: Sequence[RolloutGroup], cpus_per_server:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    pgs = [placement_group(b, strategy="STRICT_PACK", name=f"rollout-{i}-{g.name}")
-           for i, (b, g) in enumerate(zip(ray_bundles(groups, cpus_per_server), expand_servers(groups)))]
+    pgs = [
+        placement_group(b, strategy="STRICT_PACK", name=f"rollout-{i}-{g.name}")
+        for i, (b, g) in enumerate(zip(ray_bundles(groups, cpus_per_server), expand_servers(groups)))
+    ]
     ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout_s)
     if len(ready) != len(pgs):
         for pg in pgs:
             remove_placement_group(pg)
-        raise GroupConfigError(f"Ray could not place {len(pgs) - len(ready)} of {len(pgs)} rollout servers "
-                               f"within {timeout_s:.0f}s (need {sum(server_sizes(groups))} GPUs)")
+        raise GroupConfigError(
+            f"Ray could not place {len(pgs) - len(ready)} of {len(pgs)} rollout servers "
+            f"within {timeout_s:.0f}s (need {sum(server_sizes(groups))} GPUs)"
+        )
     return pgs

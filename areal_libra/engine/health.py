@@ -35,10 +35,17 @@ def probe(addr: str, timeout_s: float) -> bool:
 
 
 class HealthMonitor:
-    def __init__(self, addresses: Iterable[str], on_change: Callable[[str, bool, str], None],
-                 interval_s: float = 2.0, timeout_s: float = 5.0, fail_after: int = 2, ok_after: int = 2,
-                 may_readmit: Callable[[str], bool] | None = None,
-                 probe_fn: Callable[[str, float], bool] = probe) -> None:
+    def __init__(
+        self,
+        addresses: Iterable[str],
+        on_change: Callable[[str, bool, str], None],
+        interval_s: float = 2.0,
+        timeout_s: float = 5.0,
+        fail_after: int = 2,
+        ok_after: int = 2,
+        may_readmit: Callable[[str], bool] | None = None,
+        probe_fn: Callable[[str, float], bool] = probe,
+    ) -> None:
         self.addresses = list(addresses)
         self.on_change = on_change
         self.interval_s, self.timeout_s = interval_s, timeout_s

@@ -26,15 +26,31 @@ WINDOW_FILE = "cmlfq_window.jsonl"
 
 def _like(old: PrefixTree, tree: PrefixTree | None = None) -> PrefixTree:
     """An empty tree (or `tree`) with the parameters and state coarsening of `old`."""
-    out = tree if tree is not None else PrefixTree(min_samples=old.min_samples, window=old.window,
-                                                  max_nodes=old.max_nodes, sizes=old.sizes, backend=old.backend)
+    out = (
+        tree
+        if tree is not None
+        else PrefixTree(
+            min_samples=old.min_samples,
+            window=old.window,
+            max_nodes=old.max_nodes,
+            sizes=old.sizes,
+            backend=old.backend,
+        )
+    )
     out.state_map = getattr(old, "state_map", None)  # the policy's state_key switch
     return out
 
 
 class LiveTree:
-    def __init__(self, dispatcher: Dispatcher, run_dir: str | Path | None, rebuild_every_steps: int = 1,
-                 window: int = 5000, online: bool = False, save: bool = True) -> None:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        run_dir: str | Path | None,
+        rebuild_every_steps: int = 1,
+        window: int = 5000,
+        online: bool = False,
+        save: bool = True,
+    ) -> None:
         self.dispatcher = dispatcher
         self.policy = dispatcher.policy
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -62,8 +78,14 @@ class LiveTree:
         tree = self.tree
         if tree is None or not (d / TREE_FILE).exists():
             return False
-        loaded = PrefixTree.load_or_empty(d / TREE_FILE, min_samples=tree.min_samples, window=tree.window,
-                                          max_nodes=tree.max_nodes, sizes=tree.sizes, backend=tree.backend)
+        loaded = PrefixTree.load_or_empty(
+            d / TREE_FILE,
+            min_samples=tree.min_samples,
+            window=tree.window,
+            max_nodes=tree.max_nodes,
+            sizes=tree.sizes,
+            backend=tree.backend,
+        )
         try:
             window = read_traces(d / WINDOW_FILE) if (d / WINDOW_FILE).exists() else []
         except TraceError as e:
