@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -86,27 +87,31 @@ class TreeCore {
     if (alive_ > max_nodes_) evict();
   }
 
-  // floors[d]: how far the trajectory has grown past its decision point at depth d; the statistics of
-  // the chosen node are taken over its window samples >= floors[depth] (empty floors: no conditioning).
-  // prompt_first: the prompt's deepest trusted node wins even when the global subtree matches deeper.
-  py::tuple lookup(const std::string& prompt, const std::vector<int32_t>& states, double q,
-                   const std::vector<int64_t>& floors, bool prompt_first) {
+  struct Result {
+    double mean = 0.0;
+    int64_t p90 = 0, count = 0, pq = 0;
+    int32_t depth = 0;
+    bool from_global = true;
+  };
+
+  Result lookup_stats(const std::string& prompt, const std::vector<int32_t>& states, double q,
+                      const std::vector<int64_t>& floors, bool prompt_first) {
     ++tick_;
     int32_t g = walk(root_, states);
     int32_t p = -1;
     auto it = prompts_.find(prompt);
     if (it != prompts_.end()) p = walk(it->second, states);
-    bool from_global = true;
+    Result res;
     int32_t n;
     if (p >= 0 && (prompt_first || g < 0 || nodes_[p].depth >= nodes_[g].depth)) {
       n = p;
-      from_global = false;
+      res.from_global = false;
     } else {
       n = g >= 0 ? g : root_;
     }
     Node& node = nodes_[n];
-    double mean = 0.0;
-    int64_t pq = 0, p90 = 0;
+    res.count = node.count;
+    res.depth = node.depth;
     const int64_t w = static_cast<int64_t>(node.ring.size());
     if (w > 0) {
       if (!node.sorted_ok) {
@@ -121,17 +126,95 @@ class TreeCore {
           floor > 0 ? std::lower_bound(node.sorted.begin(), node.sorted.end(), floor) - node.sorted.begin() : 0;
       const int64_t m = w - lo;
       if (m == 0) {
-        mean = static_cast<double>(floor);
-        pq = p90 = floor;
+        res.mean = static_cast<double>(floor);
+        res.pq = res.p90 = floor;
       } else {
-        mean = static_cast<double>(node.prefix[w] - node.prefix[lo]) / static_cast<double>(m);
+        res.mean = static_cast<double>(node.prefix[w] - node.prefix[lo]) / static_cast<double>(m);
         int64_t r = static_cast<int64_t>(std::ceil(q * static_cast<double>(m))) - 1;
         r = std::min<int64_t>(m - 1, std::max<int64_t>(0, r));
-        pq = node.sorted[lo + r];
-        p90 = node.sorted[lo + (9 * m + 9) / 10 - 1];
+        res.pq = node.sorted[lo + r];
+        res.p90 = node.sorted[lo + (9 * m + 9) / 10 - 1];
       }
     }
-    return py::make_tuple(mean, p90, node.count, node.depth, from_global, pq);
+    return res;
+  }
+
+  // floors[d]: how far the trajectory has grown past its decision point at depth d; the statistics of
+  // the chosen node are taken over its window samples >= floors[depth] (empty floors: no conditioning).
+  // prompt_first: the prompt's deepest trusted node wins even when the global subtree matches deeper.
+  py::tuple lookup(const std::string& prompt, const std::vector<int32_t>& states, double q,
+                   const std::vector<int64_t>& floors, bool prompt_first) {
+    Result r = lookup_stats(prompt, states, q, floors, prompt_first);
+    return py::make_tuple(r.mean, r.p90, r.count, r.depth, r.from_global, r.pq);
+  }
+
+  // The C-MLFQ bucket rule (areal_libra/scheduler/policy.py documents it; _pytree.py mirrors it).
+  void set_rule(const std::vector<double>& thresholds, bool use_mean, double q, double move_cost, bool overrun,
+                bool condition, bool prompt_first) {
+    if (thresholds.empty()) throw std::invalid_argument("need at least one bucket threshold");
+    th_ = thresholds;
+    use_mean_ = use_mean;
+    q_ = q;
+    move_cost_ = move_cost;
+    overrun_ = overrun;
+    condition_ = condition;
+    prompt_first_ = prompt_first;
+  }
+
+  int bucket_of(double x) const {
+    auto it = std::lower_bound(th_.begin(), th_.end(), x);
+    return std::min<int>(static_cast<int>(it - th_.begin()), static_cast<int>(th_.size()) - 1);
+  }
+
+  py::tuple decide(const std::string& prompt, const std::vector<int32_t>& ids, int64_t ctx,
+                   const std::vector<int64_t>& dctx, int current, bool placing) {
+    if (th_.empty()) throw std::invalid_argument("set_rule() first");
+    current = std::max(0, std::min(current, static_cast<int>(th_.size()) - 1));
+    const bool cond = condition_ && dctx.size() == ids.size() + 1;
+    std::vector<int64_t> floors;
+    if (cond) {
+      floors.resize(dctx.size());
+      for (size_t i = 0; i < dctx.size(); ++i) floors[i] = ctx - dctx[i];
+    }
+    Result r = lookup_stats(prompt, ids, use_mean_ ? 0.5 : q_, floors, prompt_first_ && cond);
+    if (r.count == 0) return py::make_tuple(current, r.from_global);
+    // Predicted final length = context at the node's decision point + its remaining length.
+    const double base = static_cast<double>(cond ? dctx[r.depth] : ctx);
+    const int b_center = bucket_of(base + (use_mean_ ? r.mean : static_cast<double>(r.pq)));
+    if (placing) return py::make_tuple(b_center, r.from_global);
+    int target = current;
+    if (b_center == bucket_of(base + static_cast<double>(r.p90)))
+      target = b_center;
+    else if (overrun_ && static_cast<double>(ctx) > th_[current])
+      target = b_center;
+    if (target != current && move_cost_ > 0 &&
+        (base + r.mean) - static_cast<double>(ctx) < move_cost_ * static_cast<double>(ctx))
+      target = current;
+    return py::make_tuple(target, r.from_global);
+  }
+
+  int64_t lookup_raw(const std::string& prompt, const std::vector<int32_t>& states, double q,
+                     const std::vector<int64_t>& floors, bool prompt_first) {
+    Result r = lookup_stats(prompt, states, q, floors, prompt_first);
+    return r.p90 + r.pq + r.count;
+  }
+
+  // Benchmark helper: median wall time (ns) of `repeat` passes over the queries, per lookup, measured in
+  // C++ so that the Python call overhead is not part of the figure.
+  double time_lookups(const std::vector<std::string>& prompts, const std::vector<std::vector<int32_t>>& states,
+                      const std::vector<std::vector<int64_t>>& floors, double q, bool prompt_first, int repeat) {
+    if (prompts.size() != states.size() || prompts.size() != floors.size() || prompts.empty())
+      throw std::invalid_argument("prompts, states and floors must be non-empty and of equal length");
+    std::vector<double> per;
+    volatile int64_t sink = 0;
+    for (int r = 0; r < repeat; ++r) {
+      auto t0 = std::chrono::steady_clock::now();
+      for (size_t i = 0; i < prompts.size(); ++i) sink = sink + lookup_raw(prompts[i], states[i], q, floors[i], prompt_first);
+      auto t1 = std::chrono::steady_clock::now();
+      per.push_back(std::chrono::duration<double, std::nano>(t1 - t0).count() / static_cast<double>(prompts.size()));
+    }
+    std::sort(per.begin(), per.end());
+    return per[per.size() / 2];
   }
 
   py::dict dump() const {
@@ -320,6 +403,13 @@ class TreeCore {
     }
   }
 
+  std::vector<double> th_;
+  bool use_mean_ = true;
+  double q_ = 0.5;
+  double move_cost_ = 0.0;
+  bool overrun_ = false;
+  bool condition_ = true;
+  bool prompt_first_ = true;
   int min_samples_;
   int window_;
   int64_t max_nodes_;
@@ -343,6 +433,12 @@ PYBIND11_MODULE(_prefix_tree, m) {
       .def("insert", &TreeCore::insert, py::arg("prompt"), py::arg("states"), py::arg("remaining"))
       .def("lookup", &TreeCore::lookup, py::arg("prompt"), py::arg("states"), py::arg("q") = 0.5,
            py::arg("floors") = std::vector<int64_t>(), py::arg("prompt_first") = false)
+      .def("time_lookups", &TreeCore::time_lookups, py::arg("prompts"), py::arg("states"), py::arg("floors"),
+           py::arg("q") = 0.5, py::arg("prompt_first") = false, py::arg("repeat") = 5)
+      .def("set_rule", &TreeCore::set_rule, py::arg("thresholds"), py::arg("use_mean"), py::arg("q"),
+           py::arg("move_cost"), py::arg("overrun"), py::arg("condition"), py::arg("prompt_first"))
+      .def("decide", &TreeCore::decide, py::arg("prompt"), py::arg("ids"), py::arg("ctx"), py::arg("dctx"),
+           py::arg("current"), py::arg("placing"))
       .def("dump", &TreeCore::dump)
       .def("restore", &TreeCore::restore);
 }

@@ -69,7 +69,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
     switches = {}
     for item in filter(None, rest.split(",")):
         key, eq, val = item.partition("=")
-        if not eq or not hasattr(CMLFQConfig, key) or key in ("backend", "tree_path"):
+        if not eq or not hasattr(CMLFQConfig, key) or key == "tree_path":
             raise UsageError(f"--variant {name}: unknown cmlfq switch {key!r}")
         switches[key] = _value(val)
     return name, switches

@@ -43,3 +43,23 @@ def test_backends_agree_on_real_traces(trajs, max_nodes, window, tmp_path):
     py.save(tmp_path / "py.tree")
     cc.save(tmp_path / "cc.tree")
     assert (tmp_path / "py.tree").read_bytes() == (tmp_path / "cc.tree").read_bytes()
+
+
+@pytest.mark.parametrize("switches", [{}, {"center": None, "move_cost": 0.0, "overrun": True, "state_key": "status"}])
+def test_policy_decisions_agree_between_backends(trajs, switches):
+    from areal_libra.scheduler import make_policy
+    from areal_libra.scheduler.replay import _Acc, route_trajectory
+
+    buckets = [1536, 3072, 7168]
+    pols = {b: make_policy("cmlfq", buckets, backend=b, **switches) for b in ("python", "cpp")}
+    seen = {b: [] for b in pols}
+    for b, pol in pols.items():
+        pol.fit([t for t in trajs if t.step <= 1])
+        start, tool_return = pol.start, pol.tool_return
+        pol.start = lambda req, f=start, out=seen[b]: out.append(f(req)) or out[-1]
+        pol.tool_return = lambda req, cur, f=tool_return, out=seen[b]: out.append(f(req, cur)) or out[-1]
+        for t in [t for t in trajs if t.step == 3][:1000]:
+            route_trajectory(pol, t, _Acc(), False)
+    assert len(seen["cpp"]) > 2000
+    assert seen["python"] == seen["cpp"]
+    assert len(set(seen["cpp"])) > 1  # the decisions are not all the same bucket

@@ -73,6 +73,7 @@ class PyTreeCore:
         self.min_samples = min_samples
         self.window = window
         self.max_nodes = max_nodes
+        self.rule: tuple | None = None
         self.clear()
 
     def clear(self) -> None:
@@ -145,6 +146,38 @@ class PyTreeCore:
         node = g if g is not None else self.root
         mean, pq, p90 = node.stats(q, _floor(floors, node.depth))
         return mean, p90, node.count, node.depth, True, pq
+
+    # --- the C-MLFQ bucket rule (documented in policy.py; csrc/prefix_tree.cpp mirrors it) ---
+    def set_rule(self, thresholds: list[float], use_mean: bool, q: float, move_cost: float, overrun: bool,
+                 condition: bool, prompt_first: bool) -> None:
+        if not thresholds:
+            raise ValueError("need at least one bucket threshold")
+        self.rule = (list(thresholds), use_mean, q, move_cost, overrun, condition, prompt_first)
+
+    def decide(self, prompt: str, ids: list[int], ctx: int, dctx: list[int], current: int,
+               placing: bool) -> tuple[int, bool]:
+        th, use_mean, q, move_cost, overrun, condition, prompt_first = self.rule
+        last = len(th) - 1
+        current = max(0, min(current, last))
+        cond = condition and len(dctx) == len(ids) + 1
+        floors = [ctx - c for c in dctx] if cond else None
+        mean, p90, count, depth, from_global, pq = self.lookup(prompt, ids, 0.5 if use_mean else q, floors,
+                                                               prompt_first and cond)
+        if count == 0:
+            return current, from_global
+        # Predicted final length = context at the node's decision point + its remaining length.
+        base = float(dctx[depth] if cond else ctx)
+        b_center = min(bisect_left(th, base + (mean if use_mean else float(pq))), last)
+        if placing:
+            return b_center, from_global
+        target = current
+        if b_center == min(bisect_left(th, base + float(p90)), last):
+            target = b_center
+        elif overrun and float(ctx) > th[current]:
+            target = b_center
+        if target != current and move_cost > 0 and (base + mean) - float(ctx) < move_cost * float(ctx):
+            target = current
+        return target, from_global
 
     def _drop(self, node: _Node) -> None:
         stack = [node]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from areal_libra.scheduler.states import SizeClasses, ToolState, tool_state
+from areal_libra.scheduler.states import SizeClasses, ToolState
 from areal_libra.scheduler.tree import PrefixTree
 from areal_libra.trace import ToolReturn, Trajectory
 
@@ -288,6 +288,8 @@ class CMLFQPolicy(_Base):
         self._mask = None if len(parts) == 3 else ("tool" in parts, "size" in parts, "status" in parts)
         if self._mask is not None:
             self.tree.state_map = self._masked
+        self.tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
+                           float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
         self._recent: deque[Trajectory] = deque(maxlen=cfg.rebuild_window)
         self._since_rebuild = 0
         self._pending: list[Trajectory] = []
@@ -323,32 +325,16 @@ class CMLFQPolicy(_Base):
         self._pending = []
 
     # --- decisions ---
-    def _decide(self, req: RequestInfo, current: int, states: list, placing: bool = False) -> int:
-        cfg = self.config
-        q = cfg.center
-        ctx = req.context_tokens
-        dctx = req.decision_contexts
-        floors = [ctx - c for c in dctx] if cfg.condition and len(dctx) == len(states) + 1 else None
-        mean, p90, count, depth, from_global, pq = self.tree.lookup_ids(
-            req.prompt_id, self.tree.state_ids(states), 0.5 if q is None else q, floors,
-            cfg.prompt_first and floors is not None)
+    def _decide(self, req: RequestInfo, current: int, ids: list[int], placing: bool = False) -> int:
+        """The rule runs in the tree core (C++ or Python, identical): look up the deepest trusted node;
+        predicted final = context at that node's decision point + its remaining length (centre and P90);
+        migrate when both land in the same bucket and it differs from the current one (with the
+        overrun and move-cost switches); a first placement takes the centre's bucket."""
+        bucket, from_global = self.tree.decide(req.prompt_id, ids, req.context_tokens, req.decision_contexts,
+                                               current, placing)
         self.decisions += 1
         self.lookups_from_global += from_global
-        if count == 0:
-            return current
-        # Predicted final length = context at the node's decision point + its remaining length.
-        base = dctx[depth] if floors is not None else ctx
-        b_center = self.bucket_of(base + (mean if q is None else pq))
-        if placing:  # the first placement moves nothing, so it needs no agreement
-            return b_center
-        target = current
-        if b_center == self.bucket_of(base + p90):
-            target = b_center
-        elif cfg.overrun and ctx > self.buckets[current]:
-            target = b_center
-        if target != current and cfg.move_cost > 0 and base + mean - ctx < cfg.move_cost * ctx:
-            return current
-        return target
+        return bucket
 
     def start(self, req: RequestInfo) -> int:
         if not self.config.start_lookup:
@@ -356,10 +342,7 @@ class CMLFQPolicy(_Base):
         return self._decide(req, 0, [], placing=True)
 
     def tool_return(self, req: RequestInfo, current: int) -> int:
-        sizes = self.sizes
-        if self._mask is None:
-            return self._decide(req, current, [tool_state(t, sizes) for t in req.tool_returns])
-        return self._decide(req, current, [self._masked(tool_state(t, sizes)) for t in req.tool_returns])
+        return self._decide(req, current, self.tree.return_ids(req.tool_returns))
 
     def _masked(self, st: ToolState) -> ToolState:
         tool, size, status = self._mask

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from areal_libra.scheduler._pytree import PyTreeCore
 from areal_libra.scheduler.states import SizeClasses, ToolState, tool_state
-from areal_libra.trace import Trajectory
+from areal_libra.trace import ToolReturn, Trajectory
 
 try:  # the C++ core is optional: no compiler is a supported configuration
     from areal_libra import _prefix_tree as _cpp  # type: ignore[attr-defined]
@@ -74,9 +74,20 @@ class PrefixTree:
         core_cls = _cpp.TreeCore if self.backend == "cpp" else PyTreeCore
         self._core = core_cls(min_samples, window, max_nodes)
         self._ids: dict[ToolState, int] = {}
-        # Optional coarsening of states before they key the tree (the policy's state_key switch).
-        self.state_map: Callable[[ToolState], ToolState] | None = None
         self._states: list[ToolState] = []
+        self._state_map: Callable[[ToolState], ToolState] | None = None
+        # (tool name, size class index, raw status) -> state id, for the per-decision fast path.
+        self._rcache: dict[tuple[str, int, str], int] = {}
+
+    @property
+    def state_map(self) -> Callable[[ToolState], ToolState] | None:
+        """Optional coarsening of states before they key the tree (the policy's state_key switch)."""
+        return self._state_map
+
+    @state_map.setter
+    def state_map(self, fn: Callable[[ToolState], ToolState] | None) -> None:
+        self._state_map = fn
+        self._rcache.clear()
 
     # --- state interning: both backends see the same small integers ---
     def state_id(self, st: ToolState) -> int:
@@ -91,6 +102,22 @@ class PrefixTree:
         # Unknown states cannot match any node: give them -2 instead of growing the table on lookups.
         get = self._ids.get
         return [get(s, -2) for s in states]
+
+    def return_ids(self, tools: Sequence[ToolReturn]) -> list[int]:
+        """State ids of raw tool returns without building ToolState objects once a state is known."""
+        cache, small, medium = self._rcache, self.sizes.small, self.sizes.medium
+        out = []
+        for t in tools:
+            p = t.payload_tokens
+            key = (t.name, 0 if p <= small else (1 if p <= medium else 2), t.status)
+            i = cache.get(key)
+            if i is None:
+                st = tool_state(t, self.sizes)
+                i = self._ids.get(st if self._state_map is None else self._state_map(st), -2)
+                if i >= 0:  # unknown states may appear later: do not cache them
+                    cache[key] = i
+            out.append(i)
+        return out
 
     # --- hot path ---
     def insert(self, traj: Trajectory) -> None:
@@ -113,11 +140,23 @@ class PrefixTree:
         """Raw lookup on pre-interned ids (the policy's fast path)."""
         return self._core.lookup(prompt_id, ids, q, floors or [], prompt_first)
 
+    def set_rule(self, thresholds: Sequence[float], use_mean: bool, q: float, move_cost: float, overrun: bool,
+                 condition: bool, prompt_first: bool) -> None:
+        """Install the C-MLFQ bucket rule in the core (policy.CMLFQPolicy does this)."""
+        self._rule = (list(map(float, thresholds)), use_mean, q, move_cost, overrun, condition, prompt_first)
+        self._core.set_rule(*self._rule)
+
+    def decide(self, prompt_id: str, ids: list[int], ctx: int, dctx: Sequence[int], current: int,
+               placing: bool = False) -> tuple[int, bool]:
+        """One C-MLFQ decision in the core: (bucket, whether the global subtree answered)."""
+        return self._core.decide(prompt_id, ids, ctx, dctx, current, placing)
+
     def rebuild(self, trajs: Iterable[Trajectory]) -> None:
         """Forget everything and re-insert `trajs` in order (the caller bounds the window)."""
         self._core.clear()
         self._ids.clear()
         self._states.clear()
+        self._rcache.clear()
         for t in trajs:
             self.insert(t)
 

@@ -1,0 +1,116 @@
+"""Per-decision latency of C-MLFQ (tree lookup + policy), C++ and Python tree cores.
+
+    python evaluation/routing_bench.py [--data DIR] [--decisions N] [--json]
+
+Builds the tree from every PolyTrace Search-R1 step (steps 0-5), then times C-MLFQ decisions at the
+real decision points of those trajectories:
+- decision: CMLFQPolicy.tool_return(req, current) end to end from Python (state mapping, interning,
+  lookup, bucket rule), each call timed alone, median and P90;
+- lookup: PrefixTree.lookup_ids alone (Python -> core call), each call timed alone;
+- core: the C++ core's own time per lookup, measured inside C++ over the whole query list (no Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from areal_libra.scheduler import CMLFQPolicy, RequestInfo, cpp_available, tool_state  # noqa: E402
+from areal_libra.trace import TraceError, read_traces  # noqa: E402
+
+BUCKETS = [1536, 3072, 7168]
+
+
+def decision_requests(trajs, limit: int) -> list[RequestInfo]:
+    out = []
+    for t in trajs:
+        ctx, model, tools, ctxs = t.prompt_tokens, 0, [], [t.prompt_tokens]
+        for seg in t.segments:
+            ctx += seg.gen_tokens
+            model += seg.gen_tokens
+            if seg.tool is None:
+                continue
+            ctx += seg.tool.payload_tokens
+            tools.append(seg.tool)
+            ctxs.append(ctx)
+            out.append(RequestInfo(t.trajectory_id, t.prompt_id, t.prompt_tokens, ctx, model, tuple(tools), t.step,
+                                   None, tuple(ctxs)))
+    step = max(1, len(out) // limit)
+    return out[::step][:limit]
+
+
+def _quantiles(ns: list[int]) -> tuple[float, float]:
+    ns = sorted(ns)
+    return ns[len(ns) // 2] / 1000.0, ns[int(0.9 * (len(ns) - 1))] / 1000.0
+
+
+def bench(backend: str, trajs, reqs: list[RequestInfo], repeat: int = 3) -> dict:
+    pol = CMLFQPolicy(BUCKETS, backend=backend)
+    pol.fit(trajs)
+    clock = time.perf_counter_ns
+    dec: list[int] = []
+    for _ in range(repeat):
+        for r in reqs:
+            t0 = clock()
+            pol.tool_return(r, 0)
+            dec.append(clock() - t0)
+    tree = pol.tree
+    cfg = pol.config
+    q = 0.5 if cfg.center is None else cfg.center
+    prepared = [(r.prompt_id, tree.state_ids([tool_state(x, pol.sizes) for x in r.tool_returns]),
+                 [r.context_tokens - c for c in r.decision_contexts]) for r in reqs]
+    look: list[int] = []
+    for _ in range(repeat):
+        for pid, ids, floors in prepared:
+            t0 = clock()
+            tree.lookup_ids(pid, ids, q, floors, cfg.prompt_first)
+            look.append(clock() - t0)
+    out = {"backend": backend, "nodes": tree.node_count(), "decisions_timed": len(dec)}
+    out["decision_median_us"], out["decision_p90_us"] = _quantiles(dec)
+    out["lookup_median_us"], out["lookup_p90_us"] = _quantiles(look)
+    if backend == "cpp":
+        core = tree._core.time_lookups([p for p, _, _ in prepared], [i for _, i, _ in prepared],
+                                       [f for _, _, f in prepared], q, cfg.prompt_first, 7)
+        out["core_lookup_us"] = core / 1000.0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="C-MLFQ per-decision latency, C++ vs Python tree core")
+    ap.add_argument("--data", default="/work/shared/data/polytrace/search_r1", help="folder with step_*.jsonl.gz")
+    ap.add_argument("--decisions", type=int, default=5000, help="decision points to time per pass")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    files = sorted(Path(args.data).glob("step_*.jsonl.gz"))
+    try:
+        if not files:
+            raise TraceError(f"{args.data}: no step_*.jsonl.gz files")
+        if args.decisions < 1:
+            raise TraceError("--decisions must be >= 1")
+        trajs = read_traces(files)
+    except TraceError as e:
+        print(f"routing_bench: {e}", file=sys.stderr)
+        return 2
+    reqs = decision_requests(trajs, args.decisions)
+    rows = [bench(b, trajs, reqs) for b in (["cpp"] if cpp_available() else []) + ["python"]]
+    if args.json:
+        print(json.dumps({"trajectories": len(trajs), "rows": rows}))
+        return 0
+    print(f"tree from {len(trajs)} trajectories ({len(files)} files); {len(reqs)} decision points x 3 passes")
+    print(f"{'backend':<8}{'nodes':>8}{'decision med/p90 (us)':>24}{'lookup med/p90 (us)':>22}{'core (us)':>11}")
+    for r in rows:
+        core = f"{r['core_lookup_us']:.3f}" if "core_lookup_us" in r else "-"
+        print(f"{r['backend']:<8}{r['nodes']:>8}{r['decision_median_us']:>13.2f} / {r['decision_p90_us']:<8.2f}"
+              f"{r['lookup_median_us']:>11.2f} / {r['lookup_p90_us']:<8.2f}{core:>11}")
+    if not cpp_available():
+        print("C++ core not built: only the Python fallback was timed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
