@@ -62,6 +62,8 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
 
     choices, rest = _split(overrides)
     choices.setdefault("cluster", default_cluster)
+    choices.setdefault("experiment", "dapo_math")
+    choices.setdefault("model", "tiny_qwen2")
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
