@@ -17,18 +17,22 @@
 namespace py = pybind11;
 
 using Table = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using Grid = py::array_t<long, py::array::c_style | py::array::forcecast>;
 
-// tables[i]: shape (K_i, M) cost of k = 1..K_i servers of TP tps[i] for each interval (flat index
+// tables[i]: shape (K_i, M) cost of grids[i][r] servers of TP tps[i] for each interval (flat index
 // b(b-1)/2 + a for [a, b)); tps ascending. Returns (gpus, [(a, b, tp, k), ...]) or (inf, None).
-py::tuple min_gpus(const std::vector<Table>& tables, const std::vector<long>& tps, double T, long n) {
+py::tuple min_gpus(const std::vector<Table>& tables, const std::vector<Grid>& grids, const std::vector<long>& tps,
+                   double T, long n) {
   const long M = n * (n + 1) / 2;
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<double> best_g(M, inf);
   std::vector<long> best_tp(M, 0), best_k(M, 0);
   for (size_t t = 0; t < tables.size(); ++t) {
     auto tab = tables[t].unchecked<2>();
+    auto grid = grids[t].unchecked<1>();
     const long K = tab.shape(0);
     if (tab.shape(1) != M) throw std::invalid_argument("table width does not match the interval count");
+    if (grid.shape(0) != K) throw std::invalid_argument("grid length does not match the table height");
     const long tp = tps[t];
     for (long j = 0; j < M; ++j) {
       long lo = 0, hi = K;
@@ -38,11 +42,12 @@ py::tuple min_gpus(const std::vector<Table>& tables, const std::vector<long>& tp
         else lo = mid + 1;
       }
       if (lo >= K) continue;
-      double g = static_cast<double>((lo + 1) * tp);
+      const long k = grid(lo);
+      double g = static_cast<double>(k * tp);
       if (g < best_g[j]) {  // ties keep the smaller TP (tables come in ascending TP)
         best_g[j] = g;
         best_tp[j] = tp;
-        best_k[j] = lo + 1;
+        best_k[j] = k;
       }
     }
   }
@@ -79,5 +84,5 @@ py::tuple min_gpus(const std::vector<Table>& tables, const std::vector<long>& tp
 
 PYBIND11_MODULE(_rollout_dp, m) {
   m.doc() = "Rollout DP probe (fewest GPUs meeting a makespan target) for areal_libra.planner";
-  m.def("min_gpus", &min_gpus, py::arg("tables"), py::arg("tps"), py::arg("T"), py::arg("n"));
+  m.def("min_gpus", &min_gpus, py::arg("tables"), py::arg("grids"), py::arg("tps"), py::arg("T"), py::arg("n"));
 }

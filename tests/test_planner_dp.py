@@ -103,11 +103,26 @@ def test_native_probe_matches_numpy():
     rng = random.Random(21)
     costs = {tp: RolloutCost(HW, MODEL, tp) for tp in (1, 2, 4, 8)}
     reqs = sorted(((rng.randint(10, 2000), rng.randint(1, 20000)) for _ in range(40)), key=lambda r: sum(r))
-    dp = RolloutDP(costs, [r[0] for r in reqs], [r[1] for r in reqs], [rng.random() * 5 for _ in reqs], 64)
+    dp = RolloutDP(costs, [r[0] for r in reqs], [r[1] for r in reqs], [rng.random() * 5 for _ in reqs], 1024)
+    assert any(len(g) > 64 for g in dp.kgrid.values())  # the coarse part of the server-count grid is used
     cands = dp.candidates_between(0.0, math.inf)
     for T in list(cands[:: max(1, len(cands) // 50)]) + [0.0, float(cands[-1]) * 2]:
-        assert rollout_dp._native.min_gpus(list(dp.tables.values()), list(dp.tables), float(T), dp.n)[0] == \
-            dp.min_gpus_py(float(T))[0]
         g_py, groups_py = dp.min_gpus_py(float(T))
         g_c, groups_c = dp.min_gpus(float(T))
         assert g_py == g_c and groups_py == groups_c
+
+
+def test_k_grid_and_off_grid_cost():
+    from areal_libra.planner.rollout_dp import k_grid
+
+    g = k_grid(1000)
+    assert list(g[:64]) == list(range(1, 65)) and g[-1] == 1000 and all(b > a for a, b in zip(g, g[1:]))
+    assert all(b / a <= 1.0625 + 1 / 64 for a, b in zip(g[64:], g[65:]))
+    costs = {1: RolloutCost(HW, MODEL, 1)}
+    dp = RolloutDP(costs, [100.0] * 3, [200.0, 300.0, 400.0], [100.0] * 3, 1000)
+    assert 67 not in set(dp.kgrid[1]) or 71 not in set(dp.kgrid[1])
+    for k in (1, 64, 67, 71, 300):  # on and off the grid: the same formula
+        j = 3 * 2 // 2 + 0
+        n_req = max(dp.W[j] / k, 1.0)
+        want = float(costs[1].group_makespan_s(n_req, dp.mean_p[j], dp.mean_o[j], dp.max_o[j], dp.max_f[j]))
+        assert dp.cost(1, k, 0, 3) == pytest.approx(want, rel=1e-12)

@@ -87,19 +87,22 @@ class RolloutDP:
             max_o[s:s + b] = np.maximum.accumulate(self.o[:b][::-1])[::-1]
         self.max_o = max_o
         self.max_f = f[b_idx - 1]  # sorted by final length: the last one is the longest
-        # cost tables [k-1, interval], inf where the longest request exceeds the server's KV capacity.
+        # cost tables [grid index, interval], inf where the longest request exceeds the server's KV capacity.
         # Beyond ceil(W) servers an interval has less than one request per server: cost stays flat.
         self.tables: dict[int, np.ndarray] = {}
+        self.kgrid: dict[int, np.ndarray] = {}
+        self._caps = {tp: rc.kv_capacity_tokens() for tp, rc in self.costs.items()}
         kmax_useful = max(1, math.ceil(float(cw[-1]) - 1e-9))
         for tp, rc in self.costs.items():
             K = min(max_gpus // tp, kmax_useful)
             if K < 1:
                 continue
-            cap = rc.kv_capacity_tokens()
-            ok = self.max_f <= cap
+            ok = self.max_f <= self._caps[tp]
             if not ok.any():
                 continue
-            ks = np.arange(1, K + 1, dtype=float)[:, None]
+            grid = k_grid(K)
+            self.kgrid[tp] = grid
+            ks = grid.astype(float)[:, None]
             n_req = np.maximum(W[None, :] / ks, np.minimum(1.0, W)[None, :])
             tab = rc.group_makespan_s(n_req, self.mean_p[None, :], self.mean_o[None, :], self.max_o[None, :],
                                       self.max_f[None, :])
@@ -124,7 +127,8 @@ class RolloutDP:
         return np.unique(np.concatenate(parts)) if parts else np.empty(0)
 
     def _servers_needed(self, tp: int, T: float) -> np.ndarray:
-        """Per interval: fewest servers of this TP with cost <= T (K+1 where even K servers miss T)."""
+        """Per interval: index into the server-count grid of the fewest servers of this TP with cost <= T
+        (len(grid) where even the largest count misses T)."""
         tab = self.tables[tp]
         K = tab.shape[0]
         lo = np.zeros(len(self._cols), dtype=np.int64)  # index into k-1
@@ -138,12 +142,13 @@ class RolloutDP:
             ok = tab[midc, self._cols] <= T
             hi = np.where(active & ok, mid, hi)
             lo = np.where(active & ~ok, mid + 1, lo)
-        return lo + 1
+        return lo
 
     def min_gpus(self, T: float) -> tuple[float, list[tuple[int, int, int, int]] | None]:
         """Fewest GPUs whose groups all finish within T, and the groups [(a, b, tp, k)] (None if impossible)."""
         if self.native and _native is not None:
-            g, groups = _native.min_gpus(list(self.tables.values()), list(self.tables), float(T), self.n)
+            g, groups = _native.min_gpus(list(self.tables.values()), [self.kgrid[tp] for tp in self.tables],
+                                         list(self.tables), float(T), self.n)
             return float(g), (None if groups is None else [tuple(x) for x in groups])
         return self.min_gpus_py(T)
 
@@ -153,9 +158,11 @@ class RolloutDP:
         best_g = np.full(M, np.inf)
         best_tp = np.zeros(M, dtype=np.int64)
         best_k = np.zeros(M, dtype=np.int64)
-        for tp, tab in self.tables.items():
-            k = self._servers_needed(tp, T)
-            g = np.where(k <= tab.shape[0], (k * tp).astype(float), np.inf)
+        for tp in self.tables:
+            idx = self._servers_needed(tp, T)
+            grid = self.kgrid[tp]
+            k = grid[np.minimum(idx, len(grid) - 1)]
+            g = np.where(idx < len(grid), (k * tp).astype(float), np.inf)
             better = g < best_g  # ties keep the smaller TP (more replicas, more throughput per GPU)
             best_g = np.where(better, g, best_g)
             best_tp = np.where(better, tp, best_tp)
@@ -181,10 +188,20 @@ class RolloutDP:
         return float(f[n]), groups[::-1]
 
     def cost(self, tp: int, k: int, a: int, b: int) -> float:
+        """cost(tp, k servers, requests [a, b)): the table entry when k is on the grid, else the formula."""
         tab = self.tables.get(tp)
         if tab is None or k < 1:
             return math.inf
-        return float(tab[min(k, tab.shape[0]) - 1, b * (b - 1) // 2 + a])
+        j = b * (b - 1) // 2 + a
+        grid = self.kgrid[tp]
+        pos = int(np.searchsorted(grid, k))
+        if pos < len(grid) and grid[pos] == k:
+            return float(tab[pos, j])
+        if self.max_f[j] > self._caps[tp]:
+            return math.inf
+        n_req = max(self.W[j] / k, min(1.0, self.W[j]))
+        return float(self.costs[tp].group_makespan_s(n_req, self.mean_p[j], self.mean_o[j], self.max_o[j],
+                                                     self.max_f[j]))
 
     def solution(self, groups: list[tuple[int, int, int, int]]) -> RolloutSolution:
         gs = tuple(Group(tp, k, a, b, self.cost(tp, k, a, b)) for a, b, tp, k in groups)
@@ -217,6 +234,15 @@ class RolloutDP:
             left -= g.tp
         return RolloutSolution(max(g.t_s for g in groups), sum(g.gpus for g in groups), tuple(groups)), left
 
+
+
+def k_grid(kmax: int, dense: int = 64, step: float = 1.0625) -> np.ndarray:
+    """Server counts the DP considers for one group: every count up to `dense`, then steps of ~6% up to
+    kmax (keeps the cost table small on 1,000-GPU clusters; leftover GPUs are added back by `fill`)."""
+    ks = list(range(1, min(kmax, dense) + 1))
+    while ks[-1] < kmax:
+        ks.append(min(kmax, max(ks[-1] + 1, math.ceil(ks[-1] * step))))
+    return np.array(ks, dtype=np.int64)
 
 
 def smallest_feasible(feasible: Callable[[float], bool], lo: float, hi: float,
