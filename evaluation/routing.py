@@ -75,6 +75,32 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, switches
 
 
+def depth_context_reference(train, evals, buckets: list[int], ctx_bin: int = 128) -> float:
+    """Decision accuracy of a static table (tool returns so far, context // ctx_bin) -> majority oracle
+    bucket, learned on the training traces: a rough bound for any policy that sees only depth and context
+    (no per-prompt history, no tool states)."""
+    import bisect
+    from collections import Counter, defaultdict
+
+    from areal_libra.scheduler import decision_contexts
+
+    last = len(buckets) - 1
+    table: dict = defaultdict(Counter)
+    for t in train:
+        o = min(bisect.bisect_left(buckets, t.final_length), last)
+        for k, c in enumerate(decision_contexts(t)):
+            table[(k, c // ctx_bin)][o] += 1
+    ok = n = 0
+    for t in evals:
+        o = min(bisect.bisect_left(buckets, t.final_length), last)
+        for k, c in enumerate(decision_contexts(t)):
+            cnt = table.get((k, c // ctx_bin))
+            guess = cnt.most_common(1)[0][0] if cnt else min(bisect.bisect_left(buckets, c), last)
+            ok += guess == o
+            n += 1
+    return ok / n if n else 0.0
+
+
 def evaluate(train, evals, buckets: list[int], policies: list[tuple[str, str, dict]]) -> dict:
     out = {}
     for label, name, switches in policies:
@@ -95,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], help="extra C-MLFQ row NAME:key=value,...")
     ap.add_argument("--skip-bad", action="store_true", help="skip malformed trace lines (counted on stderr)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--reference", action="store_true",
+                    help="also print the (depth, context) majority-table reference accuracy (text output only)")
     args = ap.parse_args(argv)
     try:
         buckets = parse_buckets(args.buckets)
@@ -123,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'policy':<16}" + "".join(f"{m:>{len(m) + 3}}" for m in METRICS))
     for label, m in result.items():
         print(f"{label:<16}" + "".join(f"{m[k]:>{len(k) + 3}.4f}" for k in METRICS))
+    if args.reference:
+        ref = depth_context_reference(train, evals, buckets)
+        print(f"reference: a (tool returns so far, context/128) -> majority bucket table from --train scores "
+              f"decision_accuracy {ref:.4f}")
     return 0
 
 
