@@ -84,5 +84,6 @@ py::tuple min_gpus(const std::vector<Table>& tables, const std::vector<Grid>& gr
 
 PYBIND11_MODULE(_rollout_dp, m) {
   m.doc() = "Rollout DP probe (fewest GPUs meeting a makespan target) for areal_libra.planner";
+  m.attr("API") = 2;  // bumped whenever min_gpus changes; a stale build is ignored by the Python side
   m.def("min_gpus", &min_gpus, py::arg("tables"), py::arg("grids"), py::arg("tps"), py::arg("T"), py::arg("n"));
 }

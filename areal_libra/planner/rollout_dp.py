@@ -20,9 +20,12 @@ import numpy as np
 
 from areal_libra.cost.rollout import RolloutCost
 
+NATIVE_API = 2
 try:  # the C++ probe (csrc/rollout_dp.cpp); the numpy version below gives identical results
     from areal_libra import _rollout_dp as _native
 except ImportError:  # no compiler at install time
+    _native = None
+if _native is not None and getattr(_native, "API", 0) != NATIVE_API:  # a stale build from older sources
     _native = None
 
 
