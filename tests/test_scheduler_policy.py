@@ -142,3 +142,57 @@ def test_baselines():
     assert pred.start(RequestInfo("y", "short", 50, 50, 0, ())) == 0
     # ...and it never moves a request afterwards.
     assert pred.tool_return(RequestInfo("y", "short", 50, 350, 300, (ToolReturn("s", 1),)), 0) == 0
+
+
+def _requests(t, with_contexts):
+    ctx, model, tools, ctxs = t.prompt_tokens, 0, [], [t.prompt_tokens]
+    out = [RequestInfo(t.trajectory_id, t.prompt_id, t.prompt_tokens, ctx, 0, (), t.step, None,
+                       (ctx,) if with_contexts else ())]
+    for seg in t.segments:
+        ctx += seg.gen_tokens
+        model += seg.gen_tokens
+        if seg.tool is None:
+            continue
+        ctx += seg.tool.payload_tokens
+        tools.append(seg.tool)
+        ctxs.append(ctx)
+        out.append(RequestInfo(t.trajectory_id, t.prompt_id, t.prompt_tokens, ctx, model, tuple(tools), t.step,
+                               None, tuple(ctxs) if with_contexts else ()))
+    return out
+
+
+def _decisions(pol, trajs, with_contexts):
+    out = []
+    for t in trajs:
+        reqs = _requests(t, with_contexts)
+        b = pol.start(reqs[0])
+        out.append(b)
+        for r in reqs[1:]:
+            b = pol.tool_return(r, b)
+            out.append(b)
+    return out
+
+
+def test_policy_tracks_decision_contexts_itself_and_survives_a_tree_swap():
+    import random
+
+    from areal_libra.scheduler import PrefixTree
+
+    rng = random.Random(0)
+    hist, probe = [], []
+    for i in range(300):
+        segs = [(rng.randint(5, 60), rng.choice([5, 40, 900]), rng.choice(["success", "failure"]))
+                for _ in range(rng.randint(0, 3))] + [(rng.randint(5, 200), None)]
+        (hist if i < 200 else probe).append(traj(f"t{i}", f"p{i % 7}", 0 if i < 200 else 1, 30, segs))
+    a = make_policy("cmlfq", [300, 1000, 3000], center=None, min_samples=3)
+    b = make_policy("cmlfq", [300, 1000, 3000], center=None, min_samples=3)
+    a.fit(hist)
+    b.fit(hist)
+    with_ctx = _decisions(a, probe, True)
+    assert _decisions(b, probe, False) == with_ctx  # the simulator's calls carry no contexts
+    assert len(set(with_ctx)) > 1
+    # A rebuilt tree swapped in (as the live tree does) decides like the original.
+    fresh = PrefixTree(min_samples=3)
+    fresh.rebuild(hist)
+    b.tree = fresh
+    assert _decisions(b, probe, True) == with_ctx

@@ -14,7 +14,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from areal_libra.scheduler.states import SizeClasses, ToolState
@@ -276,25 +276,39 @@ class CMLFQPolicy(_Base):
         self.sizes = SizeClasses(cfg.size_small, cfg.size_medium)
         kw = dict(min_samples=cfg.min_samples, window=cfg.window, max_nodes=cfg.max_nodes, sizes=self.sizes,
                   backend=cfg.backend)
+        parts = {p.strip() for p in cfg.state_key.split(",") if p.strip()}
+        if not parts <= {"tool", "size", "status"}:
+            raise ValueError(f"state_key must list tool, size and/or status, got {cfg.state_key!r}")
+        self._mask = None if len(parts) == 3 else ("tool" in parts, "size" in parts, "status" in parts)
         if tree is not None:
             self.tree = tree
         elif cfg.tree_path:
             self.tree = PrefixTree.load_or_empty(cfg.tree_path, **kw)
         else:
             self.tree = PrefixTree(**kw)
-        parts = {p.strip() for p in cfg.state_key.split(",") if p.strip()}
-        if not parts <= {"tool", "size", "status"}:
-            raise ValueError(f"state_key must list tool, size and/or status, got {cfg.state_key!r}")
-        self._mask = None if len(parts) == 3 else ("tool" in parts, "size" in parts, "status" in parts)
-        if self._mask is not None:
-            self.tree.state_map = self._masked
-        self.tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
-                           float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
+        # Contexts at each decision point of running trajectories, for callers that do not pass
+        # RequestInfo.decision_contexts (bounded: the oldest entries go first).
+        self._contexts: dict[str, tuple[int, ...]] = {}
         self._recent: deque[Trajectory] = deque(maxlen=cfg.rebuild_window)
         self._since_rebuild = 0
         self._pending: list[Trajectory] = []
         self.decisions = 0
         self.lookups_from_global = 0
+
+    @property
+    def tree(self) -> PrefixTree:
+        return self._tree
+
+    @tree.setter
+    def tree(self, tree: PrefixTree) -> None:
+        """Install a tree (also a rebuilt or reloaded one): the state coarsening and the bucket rule go
+        with it, so a swapped-in tree decides exactly like the one it replaces."""
+        cfg = self.config
+        if self._mask is not None:
+            tree.state_map = self._masked
+        tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
+                      float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
+        self._tree = tree
 
     # --- learning ---
     def _insert(self, traj: Trajectory) -> None:
@@ -310,6 +324,7 @@ class CMLFQPolicy(_Base):
             self._insert(t)
 
     def finish(self, traj: Trajectory) -> None:
+        self._contexts.pop(traj.trajectory_id, None)
         if self.config.online_siblings:
             self._insert(traj)
             return
@@ -336,12 +351,33 @@ class CMLFQPolicy(_Base):
         self.lookups_from_global += from_global
         return bucket
 
+    def _track(self, req: RequestInfo) -> RequestInfo:
+        """Fill in decision_contexts from earlier calls for this trajectory when the caller did not."""
+        n = len(req.tool_returns)
+        if len(req.decision_contexts) == n + 1:
+            self._contexts[req.trajectory_id] = req.decision_contexts
+            return req
+        prev = self._contexts.get(req.trajectory_id)
+        if n == 0:
+            dctx: tuple[int, ...] = (req.context_tokens,)
+        elif prev is not None and len(prev) == n:
+            dctx = prev + (req.context_tokens,)
+        else:
+            self._contexts.pop(req.trajectory_id, None)
+            return req
+        if len(self._contexts) >= 1_000_000 and req.trajectory_id not in self._contexts:
+            del self._contexts[next(iter(self._contexts))]
+        self._contexts[req.trajectory_id] = dctx
+        return replace(req, decision_contexts=dctx)
+
     def start(self, req: RequestInfo) -> int:
+        req = self._track(req)
         if not self.config.start_lookup:
             return 0
         return self._decide(req, 0, [], placing=True)
 
     def tool_return(self, req: RequestInfo, current: int) -> int:
+        req = self._track(req)
         return self._decide(req, current, self.tree.return_ids(req.tool_returns))
 
     def _masked(self, st: ToolState) -> ToolState:
