@@ -137,6 +137,7 @@ class Simulation:
         self._retired_gpu_s = 0.0
         self._last_step_t = 0.0
         self._trainer_ready_t = 0.0
+        self._blocked_on = ""
         self._last_busy = 0.0
         self._gpu_time_origin: dict[int, float] = {}
         self._check_layout(layout)
@@ -327,6 +328,7 @@ class Simulation:
         # `batch` in the rare case that more than a batch of them is left); fill the rest oldest-first.
         forced = [g for g in self.pending if g.version <= need_before]
         if any(not g.ready for g in forced):
+            self._blocked_on = "stale"
             return
         batch: list[Group] = list(forced)
         for g in self.pending:
@@ -335,6 +337,7 @@ class Simulation:
             if g.ready and g.version > need_before:
                 batch.append(g)
         if len(batch) < self.batch:
+            self._blocked_on = "count"
             return
         chosen = set(id(g) for g in batch)
         self.pending = deque(g for g in self.pending if id(g) not in chosen)
@@ -354,8 +357,10 @@ class Simulation:
         # too slow), and how many finished groups were already waiting beyond this batch (rollout ahead).
         wait = max(0.0, self.t - max(self._trainer_ready_t, self.trainer_available_at))
         backlog = sum(1 for g in self.pending if g.ready)
+        waited_for = self._blocked_on if wait > 0 else ""
+        self._blocked_on = ""
         info = {"groups": batch, "train_s": dur, "t_start": self.t, "max_staleness": max(stale),
-                "wait_s": wait, "backlog": backlog,
+                "wait_s": wait, "backlog": backlog, "waited_for": waited_for,
                 "tokens": sum(tr.model_tokens for g in batch for tr in g.trajs),
                 "final_tokens": sum(lens), "train_gpus": lay.gpus}
         self._push(self.t + dur, TRAIN_END, info)
@@ -390,9 +395,11 @@ class Simulation:
             "running": sum(s.batch for s in self.servers),
         }
         # T_rollout as a live trainer can measure it: the time one batch took to arrive. If the trainer
-        # waited, that is train + wait; if whole groups were already waiting, rollout is ahead by that share.
-        rec["wait_s"], rec["backlog"] = info["wait_s"], info["backlog"]
-        if info["wait_s"] > 0.02 * info["train_s"]:
+        # waited for enough finished groups, that is train + wait; otherwise (it did not wait, or it waited
+        # only for a straggler the staleness bound forces into this batch) rollout is ahead by the share of
+        # groups already waiting beyond this batch.
+        rec["wait_s"], rec["backlog"], rec["waited_for"] = info["wait_s"], info["backlog"], info["waited_for"]
+        if info["waited_for"] == "count" and info["wait_s"] > 0.02 * info["train_s"]:
             rec["t_rollout_s"] = info["train_s"] + info["wait_s"]
         else:
             rec["t_rollout_s"] = info["train_s"] * max(0.5, 1.0 - info["backlog"] / max(1, self.batch))

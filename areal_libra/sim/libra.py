@@ -29,6 +29,8 @@ class LibraOptions:
 
 
 TREE_BACKEND = "python"
+# A request whose context already overruns its bucket follows the mean when mean and P90 disagree.
+CMLFQ_SWITCHES: dict = {"overrun": True}
 
 RUNGS = {
     "+planner": LibraOptions(homogeneous=True, cmlfq=False, elastic=False),
@@ -47,12 +49,39 @@ def _planner():
     return solve, PlannerConfig, PlanError
 
 
+CALIBRATE = True
+# Plan for the in-flight window of an asynchronous run: with staleness bound eta, eta+1 batches are in
+# flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
+# instead of once per step, as it is in the running system.
+PLAN_WINDOW = AREAL_STALENESS + 1
+
+
+def planner_cluster(env: Env):
+    """The cluster spec the planner plans on: the preset, with efficiency factors fitted to a profiling pass
+    (areal_libra.cost.calibrate) when CALIBRATE is on."""
+    if env.cluster is None:
+        return f"{env.truth.gpu.name}x{env.n_gpus}"
+    if not CALIBRATE:
+        return env.cluster
+    cached = getattr(env, "_calibrated", None)
+    if cached is None:
+        from dataclasses import replace as dc_replace
+
+        from areal_libra.sim.calib import calibrated_hardware
+
+        hw, err = calibrated_hardware(env.truth, env.cluster.hardware, env.model, env.seed)
+        cached = dc_replace(env.cluster, hardware=hw)
+        env._calibrated = cached
+        env.calibration_error = err
+    return cached
+
+
 def plan_for(env: Env, history, homogeneous: bool, **restrict):
     """Call the planner; for the homogeneous rung, the best single-TP plan by the planner's own prediction.
     `restrict` passes PlannerConfig fields (used to price the current layout on a new history)."""
     solve, PlannerConfig, PlanError = _planner()
-    gb = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
-    cluster = env.cluster if env.cluster is not None else f"{env.truth.gpu.name}x{env.n_gpus}"
+    gb = env.workload.cfg.batch_prompts * env.workload.cfg.group_size * PLAN_WINDOW
+    cluster = planner_cluster(env)
     model = env.model if env.model is not None else env.truth.model.name
     tps = restrict.pop("allowed_tp", (1, 2, 4, 8))
     if not homogeneous:
@@ -117,30 +146,33 @@ class HybridUnit:
 
 
 def carve_hybrid(layout: Layout, max_units: int, keep_frac: float = 0.5) -> tuple[Layout, list[HybridUnit]]:
-    """Take whole training-replica-sized groups of rollout servers out of the core rollout pool into the
-    Elastic Hybrid Pool, largest servers first, never emptying a bucket and keeping `keep_frac` of the
-    rollout GPUs in the core pool."""
+    """Move up to `max_units` workers of one training replica's size (tp*pp GPUs) from the core rollout pool
+    into the Elastic Hybrid Pool, keeping at least `keep_frac` of the rollout GPUs in the core. GPUs are
+    taken from the bucket holding the most GPUs; in rollout mode a worker serves that bucket with servers
+    of its TP (TP1 servers fill a remainder)."""
     unit = layout.train.tp * layout.train.pp
-    servers = sorted(layout.servers, key=lambda s: (-s[0], -s[1]))
     core = list(layout.servers)
     units: list[HybridUnit] = []
     budget = int(layout.rollout_gpus * (1 - keep_frac))
     while len(units) < max_units and budget >= unit:
-        picked, gpus = [], 0
-        for spec in servers:
-            if gpus + spec[0] > unit or spec not in core:
-                continue
-            if sum(1 for c in core if c[1] == spec[1]) - sum(1 for p in picked if p[1] == spec[1]) <= 1:
-                continue  # keep at least one server in every bucket
-            picked.append(spec)
-            gpus += spec[0]
-            if gpus == unit:
+        per_bucket: dict[int, int] = {}
+        for tp, b in core:
+            per_bucket[b] = per_bucket.get(b, 0) + tp
+        b = max(per_bucket, key=lambda k: (per_bucket[k], k))
+        if per_bucket[b] <= unit:
+            break  # taking a worker would empty the bucket
+        tp_b = max(tp for tp, bb in core if bb == b)
+        # Remove `unit` GPUs of bucket b from the core, largest servers first; give back any surplus as TP1.
+        taken = 0
+        for spec in sorted([c for c in core if c[1] == b], reverse=True):
+            if taken >= unit:
                 break
-        if gpus != unit:
-            break
-        for spec in picked:
             core.remove(spec)
-        units.append(HybridUnit(picked))
+            taken += spec[0]
+        core += [(1, b)] * (taken - unit)
+        tp_u = 1 << (min(tp_b, unit).bit_length() - 1)  # a power of two that fits the worker
+        specs = [(tp_u, b)] * (unit // tp_u) + [(1, b)] * (unit % tp_u)
+        units.append(HybridUnit(specs))
         budget -= unit
     return Layout(layout.train, core, layout.bucket_limits), units
 
@@ -301,8 +333,8 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
     if not opts.cmlfq:
         return BucketLoadRouter(limits)
     tree = getattr(getattr(old, "policy", None), "tree", None)
-    pol = (make_policy("cmlfq", limits, tree=tree) if tree is not None
-           else make_policy("cmlfq", limits, backend=TREE_BACKEND))
+    pol = (make_policy("cmlfq", limits, tree=tree, **CMLFQ_SWITCHES) if tree is not None
+           else make_policy("cmlfq", limits, backend=TREE_BACKEND, **CMLFQ_SWITCHES))
     if tree is None and fit:
         pol.fit(fit)  # the live system starts from the prefix tree of its profiling traces
     return PolicyRouter(pol)

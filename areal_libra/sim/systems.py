@@ -70,7 +70,8 @@ class PolicyRouter(Router):
 
     def tool_return(self, req: SimRequest) -> int:
         payload = req.tool_state[-1].payload_tokens if req.tool_state else 0
-        return self.policy.tool_return(self._req(req, req.ctx + payload), req.bucket)
+        # After a re-plan with fewer buckets, a request may still sit on a bucket index that is gone.
+        return self.policy.tool_return(self._req(req, req.ctx + payload), min(req.bucket, self.n_buckets - 1))
 
     def finish(self, req: SimRequest) -> None:
         self.policy.finish(req.traj)

@@ -1,0 +1,47 @@
+"""The profiling pass a user runs before training (what `areal_libra.cost.calibrate` is fed on a real
+cluster): time decode iterations, prefills and a training step on the hardware truth, with its noise,
+and fit the Cost Evaluator's efficiency factors to them. The planner then plans on the calibrated
+spec; it never reads the truth model itself."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from areal_libra.sim.hardware import HardwareTruth
+
+
+def profile_samples(truth: HardwareTruth, seed: int = 0, tps=(1, 2, 4, 8)) -> list[tuple]:
+    """Measured samples: ('decode', tp, batch, kv_tokens, s) and ('prefill', tp, tokens, s)."""
+    rng = random.Random(seed)
+    out: list[tuple] = []
+    sig = truth.c.noise_sigma
+    for tp in tps:
+        cap = truth.kv_capacity_tokens(tp)
+        if cap <= 0:
+            continue
+        for batch in (1, 8, 32, 64, 128, 256):
+            for per_req in (1024, 4096, 16384):
+                kv = batch * per_req
+                if kv > cap:
+                    continue
+                t = truth.decode_iteration_s(tp, batch, kv) * math.exp(rng.gauss(0, sig))
+                out.append(("decode", tp, batch, kv, t))
+        for n in (512, 2048, 8192):
+            out.append(("prefill", tp, n, truth.prefill_s(tp, n) * math.exp(rng.gauss(0, sig))))
+    return out
+
+
+def calibrated_hardware(truth: HardwareTruth, hw, model, seed: int = 0):
+    """Fit `hw` (a cost.presets.HardwareSpec) to the profiling samples with the Cost Evaluator's own
+    calibration; returns (calibrated HardwareSpec, relative errors after the fit)."""
+    from areal_libra.cost.calibrate import Calibration
+
+    cal = Calibration(hw, model)
+    for s in profile_samples(truth, seed):
+        if s[0] == "decode":
+            cal.add_decode(s[1], s[2], s[3], s[4])
+        else:
+            cal.add_prefill(s[1], s[2], s[3])
+    fit = cal.fit()
+    return fit.hardware, fit.rel_error
