@@ -139,6 +139,11 @@ def search(cost: TrainCost, gpus: int, st: BatchStats, cfg: TreeConfig) -> TreeR
         if ratio > cfg.tp_comm_max:
             log.append(PruneRecord("TP", br, f"TP comm/compute {ratio:.2f} > {cfg.tp_comm_max}", "comm"))
             continue
+        if m.is_moe:
+            for ep in cfg.allowed_ep:
+                if ep not in eps:
+                    log.append(PruneRecord("EP", f"{br} ep={ep}", f"does not divide both {m.n_experts} experts and "
+                                           f"the {gpus // tp} GPUs left after TP", "divisibility"))
         for ep in (eps if m.is_moe else [1]):
             ebr = f"{br} ep={ep}"
             for pp in pps:
