@@ -30,7 +30,7 @@ import torch
 from areal_libra.elastic.domain import DomainError, GradientDomain
 from areal_libra.elastic.kv import KV
 from areal_libra.elastic.snapshot import SnapshotStore
-from areal_libra.elastic.state import IN_DOMAIN, HybridReplica, Pool, ReplicaState
+from areal_libra.elastic.state import CATCHING_UP, IN_DOMAIN, HybridReplica, Pool, ReplicaState
 
 CORE = "core"
 
@@ -94,6 +94,7 @@ class ElasticCore:
         self.events: list[dict[str, Any]] = []
         self.published: list[int] = []
         self.last_step: int | None = None
+        self.logging_grads = False
 
     # -- leader: requests ------------------------------------------------------------------------
     def request_join(self, rid: str) -> bool:
@@ -171,8 +172,12 @@ class ElasticCore:
                 self.pool.advance(h.rid, ReplicaState.FETCHING, g)
                 self.entered_step[h.rid] = step
                 publish = True
+                # The snapshot of this step's version, then the gradient log from this step on.
+                self.kv.set(f"fetch/{h.rid}/{g}", step)
                 self._event("fetching", h.rid, g, step=step, ack=vals.get(f"ack/{h.rid}/{g}"))
-            if h.state == ReplicaState.FETCHING and full and states <= {"zero_sync", "activating"}:
+            if h.state == ReplicaState.FETCHING and full and states <= {"loaded", "activating"}:
+                # Loaded and replaying the log: it joins the domain now, sending zeros while it closes
+                # the last gap to the live step.
                 self.pool.advance(h.rid, ReplicaState.ZERO_SYNC, g)
                 self._event("zero_sync", h.rid, g, step=step)
             if h.state == ReplicaState.ZERO_SYNC and full and states == {"activating"}:
@@ -228,6 +233,8 @@ class ElasticCore:
             "states": {h.rid: h.state.value for h in in_dom},
             "gens": {h.rid: h.generation for h in in_dom},
             "snapshot": step if publish else None,
+            "pool": {h.rid: h.state.value for h in self.pool.hybrid.values()},
+            "log_grads": any(h.alive and h.state in CATCHING_UP for h in self.pool.hybrid.values()),
         }
         self.kv.set(f"plan/{step}", plan)
         self.kv.set("cur_step", step)
@@ -289,6 +296,16 @@ class ElasticCore:
             for t, s in zip(tensors, saved):
                 t.copy_(s)
             attempt += 1
+        if plan["log_grads"]:
+            self.snapshots.publish_grad_async(step, self.rank, torch.cat([t.reshape(-1) for t in tensors]))
+            vs = self.snapshots.versions(self.rank)
+            if vs:
+                self.snapshots.gc_grads(self.rank, below=vs[0])
+            self.logging_grads = True
+        elif self.logging_grads:
+            self.snapshots.wait(30)
+            self.snapshots.gc_grads(self.rank)
+            self.logging_grads = False
         self.last.update(reduce_s=time.perf_counter() - t0, attempts=float(attempt + 1))
         self.members = tuple(plan["members"])
         return self.metrics()

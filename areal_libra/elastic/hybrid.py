@@ -2,12 +2,14 @@
 
 Join, as this rank sees it (protocol keys in core.py):
  1. `cmd/<rid>` says join at generation g: drain the rollout server (in-flight requests are handed
-    back, none lost), ack, and wait for the first plan that lists this replica.
- 2. FETCHING: enter the gradient domain with weight 0 (zeros), keep every committed reduced gradient
-    in a replay log, and fetch the snapshot of the first domain step s0 on a background thread.
- 3. ZERO_SYNC: load the snapshot (version v >= s0), replay the logged gradients of steps >= v through
-    the same optimizer update as the core: the replica is now bitwise where the core is.
- 4. ACTIVATING -> TRAINING: the leader flips it; it contributes real gradients from that step on.
+    back, none lost) and ack.
+ 2. FETCHING (outside the domain: the core never waits for it): `fetch/<rid>/<g>` names the step s0
+    whose snapshot the core publishes; fetch and verify it (refused files: ask for a fresh one and
+    retry), load it, then replay the core's logged reduced gradients of steps >= its version.
+ 3. ZERO_SYNC: admitted to the domain; send zeros (weight 0) each step and keep the live reduced
+    gradients, while replaying the rest of the log; once every step up to the live one is applied the
+    replica is bitwise where the core is ("activating").
+ 4. TRAINING: the leader flips it; real gradients from that step on.
 Release: the replica disappears from the plan; it leaves the domain and starts a rollout server with
 its (current) weights.
 """
@@ -40,6 +42,9 @@ class RolloutSide(Protocol):
 
 
 class _Fetcher(threading.Thread):
+    """Finds, verifies and decodes the snapshot off the main thread (the main thread keeps beating and
+    watching for cancellation)."""
+
     def __init__(self, worker: HybridWorker, min_version: int, gen: int) -> None:
         super().__init__(name=f"fetch-{worker.rid}-{worker.rank}", daemon=True)
         self.w, self.min_version, self.gen = worker, min_version, gen
@@ -61,8 +66,8 @@ class _Fetcher(threading.Thread):
                     return
                 time.sleep(0.01)
                 continue
-            if w.cfg.fetch_delay_s:
-                self.cancel.wait(w.cfg.fetch_delay_s)
+            if w.cfg.fetch_delay_s and self.cancel.wait(w.cfg.fetch_delay_s):
+                return
             try:
                 self.result = (v, w.snapshots.fetch(v, w.rank))
                 return
@@ -98,9 +103,8 @@ class HybridWorker:
         self.gen = 0
         self.handled_gen = 0
         self.in_domain = False
-        self.loaded = False
-        self.log_buf: list[tuple[int, torch.Tensor]] = []
-        self.fetcher: _Fetcher | None = None
+        self.version: int | None = None  # next step whose reduced gradient this replica must apply
+        self.live: dict[int, torch.Tensor] = {}  # reduced gradients received in the domain, not applied yet
         self.steps_trained = 0
         self.grads_for: int | None = None
         self.cur_weight = 0.0
@@ -124,13 +128,11 @@ class HybridWorker:
 
     # -- mode switches ---------------------------------------------------------------------------
     def _to_rollout(self, why: str) -> None:
-        if self.fetcher is not None:
-            self.fetcher.cancel.set()
-            self.fetcher = None
         self.domain.close()
         self.domain.epoch = None
-        self.in_domain = self.loaded = False
-        self.log_buf.clear()
+        self.in_domain = False
+        self.version = None
+        self.live.clear()
         self.grads_for = None
         if self.rollout is not None:
             self.rollout.start(self.replica)
@@ -139,15 +141,14 @@ class HybridWorker:
         self._report("rollout", why=why)
         self.log(f"back to rollout ({why})")
 
-    def _join(self, gen: int) -> int:
+    def _join(self, gen: int) -> None:
         handed = self.rollout.drain() if self.rollout is not None else []
         self.gen = self.handled_gen = gen
         self.kv.set(f"handback/{self.rid}/{gen}/{self.rank}", handed)
         self.kv.add(f"ack/{self.rid}/{gen}")
         self.log(f"join gen {gen}: drained rollout, handed back {len(handed)} requests")
-        return int(self.kv.wait("cur_step", self.cfg.plan_timeout_s))
 
-    # -- zero-sync bookkeeping -------------------------------------------------------------------
+    # -- catching up -----------------------------------------------------------------------------
     def _flat(self) -> torch.Tensor:
         return torch.cat([g.reshape(-1) for g in self.replica.grad_tensors()]).clone()
 
@@ -157,31 +158,43 @@ class HybridWorker:
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
 
-    def _poll_fetch(self) -> None:
-        f = self.fetcher
-        if f is None or f.is_alive():
-            return
-        self.fetcher = None
-        if f.error is not None:
-            self._report("failed", error=f.error)
-            self.log(f"fetch failed: {f.error}")
-            return
-        assert f.result is not None
-        version, state = f.result
-        self.replica.load_state(state)
-        self._report("zero_sync", version=version, refused=len(f.refused))
-        # Replay every logged reduced gradient the snapshot does not already contain.
-        pending = [(s, g) for s, g in self.log_buf if s >= version]
-        if pending and pending[0][0] != version:
-            self._report("failed", error=f"replay gap: snapshot v{version}, log starts at {pending[0][0]}")
-            return
-        for _s, g in pending:
+    def _catch_up(self) -> None:
+        """Apply, in step order, every reduced gradient this replica lacks: live ones received in the
+        domain first, else the core's log on disk; stop at the first gap (not logged yet)."""
+        while self.version is not None:
+            g = self.live.pop(self.version, None)
+            if g is None:
+                g = self.snapshots.read_grad(self.version, self.rank)
+            if g is None:
+                return
             self._set_flat(g)
             self.replica.apply_update()
-        self.log_buf.clear()
-        self.loaded = True
-        self._report("activating", version=version + len(pending))
-        self.log(f"loaded snapshot v{version}, replayed {len(pending)} steps")
+            self.version += 1
+
+    def _fetch_and_load(self, s0: int) -> bool:
+        """FETCHING: returns False when the join was cancelled, failed or shut down."""
+        f = _Fetcher(self, min_version=s0, gen=self.gen)
+        f.start()
+        while f.is_alive():
+            f.join(0.05)
+            if self._cancelled() or self._shutdown():
+                f.cancel.set()
+                return False
+        if f.error is not None or f.result is None:
+            self._report("failed", error=f.error or "fetch cancelled")
+            self.log(f"fetch failed: {f.error}")
+            return False
+        version, state = f.result
+        self.replica.load_state(state)
+        self.version = version
+        self._catch_up()
+        self._report("loaded", version=self.version, snapshot=version, refused=len(f.refused))
+        self.log(f"loaded snapshot v{version} ({len(f.refused)} refused), replayed to v{self.version}")
+        return True
+
+    def _cancelled(self) -> bool:
+        cmd = self.kv.get(f"cmd/{self.rid}") or {}
+        return int(cmd.get("gen", self.gen)) != self.gen
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -201,44 +214,60 @@ class HybridWorker:
         s: int | None = None
         if self.start_active is not None:
             s, self.gen = self.start_active
-            self.in_domain = self.loaded = True
+            self.in_domain = True
         elif self.rollout is not None:
             self.rollout.start(self.replica)
         while not self._stop.is_set():
             if s is None:  # serving rollout: wait for a join command
                 cmd = self.kv.get(f"cmd/{self.rid}")
                 if cmd and cmd["op"] == "join" and int(cmd["gen"]) > self.handled_gen:
-                    s = self._join(int(cmd["gen"]))
+                    self._join(int(cmd["gen"]))
+                    s0 = self.kv.wait(f"fetch/{self.rid}/{self.gen}", self.cfg.plan_timeout_s,
+                                      abort=lambda: self._cancelled() or self._shutdown())
+                    if s0 is None or not self._fetch_and_load(int(s0)):
+                        if self._shutdown():
+                            return
+                        self._to_rollout("join cancelled or failed")
+                        continue
+                    s = int(self.kv.wait("cur_step", self.cfg.plan_timeout_s))
                     continue
                 if self._shutdown():
                     return
                 time.sleep(0.005)
                 continue
+            if not self.in_domain:
+                # Loaded, waiting to be admitted: keep replaying the log, look for our name in the plan.
+                self._catch_up()
+                plan = self.kv.get(f"plan/{s}")
+                if plan is None:
+                    if self._cancelled():
+                        self._to_rollout("join cancelled")
+                        s = None
+                    time.sleep(0.002)
+                    continue
+                if plan.get("shutdown"):
+                    return
+                if plan["gens"].get(self.rid) != self.gen:
+                    s += 1
+                    continue
+                self.in_domain = True
+                self.log(f"entered domain at step {s} (replayed to v{self.version})")
             plan = self.kv.wait(f"plan/{s}", self.cfg.plan_timeout_s, abort=self._shutdown)
             if plan is None or plan.get("shutdown"):
                 return
             if plan["gens"].get(self.rid) != self.gen:
-                if self.in_domain:
-                    self._to_rollout("left the domain")
-                    s = None
-                    continue
-                cmd = self.kv.get(f"cmd/{self.rid}") or {}
-                if int(cmd.get("gen", self.gen)) != self.gen:  # join cancelled before we got in
-                    self._to_rollout("join cancelled")
-                    s = None
-                    continue
-                s += 1  # not admitted yet: the leader admits at the next boundary after the ack
+                self._to_rollout("left the domain")
+                s = None
                 continue
-            if not self.in_domain:
-                self.in_domain = True
-                self.fetcher = _Fetcher(self, min_version=s, gen=self.gen)
-                self.fetcher.start()
-                self.log(f"entered domain at step {s}, fetching snapshot >= v{s}")
             if not self._step(s, plan):
                 s = None
                 continue
             s += 1
-            self._poll_fetch()
+            if self.version is not None and self.version < s:
+                self._catch_up()
+                if self.version == s:
+                    self._report("activating", version=self.version)
+                    self.log(f"aligned at v{self.version}")
 
     def _step(self, s: int, plan: dict[str, Any]) -> bool:
         """One domain step (with retries); False when this replica left the domain."""
@@ -272,13 +301,15 @@ class HybridWorker:
                     self._to_rollout("missed a committed step")
                     return False
                 if training:
+                    if self.version is not None and self.version != s:
+                        raise RuntimeError(f"{self.rid}: training step {s} at version {self.version}")
                     self.replica.apply_update()
                     self.steps_trained += 1
                     self.grads_for = None
-                elif self.loaded:
-                    self.replica.apply_update()
+                    if self.version is not None:
+                        self.version = s + 1
                 else:
-                    self.log_buf.append((s, self._flat()))
+                    self.live[s] = self._flat()
                 return True
             failed_attempt = plan["attempt"]
             plan = self.kv.get(f"plan/{s}")

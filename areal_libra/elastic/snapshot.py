@@ -4,8 +4,13 @@ A snapshot of version v is the training state after v optimizer steps (model, op
 anything the caller adds), one file per shard position (a replica with FSDP/TP/PP shards publishes one
 file per rank position). Layout under `root`:
 
-    v00000012_p0.pt     torch.save payload {"version", "position", "state"}
+    v00000012_p0.pt     b"ELSNAP01" | u64 header length | header JSON | raw tensor bytes
+                        header: {"version", "position", "meta": pickled state with tensors replaced by
+                        indices (base64), "tensors": [{"dtype", "shape", "offset", "nbytes"}]}
     v00000012_p0.json   manifest {"version", "position", "bytes", "sha256"}; written last = published
+
+Why not torch.save: pickling holds the GIL for the whole write, and the writer thread runs inside the
+training process; raw buffer writes and sha256 updates release it, so the training step is not slowed.
 
 Both are written to a temp name and os.replace'd, so a reader never sees a half-written file under the
 final name; a truncated or foreign file is still refused because size, hash and version are checked.
@@ -13,11 +18,13 @@ final name; a truncated or foreign file is still refused because size, hash and 
 
 from __future__ import annotations
 
+import base64
 import hashlib
-import io
 import json
 import os
+import pickle
 import re
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +59,87 @@ def _atomic_write(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+_MAGIC = b"ELSNAP01"
+
+
+class _TensorRef:
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """Replace tensors by indices (tensors collected in order); everything else is small metadata."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorRef(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: _split(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_split(v, tensors) for v in obj)
+    return obj
+
+
+def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorRef):
+        return tensors[obj.idx]
+    if isinstance(obj, dict):
+        return {k: _join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_join(v, tensors) for v in obj)
+    return obj
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_snapshot(path: str, version: int, position: int, state: Any) -> tuple[int, str]:
+    """Atomic write; returns (bytes, sha256)."""
+    tensors: list[torch.Tensor] = []
+    meta = _split(state, tensors)
+    specs, off = [], 0
+    for t in tensors:
+        nb = t.numel() * t.element_size()
+        specs.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": off,
+                      "nbytes": nb})
+        off += nb
+    header = json.dumps({"version": version, "position": position, "tensors": specs,
+                         "meta": base64.b64encode(pickle.dumps(meta)).decode()}).encode()
+    h = hashlib.sha256()
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "wb") as f:
+        for chunk in (_MAGIC, struct.pack("<Q", len(header)), header):
+            f.write(chunk)
+            h.update(chunk)
+        for t in tensors:
+            buf = _raw(t)
+            f.write(buf)  # releases the GIL
+            h.update(buf)  # hashlib releases the GIL for large buffers
+        size = f.tell()
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return size, h.hexdigest()
+
+
+def _read_snapshot(data: bytearray) -> tuple[dict[str, Any], Any]:
+    if data[:8] != _MAGIC:
+        raise ValueError("not a snapshot file (bad magic)")
+    (hlen,) = struct.unpack("<Q", data[8:16])
+    header = json.loads(bytes(data[16:16 + hlen]))
+    base = 16 + hlen
+    tensors = []
+    for sp in header["tensors"]:
+        dtype = getattr(torch, sp["dtype"])
+        if sp["nbytes"] == 0:
+            tensors.append(torch.empty(sp["shape"], dtype=dtype))
+            continue
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=sp["nbytes"], offset=base + sp["offset"])
+        tensors.append(raw.view(dtype).reshape(sp["shape"]).clone())
+    meta = pickle.loads(base64.b64decode(header["meta"]))
+    return header, _join(meta, tensors)
+
+
 @dataclass(frozen=True)
 class SnapshotInfo:
     version: int
@@ -77,20 +165,15 @@ class SnapshotStore:
     # -- publish ---------------------------------------------------------------------------------
     def write(self, version: int, position: int, state: Any, corrupt: str | None = None) -> SnapshotInfo:
         """Synchronous write. `corrupt` ("truncate" | "wrong_version") exists for fault-injection tests."""
-        buf = io.BytesIO()
-        payload_version = version + 1 if corrupt == "wrong_version" else version
-        torch.save({"version": payload_version, "position": position, "state": state}, buf)
-        data = buf.getvalue()
-        manifest = {"version": version, "position": position, "bytes": len(data),
-                    "sha256": hashlib.sha256(data).hexdigest()}
-        if corrupt == "truncate":
-            data = data[: len(data) // 2]
-        elif corrupt == "wrong_version":
-            # A self-consistent file whose content belongs to another version: only the version check catches it.
-            manifest["bytes"] = len(data)
-            manifest["sha256"] = hashlib.sha256(data).hexdigest()
         pt, js = self._paths(version, position)
-        _atomic_write(pt, data)
+        payload_version = version + 1 if corrupt == "wrong_version" else version
+        size, digest = _write_snapshot(pt, payload_version, position, state)
+        if corrupt == "truncate":
+            # Cut the payload after the manifest recorded its full size (as a crashed copy would be).
+            with open(pt, "r+b") as f:
+                f.truncate(size // 2)
+        # wrong_version: a self-consistent file (size, hash) whose content belongs to another version.
+        manifest = {"version": version, "position": position, "bytes": size, "sha256": digest}
         _atomic_write(js, json.dumps(manifest).encode())
         self.gc(position)
         return SnapshotInfo(version, position, pt, js)
@@ -139,7 +222,9 @@ class SnapshotStore:
             with open(js, "rb") as f:
                 manifest = json.loads(f.read())
             with open(pt, "rb") as f:
-                data = f.read()
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                n = f.readinto(data)  # releases the GIL
+                del data[n:]
         except FileNotFoundError as e:
             raise SnapshotError(f"snapshot v{version} p{position} missing (garbage-collected?): {e.filename}") from None
         except (OSError, ValueError) as e:
@@ -150,15 +235,56 @@ class SnapshotStore:
         if hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
             raise SnapshotError(f"snapshot v{version} p{position} checksum mismatch in {pt}")
         try:
-            payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
+            header, state = _read_snapshot(data)
+        except Exception as e:  # noqa: BLE001 - any decoding failure means an unusable file
             raise SnapshotError(f"snapshot v{version} p{position} cannot be decoded: {e}") from None
-        if payload.get("version") != version or manifest.get("version") != version:
+        if header.get("version") != version or manifest.get("version") != version:
             raise SnapshotError(
-                f"snapshot {pt} has wrong version: expected v{version}, file holds v{payload.get('version')}")
-        if payload.get("position") != position:
-            raise SnapshotError(f"snapshot {pt} is for position {payload.get('position')}, expected {position}")
-        return payload["state"]
+                f"snapshot {pt} has wrong version: expected v{version}, file holds v{header.get('version')}")
+        if header.get("position") != position:
+            raise SnapshotError(f"snapshot {pt} is for position {header.get('position')}, expected {position}")
+        return state
+
+    # -- replay log: the reduced gradient of every step while a replica catches up -----------------
+    def _grad_path(self, step: int, position: int) -> str:
+        return os.path.join(self.root, f"g{step:08d}_p{position}.bin")
+
+    def publish_grad_async(self, step: int, position: int, flat: torch.Tensor) -> threading.Thread:
+        """Log the committed reduced gradient of `step` (flat fp32) for replicas replaying to the present."""
+        cloned = flat.detach().clone()
+
+        def run() -> None:
+            try:
+                _write_snapshot(self._grad_path(step, position), step, position, {"grad": cloned})
+            except Exception as e:  # noqa: BLE001 - reported through .errors
+                self.errors.append(f"grad log {step} p{position}: {e}")
+
+        t = threading.Thread(target=run, name=f"gradlog-{step}-p{position}", daemon=True)
+        t.start()
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        return t
+
+    def read_grad(self, step: int, position: int) -> torch.Tensor | None:
+        """The logged gradient of `step`, or None while it is not (yet) on disk."""
+        try:
+            with open(self._grad_path(step, position), "rb") as f:
+                data = bytearray(f.read())
+        except FileNotFoundError:
+            return None
+        header, state = _read_snapshot(data)
+        if header["version"] != step or header["position"] != position:
+            raise SnapshotError(f"gradient log {self._grad_path(step, position)} holds step {header['version']}")
+        return state["grad"]
+
+    def gc_grads(self, position: int, below: int | None = None) -> None:
+        """Drop logged gradients of steps < below (all when below is None)."""
+        for name in os.listdir(self.root):
+            m = re.match(r"^g(\d{8})_p(\d+)\.bin$", name)
+            if m and int(m.group(2)) == position and (below is None or int(m.group(1)) < below):
+                try:
+                    os.remove(os.path.join(self.root, name))
+                except FileNotFoundError:
+                    pass
 
     def gc(self, position: int) -> list[int]:
         """Delete all but the newest `keep` versions; a reader that already opened a file keeps its data."""

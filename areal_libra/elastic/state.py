@@ -16,15 +16,19 @@ from dataclasses import dataclass, field
 class ReplicaState(enum.StrEnum):
     ROLLOUT = "rollout"  # serving rollout requests
     REQUESTED = "requested"  # asked to join; draining its rollout server
-    FETCHING = "fetching"  # in the gradient domain with zero weight, fetching the snapshot
-    ZERO_SYNC = "zero_sync"  # snapshot loaded, replaying the reduced gradients it has seen
+    FETCHING = "fetching"  # outside the domain: fetching the snapshot, replaying the logged gradients
+    ZERO_SYNC = "zero_sync"  # in the domain with weight 0 (zeros), replaying up to the live step
     ACTIVATING = "activating"  # aligned with the core; real gradients from the next step
     TRAINING = "training"  # contributes real gradients
     RELEASING = "releasing"  # leaving the domain; a rollout server is being started
 
 
 JOINING = (ReplicaState.REQUESTED, ReplicaState.FETCHING, ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING)
-IN_DOMAIN = (ReplicaState.FETCHING, ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING, ReplicaState.TRAINING)
+# FETCHING happens outside the domain (the core never waits for a fetch); from ZERO_SYNC on the replica
+# takes part in every reduction, with zeros until it trains.
+IN_DOMAIN = (ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING, ReplicaState.TRAINING)
+# While any replica is here, the core logs each step's reduced gradient so the replica can replay it.
+CATCHING_UP = (ReplicaState.FETCHING, ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING)
 
 # Forward edges of the join/release cycle; cancel and fail are handled separately (always to ROLLOUT).
 _EDGES: dict[ReplicaState, tuple[ReplicaState, ...]] = {

@@ -291,7 +291,7 @@ def _maybe_kill(cfg: TestbedConfig, kv: KV, procs: dict[tuple[str, int], Any]) -
     if step is None:
         return None
     plan = kv.get(f"plan/{step}")
-    if not plan or plan["states"].get(cfg.kill["rid"]) != cfg.kill["state"]:
+    if not plan or plan.get("pool", {}).get(cfg.kill["rid"]) != cfg.kill["state"]:
         return None
     for (who, _r), p in procs.items():
         if who == cfg.kill["rid"] and p.is_alive():
