@@ -354,8 +354,7 @@ class CMLFQPolicy(_Base):
     def _track(self, req: RequestInfo) -> RequestInfo:
         """Fill in decision_contexts from earlier calls for this trajectory when the caller did not."""
         n = len(req.tool_returns)
-        if len(req.decision_contexts) == n + 1:
-            self._contexts[req.trajectory_id] = req.decision_contexts
+        if len(req.decision_contexts) == n + 1:  # the caller tracks them (replay, Dispatcher)
             return req
         prev = self._contexts.get(req.trajectory_id)
         if n == 0:
