@@ -115,18 +115,24 @@ def best_train_layout(truth: HardwareTruth, gpus: int, seq_lens: list[int]) -> T
     return best
 
 
+def min_train_gpus(truth: HardwareTruth) -> int | None:
+    """Fewest GPUs one training replica needs (weights, gradients and sharded optimizer must fit)."""
+    for g in (1, 2, 4, 8, 16, 32, 64, 128):
+        for tp in (1, 2, 4, 8):
+            if g % tp == 0 and g // tp <= 16 and truth.train_memory_ok(tp, g // tp, 1):
+                return g
+    return None
+
+
 def check_cluster(truth: HardwareTruth, n_gpus: int) -> None:
     """A cluster must hold at least one training replica and one rollout server."""
-    gpn = truth.gpu.gpus_per_node
     min_roll = next((tp for tp in (1, 2, 4, 8) if truth.kv_capacity_tokens(tp) > 0), None)
-    if min_roll is None:
-        raise SimError(f"{truth.model.name} does not fit on one {truth.gpu.name} server of up to TP8")
-    min_train = next((g for g in (1, 2, 4, 8, 16, 32, 64) if any(
-        g % tp == 0 and truth.train_memory_ok(tp, g // tp // max(1, g // (tp * gpn)), 1) for tp in (1, 2, 4, 8))), None)
-    need = min_roll + (min_train or 8)
-    if n_gpus < need:
-        raise SimError(f"cluster of {n_gpus} GPUs is smaller than one model replica for training plus one "
-                       f"rollout server ({need} GPUs for {truth.model.name})")
+    min_train = min_train_gpus(truth)
+    if min_roll is None or min_train is None:
+        raise SimError(f"{truth.model.name} does not fit on {truth.gpu.name} GPUs at up to TP8 / PP16")
+    if n_gpus < min_roll + min_train:
+        raise SimError(f"cluster of {n_gpus} GPUs is smaller than one model replica for training ({min_train} GPUs) "
+                       f"plus one rollout server ({min_roll} GPUs) for {truth.model.name}")
 
 
 def _profile_lens(env: Env) -> list[int]:

@@ -1,0 +1,60 @@
+"""evaluation/throughput.py and evaluation/ablation.py: pinned keys, figures, bad input."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"tokens_per_s", "mean_step_s", "rollout_busy_frac", "train_busy_frac", "reconfigurations"}
+
+
+def _run(script, *args):
+    return subprocess.run([sys.executable, str(ROOT / "evaluation" / script), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_throughput_json_keys_and_plot(tmp_path):
+    png = tmp_path / "t.png"
+    p = _run("throughput.py", "--workload", "search_r1", "--cluster", "a800x16", "--model", "qwen3-14b",
+             "--steps", "3", "--json", "--batch-prompts", "4", "--systems", "verl_colocated", "verl_static_uniform",
+             "libra", "--plot", str(png))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["workload"] == "search_r1"
+    assert set(out["systems"]) == {"verl_colocated", "verl_static_uniform", "libra"}
+    for r in out["systems"].values():
+        assert KEYS <= set(r)
+        assert r["tokens_per_s"] > 0 and 0 <= r["rollout_busy_frac"] <= 1 and 0 <= r["train_busy_frac"] <= 1
+    assert png.stat().st_size > 10_000
+
+
+def test_ablation_prints_the_ladder():
+    p = _run("ablation.py", "--workload", "r2e_gym", "--cluster", "a800x16", "--steps", "2", "--json",
+             "--batch-prompts", "2", "--systems", "static_uniform", "+hetero_tp")
+    assert p.returncode == 0, p.stderr
+    assert list(json.loads(p.stdout)["systems"]) == ["static_uniform", "+hetero_tp"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--workload", "nope"], "unknown workload 'nope'"),
+    (["--workload", "r2e_gym", "--cluster", "a800x4"], "smaller than one model replica"),
+    (["--workload", "r2e_gym", "--systems", "bogus"], "unknown system 'bogus'"),
+    (["--workload", "r2e_gym", "--model", "nomodel"], "nomodel"),
+])
+def test_bad_input_is_one_clear_line(args, msg):
+    p = _run("throughput.py", "--steps", "2", *args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and msg in lines[0] and "Traceback" not in p.stderr
+
+
+def test_malformed_trace_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"trajectory_id": "a", "prompt_id": "p", "step": 0, "prompt_tokens": 5,'
+                   ' "segments": [{"gen_tokens": -3, "tool": null}]}\n')
+    p = _run("throughput.py", "--workload", str(bad), "--steps", "2")
+    assert p.returncode == 2
+    assert "bad.jsonl:1" in p.stderr and "gen_tokens" in p.stderr and "Traceback" not in p.stderr
