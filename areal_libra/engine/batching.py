@@ -21,27 +21,12 @@ from typing import Any
 import torch
 
 from areal_libra.engine.kv_cache import SlotKVCache
+from areal_libra.engine.protocol import SamplingParams
 from areal_libra.engine.sampling import SamplingBatch, sample
 
 logger = logging.getLogger("areal_libra.engine")
 
 ABORT_BEFORE_PREFILL = "Abort before prefill"  # AReaL's client treats this prefix as "no tokens"
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    sampling_seed: int | None = None
 
 
 @dataclass

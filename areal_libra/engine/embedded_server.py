@@ -71,11 +71,11 @@ async def _json_body(request: web.Request, allow_empty: bool = True) -> dict[str
 
 def load_model(path: str) -> tuple[Any, Any]:
     """Load a Hugging Face causal LM and its tokenizer on CPU in float32."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model path {path!r} is not a Hugging Face model directory (no config.json)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model path {path!r} is not a Hugging Face model directory (no config.json)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
@@ -190,12 +190,16 @@ class EmbeddedServer:
         req = Request(rid=gi.rid, input_ids=list(ids), params=gi.params, on_finish=on_finish)
         self.engine.submit(req)
         try:
-            done = await fut
+            # aiohttp does not cancel handlers when the client goes away, so watch the connection.
+            while not fut.done():
+                await asyncio.wait({fut}, timeout=0.5)
+                if not fut.done() and (request.transport is None or request.transport.is_closing()):
+                    raise asyncio.CancelledError
         except asyncio.CancelledError:
             # The client went away (timeout, cancelled task): free its batch slot.
             self.engine.call(lambda: self.engine.abort(gi.rid, "Client disconnected"))
             raise
-        return web.json_response(self._response(done, gi.return_logprob, t0))
+        return web.json_response(self._response(fut.result(), gi.return_logprob, t0))
 
     def _response(self, req: Any, return_logprob: bool, t0: float) -> dict[str, Any]:
         reason = req.finish_reason or {"type": "abort", "message": "unknown"}
@@ -427,6 +431,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
     if not 0 < ns.port < 65536:
         p.error(f"--port must be in 1..65535, got {ns.port}")
+    if not os.path.isfile(os.path.join(ns.model_path, "config.json")):
+        sys.stderr.write(
+            f"embedded_server: error: --model-path {ns.model_path!r} is not a Hugging Face model directory (no config.json)\n"
+        )
+        raise SystemExit(1)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return ServerArgs(
         model_path=ns.model_path,

@@ -9,10 +9,26 @@ at their neutral value so that AReaL's client (which sends ``image_data: null``)
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from areal_libra.engine.batching import SamplingParams
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (SGLang names and defaults)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    sampling_seed: int | None = None
 
 
 class RequestError(ValueError):

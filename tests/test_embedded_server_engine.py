@@ -1,0 +1,185 @@
+"""The continuous-batching engine without HTTP: staggered arrivals, row reuse, compaction, retraction."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal_libra.engine.batching import BatchEngine, EngineConfig, Request, SamplingParams
+from areal_libra.engine.protocol import RequestError, finish_text, parse_generate
+from areal_libra.engine.sampling import uniforms
+from areal_libra.engine.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("m") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(
+        model_dir
+    )
+
+
+def check_logprobs(model, req: Request, temperature: float = 1.0) -> None:
+    with torch.no_grad():
+        logits = model(torch.tensor([req.input_ids + req.output_ids])).logits[0, len(req.input_ids) - 1 : -1]
+    ref = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(req.output_ids)[:, None]).squeeze(1)
+    assert torch.allclose(ref, torch.tensor(req.output_logprobs), atol=1e-4), req.rid
+
+
+def run_staggered(engine: BatchEngine, specs: list[tuple[list[int], SamplingParams]], gap: float) -> list[Request]:
+    done = threading.Semaphore(0)
+    reqs = [
+        Request(rid=f"r{i}", input_ids=ids, params=sp, on_finish=lambda r: done.release())
+        for i, (ids, sp) in enumerate(specs)
+    ]
+    for r in reqs:
+        engine.submit(r)
+        time.sleep(gap)
+    for _ in reqs:
+        assert done.acquire(timeout=120)
+    return reqs
+
+
+def test_staggered_mixed_lengths_match_unbatched_model(hf):
+    """Requests of different prompt lengths join and leave a running batch (row reuse, left-padding,
+    compaction, queueing beyond max_running); every logprob equals a plain forward of that sequence."""
+    model, tok = hf
+    rng = random.Random(0)
+    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=8, seed=1))
+    engine.start()
+    try:
+        specs = []
+        for _ in range(30):
+            ids = [rng.randrange(2, len(tok)) for _ in range(rng.randint(1, 50))]
+            specs.append((ids, SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True)))
+        reqs = run_staggered(engine, specs, gap=0.003)
+    finally:
+        engine.stop()
+    for r, (_, sp) in zip(reqs, specs):
+        assert len(r.output_ids) == sp.max_new_tokens and r.finish_reason["type"] == "length"
+        check_logprobs(model, r)
+    st = engine.stats
+    assert st.max_batch_seen == 8  # the cap was reached and respected
+    assert st.compactions > 0
+
+
+def test_identical_prompts_prefilled_once(hf):
+    model, tok = hf
+    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=16))
+    ids = tok.encode("What is 2+2? ")
+    for i in range(8):
+        engine.submit(
+            Request(rid=str(i), input_ids=ids, params=SamplingParams(max_new_tokens=5), on_finish=lambda r: None)
+        )
+    engine._drain_inbox()
+    engine._admit()
+    assert engine.stats.prefill_tokens == len(ids) and engine.stats.cached_tokens == 7 * len(ids)
+    while engine.num_running():
+        engine._decode_step()
+
+
+def test_token_budget_retracts_and_completes(hf):
+    """max_total_tokens smaller than the batch's needs: requests are retracted and re-prefilled, and still
+    produce correct continuations."""
+    model, tok = hf
+    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=8, max_total_tokens=200))
+    engine.start()
+    try:
+        specs = [
+            (tok.encode(f"What is {i}+{i}? "), SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(6)
+        ]
+        reqs = run_staggered(engine, specs, gap=0.0)
+    finally:
+        engine.stop()
+    assert engine.stats.retracted_requests > 0
+    assert sum(r.retractions for r in reqs) == engine.stats.retracted_requests
+    for r in reqs:
+        assert len(r.output_ids) == 40
+        check_logprobs(model, r)
+
+
+def test_top_p_top_k_restrict_support(hf):
+    model, tok = hf
+    engine = BatchEngine(model, tok, EngineConfig())
+    ids = tok.encode("Answer: ")
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+    top3 = set(torch.topk(probs, 3).indices.tolist())
+    nucleus = set()
+    mass = 0.0
+    for p, i in zip(*torch.sort(probs, descending=True)):
+        nucleus.add(int(i))
+        mass += float(p)
+        if mass >= 0.5:
+            break
+    firsts_k, firsts_p = set(), set()
+    for s in range(25):
+        for params, bag in (
+            (SamplingParams(max_new_tokens=1, top_k=3, sampling_seed=s), firsts_k),
+            (SamplingParams(max_new_tokens=1, top_p=0.5, sampling_seed=s), firsts_p),
+        ):
+            r = Request(rid="x", input_ids=ids, params=params, on_finish=lambda r: None)
+            engine.submit(r)
+            engine._drain_inbox()
+            engine._admit()
+            bag.add(r.output_ids[0])
+    assert firsts_k <= top3 and len(firsts_k) > 1
+    assert firsts_p <= nucleus
+
+
+def test_uniforms_are_uniform_and_counter_based():
+    seeds = torch.arange(4000, dtype=torch.long)
+    u = uniforms(seeds, torch.zeros_like(seeds))
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.02
+    assert torch.equal(u, uniforms(seeds, torch.zeros_like(seeds)))
+    assert not torch.equal(u, uniforms(seeds, torch.ones_like(seeds)))
+
+
+def test_parse_generate_accepts_areal_payload_and_rejects_unknown():
+    body = {
+        "input_ids": [3, 4],
+        "image_data": [],
+        "sampling_params": {
+            "top_p": 1.0,
+            "top_k": 100000000,
+            "max_new_tokens": 5,
+            "temperature": 0.0,
+            "stop_token_ids": [],
+            "ignore_eos": False,
+            "skip_special_tokens": True,
+            "frequency_penalty": 0.0,
+            "stop": ["</calc>"],
+        },
+        "return_logprob": True,
+        "stream": False,
+    }
+    gi = parse_generate(body)
+    assert gi.params.stop == ["</calc>"] and gi.params.temperature == 0.0 and gi.params.top_k == 100000000
+    with pytest.raises(RequestError, match="return_routed"):
+        parse_generate({**body, "return_routed_experts": True})
+    with pytest.raises(RequestError, match="min_p"):
+        parse_generate({**body, "sampling_params": {"min_p": 0.1}})
+
+
+def test_finish_text_trims_like_sglang(hf):
+    _, tok = hf
+    ids = tok.encode("12</c>34")
+    sp = SamplingParams(stop=["</c>"])
+    assert finish_text(tok, ids, sp, {"type": "stop", "matched": "</c>"}) == "12"
+    sp.no_stop_trim = True
+    assert finish_text(tok, ids, sp, {"type": "stop", "matched": "</c>"}) == "12</c>34"
+    eos = tok.eos_token_id
+    assert (
+        finish_text(tok, ids[:2] + [eos], SamplingParams(skip_special_tokens=False), {"type": "stop", "matched": eos})
+        == "12"
+    )
