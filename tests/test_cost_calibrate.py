@@ -42,6 +42,26 @@ def test_least_squares_recovers_truth():
     assert max(res.rel_error.values()) < 0.01
 
 
+def test_decode_regimes_and_per_request_overhead_are_fitted_separately():
+    """Memory-bound and compute-bound decode scale independently, plus a per-running-request overhead."""
+    start = load_hardware("a800")
+    m = load_model("qwen3-14b")
+    truth = start.replace(hbm_eff=0.65, decode_mfu=0.22, step_overhead_s=4e-3, seq_overhead_s=3e-4)
+    cal = Calibration(start, m)
+    for tp in (1, 2, 4, 8):
+        rc = RolloutCost(truth, m, tp)
+        for b in (1, 8, 32, 128, 256):
+            for per_req in (1024, 8192):
+                cal.add_decode(tp, b, b * per_req, float(rc.decode_step_s(b, b * per_req)))
+    res = cal.fit()
+    hw = res.hardware
+    assert hw.hbm_eff == pytest.approx(0.65, rel=1e-6)
+    assert hw.decode_mfu == pytest.approx(0.22, rel=1e-6)
+    assert hw.step_overhead_s == pytest.approx(4e-3, rel=1e-6)
+    assert hw.seq_overhead_s == pytest.approx(3e-4, rel=1e-6)
+    assert res.rel_error["decode"] < 1e-9
+
+
 def test_efficiency_above_one_moves_into_the_peak():
     start = load_hardware("cpu")
     m = load_model("tiny-qwen2")
@@ -75,5 +95,6 @@ def test_profiler_cli_writes_a_loadable_preset(tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["samples"] >= 5 and set(rep["rel_error"]) == {"decode", "prefill", "train"}
+    assert "np." not in out.read_text()  # plain YAML numbers
     hw = load_hardware(str(out))
     assert hw.gpus_per_node == 2 and 0 < hw.hbm_eff <= 1 and hw.step_overhead_s >= 0

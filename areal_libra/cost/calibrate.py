@@ -1,10 +1,13 @@
 """Calibration: fit the cost models' efficiency factors to measured samples.
 
-Offline (least squares): decode and prefill samples fit measured = alpha * modelled + beta, where
-`modelled` is the roofline part of the current model (communication subtracted from the measurement) and
-beta >= 0 is a fixed per-call overhead; the efficiency becomes eff / alpha. Training samples fit
-measured = alpha * modelled through the origin and scale train_mfu. An efficiency that would exceed 1
-moves into the peak figure instead (the preset's peak was too low), keeping every other product unchanged.
+Offline (non-negative least squares on relative errors):
+- decode: measured - comm = a_m * memory time [memory-bound samples] + a_c * compute time [compute-bound
+  samples] + step overhead + per-request overhead * batch; the regimes are re-classified with the updated
+  efficiencies until they settle; hbm_eff /= a_m, decode_mfu /= a_c;
+- prefill: measured - comm = a * roofline time + per-call overhead; prefill_mfu /= a;
+- train: measured = a * modelled step time; train_mfu /= a.
+An efficiency that would exceed 1 moves into the peak figure instead (the preset's peak was too low),
+keeping every other product unchanged.
 
 Online (EMA): `observe` keeps an exponential moving average of measured / predicted per kind; `scale(kind)`
 multiplies predictions, `apply_ema` folds the ratios into a HardwareSpec.
@@ -45,20 +48,27 @@ class FitResult:
     rel_error: dict[str, float]  # mean |pred - meas| / meas after the fit
 
 
-def _lsq(x: np.ndarray, y: np.ndarray, intercept: bool) -> tuple[float, float]:
-    """y ~ a x + b with b >= 0 (b = 0 without intercept or when the free fit goes negative)."""
-    if intercept and len(x) >= 2 and np.ptp(x) > 0:
-        a, b = np.polyfit(x, y, 1)
-        if b >= 0 and a > 0:
-            return float(a), float(b)
-    a = float(np.dot(x, y) / max(np.dot(x, x), 1e-300))
-    return a, 0.0
+def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a handful of columns: the best of the unconstrained fits over every
+    column subset whose coefficients are all >= 0 (exact for the few unknowns used here)."""
+    n = X.shape[1]
+    best_r, best = np.inf, np.zeros(n)
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        r = float(np.sum((X[:, cols] @ coef - y) ** 2))
+        if r < best_r - 1e-18:
+            best_r, best = r, np.zeros(n)
+            best[cols] = coef
+    return best
 
 
 def _scale_eff(hw: HardwareSpec, eff_field: str, factor: float) -> HardwareSpec:
     """Multiply an efficiency by `factor`; beyond 1 the excess goes into the matching peak figure and the
     sibling efficiencies that share that peak are divided by it, so their products stay put."""
-    new = getattr(hw, eff_field) * factor
+    new = float(getattr(hw, eff_field) * factor)
     if new <= 1.0:
         return hw.replace(**{eff_field: max(new, 1e-6)})
     over = new
@@ -97,7 +107,7 @@ class Calibration:
         if s.kind == "decode":
             total = float(rc.decode_step_s(s.batch, s.kv_tokens))
             comm = float(rc._comm_s(s.batch))
-            return total - comm - hw.step_overhead_s, comm
+            return total - comm - hw.step_overhead_s - hw.seq_overhead_s * s.batch, comm
         total = float(rc.prefill_s(s.tokens, s.context))
         comm = float(rc._comm_s(s.tokens))
         return total - comm - hw.prefill_overhead_s, comm
@@ -105,7 +115,8 @@ class Calibration:
     def predict(self, hw: HardwareSpec, s: Sample, train_kw: dict | None = None) -> float:
         tc = self._train_cost_factory(train_kw or {})
         scal, fixed = self._parts(hw, s, tc)
-        ovh = {"decode": hw.step_overhead_s, "prefill": hw.prefill_overhead_s}.get(s.kind, 0.0)
+        ovh = {"decode": hw.step_overhead_s + hw.seq_overhead_s * s.batch,
+               "prefill": hw.prefill_overhead_s}.get(s.kind, 0.0)
         return scal + fixed + ovh
 
     def _train_cost_factory(self, train_kw: dict) -> dict:
@@ -118,25 +129,31 @@ class Calibration:
 
     # ---------------------------------------------------------------- fitting
     def fit(self, train_kw: dict | None = None) -> FitResult:
-        """Least-squares fit of every kind that has samples; returns the calibrated HardwareSpec."""
+        """Fit every kind that has samples; returns the calibrated HardwareSpec and the errors after it."""
         hw = self.hw
-        tc = self._train_cost_factory(train_kw or {})
-        alpha, beta = {}, {}
-        for kind, eff_fields, ovh_field in (("decode", ("hbm_eff", "decode_mfu"), "step_overhead_s"),
-                                            ("prefill", ("prefill_mfu",), "prefill_overhead_s"),
-                                            ("train", ("train_mfu",), None)):
-            ss = [s for s in self.samples if s.kind == kind]
-            if not ss:
-                continue
-            parts = [self._parts(hw, s, tc) for s in ss]
-            x = np.array([p[0] for p in parts])
-            y = np.array([s.measured_s - p[1] for s, p in zip(ss, parts)])
-            a, b = _lsq(x, y, intercept=ovh_field is not None)
-            alpha[kind], beta[kind] = a, b
-            for f in eff_fields:
-                hw = _scale_eff(hw, f, 1.0 / a)
-            if ovh_field:
-                hw = hw.replace(**{ovh_field: b})
+        alpha: dict[str, float] = {}
+        beta: dict[str, float] = {}
+        dec = [s for s in self.samples if s.kind == "decode"]
+        if dec:
+            hw = self._fit_decode(hw, dec, alpha, beta)
+        pre = [s for s in self.samples if s.kind == "prefill"]
+        if pre:
+            parts = [self._parts(hw, s, {}) for s in pre]
+            y = np.array([s.measured_s for s in pre])
+            X = np.stack([[p[0] for p in parts], np.ones(len(pre))], axis=1) / y[:, None]
+            t = np.array([s.measured_s - p[1] for s, p in zip(pre, parts)]) / y
+            a, b = (float(v) for v in _nnls(X, t))
+            a = a if a > 0 else 1.0
+            alpha["prefill"], beta["prefill"] = float(a), float(b)
+            hw = _scale_eff(hw, "prefill_mfu", 1.0 / a).replace(prefill_overhead_s=float(b))
+        tr = [s for s in self.samples if s.kind == "train"]
+        if tr:
+            tc = self._train_cost_factory(train_kw or {})
+            x = np.array([self._parts(hw, s, tc)[0] for s in tr])
+            y = np.array([s.measured_s for s in tr])
+            a = float(np.sum(x / y) / np.sum((x / y) ** 2))  # relative least squares through the origin
+            alpha["train"] = a
+            hw = _scale_eff(hw, "train_mfu", 1.0 / a)
         err = {}
         for kind in KINDS:
             ss = [s for s in self.samples if s.kind == kind]
@@ -144,6 +161,40 @@ class Calibration:
                 err[kind] = float(np.mean([abs(self.predict(hw, s, train_kw) - s.measured_s) / s.measured_s
                                            for s in ss]))
         return FitResult(hw, alpha, beta, err)
+
+    def _fit_decode(self, hw: HardwareSpec, dec: list[Sample], alpha: dict, beta: dict) -> HardwareSpec:
+        y = np.array([s.measured_s for s in dec])
+        batch = np.array([s.batch for s in dec], dtype=float)
+        a_m_tot = a_c_tot = 1.0
+        prev = None
+        for _ in range(8):
+            mem, comp, comm = [], [], []
+            for s in dec:
+                rc = RolloutCost(hw, self.model, s.tp)
+                m_, c_ = rc.decode_parts(s.batch, s.kv_tokens)
+                mem.append(float(m_))
+                comp.append(float(c_))
+                comm.append(float(rc._comm_s(s.batch)))
+            mem_a, comp_a = np.array(mem), np.array(comp)
+            mb = mem_a >= comp_a
+            if prev is not None and np.array_equal(mb, prev):
+                break
+            prev = mb
+            X = np.stack([np.where(mb, mem_a, 0.0), np.where(mb, 0.0, comp_a), np.ones(len(dec)), batch], axis=1)
+            coef = _nnls(X / y[:, None], (y - np.array(comm)) / y)
+            a_m, a_c, b0, b1 = (float(v) for v in coef)
+            # a regime without samples (or a degenerate zero) keeps the other regime's scale
+            if a_m <= 0:
+                a_m = a_c if a_c > 0 else 1.0
+            if a_c <= 0:
+                a_c = a_m
+            hw = _scale_eff(_scale_eff(hw, "hbm_eff", 1.0 / a_m), "decode_mfu", 1.0 / a_c)
+            hw = hw.replace(step_overhead_s=b0, seq_overhead_s=b1)
+            a_m_tot *= a_m
+            a_c_tot *= a_c
+        alpha["decode_mem"], alpha["decode_compute"] = a_m_tot, a_c_tot
+        beta["decode"], beta["decode_per_seq"] = hw.step_overhead_s, hw.seq_overhead_s
+        return hw
 
     # ---------------------------------------------------------------- online
     def observe(self, kind: str, predicted_s: float, measured_s: float) -> float:

@@ -37,6 +37,7 @@ class HardwareSpec:
     comm_eff: float = 0.80  # achieved / peak link bandwidth for collectives
     comm_latency_s: float = 10e-6  # per collective call
     step_overhead_s: float = 1.5e-3  # per decode step: scheduling, sampling, launch
+    seq_overhead_s: float = 0.0  # per running request per decode step (host-side bookkeeping); calibrated
     prefill_overhead_s: float = 5e-3  # per prefill call
     workspace_bytes: float = 8e9  # per GPU: activations, CUDA graphs, NCCL buffers (not KV, not weights)
 

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     train_kw = {"recompute": False, "logprob_passes": 0}
     res = cal.fit(train_kw)
     hw = res.hardware
-    fields = {k: v for k, v in asdict(hw).items() if k != "name"}
+    fields = {k: (v if isinstance(v, (int, str)) else float(v)) for k, v in asdict(hw).items() if k != "name"}
     header = (f"# Calibrated by: python -m areal_libra.cost.profile --device {args.device}"
               f"{' --quick' if args.quick else ''} ({spec.name}, {args.threads} thread(s))\n"
               f"# mean relative error after fit: "

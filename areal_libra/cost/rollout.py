@@ -75,13 +75,18 @@ class RolloutCost:
         nbytes = tokens * self.model.hidden * self.model.dtype_bytes
         return 2 * self.model.n_layers * allreduce_s(self.hw, nbytes, self.tp)
 
-    def decode_step_s(self, batch, kv_tokens):
-        """One decode iteration for `batch` running requests holding `kv_tokens` tokens of KV in total."""
+    def decode_parts(self, batch, kv_tokens):
+        """(memory time, compute time) of one decode iteration: HBM traffic and FLOPs at their efficiencies."""
         hw, m, tp = self.hw, self.model, self.tp
         mem = (self._weight_read_bytes(batch) / tp + kv_tokens * self._kv_bytes_gpu) / (hw.hbm_bw * hw.hbm_eff)
         flops = 2.0 * m.active_params * batch + 4.0 * m.n_layers * m.attn_dim * kv_tokens
-        comp = flops / (tp * hw.flops * hw.decode_mfu)
-        return np.maximum(mem, comp) + self._comm_s(batch) + hw.step_overhead_s
+        return mem, flops / (tp * hw.flops * hw.decode_mfu)
+
+    def decode_step_s(self, batch, kv_tokens):
+        """One decode iteration for `batch` running requests holding `kv_tokens` tokens of KV in total."""
+        mem, comp = self.decode_parts(batch, kv_tokens)
+        hw = self.hw
+        return np.maximum(mem, comp) + self._comm_s(batch) + hw.step_overhead_s + hw.seq_overhead_s * batch
 
     def prefill_s(self, tokens, context: float = 0.0):
         """Prefill `tokens` new tokens (compute bound) on top of `context` cached tokens."""
@@ -152,7 +157,7 @@ class RolloutCost:
         mem_s = self._kv_bytes_gpu / bw  # per KV token
         comp0 = 2.0 * m.active_params * batch / (tp * hw.flops * hw.decode_mfu)
         comp_s = 4.0 * m.n_layers * m.attn_dim / (tp * hw.flops * hw.decode_mfu)
-        const = float(self._comm_s(batch)) + hw.step_overhead_s
+        const = float(self._comm_s(batch)) + hw.step_overhead_s + hw.seq_overhead_s * batch
 
         def lin(a: float, s: float, j0: int, j1: int) -> float:  # sum over j in [j0, j1) of a + s*(kv0 + j*batch)
             n = j1 - j0
