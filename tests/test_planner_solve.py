@@ -181,3 +181,19 @@ def test_model_tokens_move_tool_returns_from_decode_to_prefill():
     assert a.t_train_s == b.t_train_s  # training sees the same sequence lengths
     with pytest.raises(PlanError, match="model_tokens"):
         solve("a800x16", "qwen3-4b", [(100, 200, 150)])
+
+
+def test_price_reproduces_the_plan_and_tracks_drift():
+    from areal_libra.planner.evaluate import price
+
+    rng = random.Random(12)
+    hist = _random_history(rng, n=2000, tail=0.03)
+    plan = solve("a800x48", "qwen3-14b", hist)
+    same = price(plan, "a800x48", "qwen3-14b", hist)
+    assert same.t_train_s == pytest.approx(plan.t_train_s, rel=1e-12)
+    assert same.t_rollout_s == pytest.approx(plan.t_rollout_s, rel=1e-6)
+    longer = [(p, p + 2 * (f - p)) for p, f in hist]
+    drift = price(plan, "a800x48", "qwen3-14b", longer)
+    assert drift.t_rollout_s > same.t_rollout_s and drift.t_train_s > same.t_train_s
+    # re-planning for the drifted history can only help
+    assert solve("a800x48", "qwen3-14b", longer).makespan_s <= drift.makespan_s + 1e-9

@@ -1,0 +1,64 @@
+"""Price an existing plan on a (new) length history: the T_cur that the re-plan gate compares with T_new.
+
+Training: the plan's layout on the new batch statistics. Rollout: the history sample is routed to the
+plan's instance groups by final length (group i takes lengths up to its max_len, the last group takes
+everything longer), and each group's cost is the same fluid estimate the planner optimised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from areal_libra.cost.presets import ClusterSpec, ModelSpec, load_cluster, load_model
+from areal_libra.cost.rollout import RolloutCost
+from areal_libra.cost.training import BatchStats, TrainCost
+from areal_libra.planner.solve import _validate, sample_history
+from areal_libra.planner.types import Plan, PlannerConfig
+
+
+@dataclass(frozen=True)
+class PlanPrice:
+    t_train_s: float
+    t_rollout_s: float
+    group_s: tuple[float, ...]  # per instance group, in plan.instances order sorted by max_len
+
+    @property
+    def makespan_s(self) -> float:
+        return max(self.t_train_s, self.t_rollout_s)
+
+
+def price(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[tuple[int, ...]],
+          cfg: PlannerConfig | None = None) -> PlanPrice:
+    """Predicted per-step times of `plan` (unchanged) for requests drawn like `history`."""
+    cfg = cfg or PlannerConfig()
+    cluster, model = load_cluster(cluster), load_model(model)
+    arr = _validate(cluster, history, cfg)
+    hist = np.stack([arr[:, 1] - arr[:, 2], arr[:, 1]], axis=1) if arr.shape[1] == 3 else arr[:, :2]
+    finals = hist[:, 1].astype(float)
+    st = BatchStats(cfg.global_batch, cfg.global_batch * float(finals.mean()),
+                    cfg.global_batch * float((finals**2).mean()), int(finals.max()))
+    tc = TrainCost(cluster, model, recompute=cfg.recompute, logprob_passes=cfg.logprob_passes)
+    t_train = tc.step_time_s(plan.train, st)
+    p, o, w, _, _ = sample_history(hist, cfg.n_samples, cfg.global_batch)
+    f = p + o
+    groups = sorted(plan.instances, key=lambda i: i.max_len)
+    edges = [g.max_len for g in groups[:-1]]
+    which = np.searchsorted(np.asarray(edges, dtype=float), f, side="left")  # f <= max_len -> that group
+    costs = []
+    for gi, g in enumerate(groups):
+        sel = which == gi
+        if not sel.any():
+            costs.append(0.0)
+            continue
+        rc = RolloutCost(cluster.hardware, model, g.tp, cfg.max_running)
+        W = float(w[sel].sum())
+        if f[sel].max() > rc.kv_capacity_tokens():
+            costs.append(float("inf"))
+            continue
+        mp, mo = float((w[sel] * p[sel]).sum() / W), float((w[sel] * o[sel]).sum() / W)
+        n_req = max(W / g.count, min(1.0, W))
+        costs.append(float(rc.group_makespan_s(n_req, mp, mo, float(o[sel].max()), float(f[sel].max()))))
+    return PlanPrice(t_train, max(costs) if costs else 0.0, tuple(costs))
