@@ -1,0 +1,1 @@
+"""Small local models for the embedded CPU default (built offline, cached)."""

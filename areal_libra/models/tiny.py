@@ -1,0 +1,213 @@
+"""The embedded default's policy: a small Qwen2-architecture model and a local BPE tokenizer, warmed up by a
+short supervised stage, built offline and cached.
+
+    python -m areal_libra.models.tiny [--out DIR] [--force] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from areal_libra.models.warmup import WarmupConfig
+
+BUILD_INFO = "build_info.json"  # written last: its presence marks a complete build
+FORMAT_VERSION = 1  # bump when the build recipe changes in a way the config does not capture
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    name: str = "tiny-qwen2-math"
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+    vocab_size: int = 512  # BPE vocabulary target; the model's table is rounded up to a multiple of 64
+    tokenizer_corpus_problems: int = 2000
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    probe_episodes: int = 256  # sampled-success probe after the warm-up (0: skip)
+
+    def digest(self, seed: int) -> str:
+        blob = json.dumps({"cfg": asdict(self), "seed": seed, "v": FORMAT_VERSION}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def default_cache_root() -> Path:
+    env = os.environ.get("AREAL_LIBRA_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "areal_libra"
+
+
+def model_dir(cache_dir: str | Path | None = None, seed: int = 0, config: TinyModelConfig | None = None) -> Path:
+    cfg = config or TinyModelConfig()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    return root / "models" / f"{cfg.name}-{cfg.digest(seed)}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / BUILD_INFO).is_file() and (path / "config.json").is_file()
+
+
+def _tokenizer_corpus(n: int) -> list[str]:
+    from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, TOOL_INSTRUCTION, format_result
+    from areal_libra.workflows.math_data import dapo_prompt, generate_problems
+
+    corpus = [TOOL_INSTRUCTION]
+    for p in generate_problems(n, seed=20_000, id_prefix="tok"):
+        corpus.append(dapo_prompt(p.question))
+        corpus.append(f"{CALC_OPEN}{p.expression}{CALC_CLOSE}{format_result(str(p.answer))}\nAnswer: {p.answer}")
+    return corpus
+
+
+def build_model(out_dir: Path, config: TinyModelConfig, seed: int = 0, quiet: bool = False) -> dict:
+    """Build tokenizer + model, warm it up, probe it, and save everything into out_dir (fp32 safetensors)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from areal_libra.models.tokenizer import build_tokenizer
+    from areal_libra.models.warmup import sampled_success
+    from areal_libra.workflows.math_data import generate_problems
+
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(_tokenizer_corpus(config.tokenizer_corpus_problems), config.vocab_size)
+    vocab = -(-len(tokenizer) // 64) * 64
+    mcfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+        dtype="float32",
+    )
+    mcfg._attn_implementation = "sdpa"
+    model = Qwen2ForCausalLM(mcfg).float()
+    n_params = sum(p.numel() for p in model.parameters())
+    wcfg = config.warmup if config.warmup.seed == seed else WarmupConfig(**{**asdict(config.warmup), "seed": seed})
+    t_warm = time.perf_counter()
+    losses = _warmup_with_progress(model, tokenizer, wcfg, quiet)
+    warm_s = time.perf_counter() - t_warm
+    probe = None
+    if config.probe_episodes > 0:
+        probe = sampled_success(model, tokenizer, generate_problems(config.probe_episodes, seed=30_000 + seed,
+                                                                    id_prefix="probe"), temperature=1.0, seed=seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    info = {
+        "name": config.name,
+        "seed": seed,
+        "config": asdict(config),
+        "parameters": n_params,
+        "vocab_size": len(tokenizer),
+        "warmup_seconds": round(warm_s, 2),
+        "warmup_final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
+        "probe": None if probe is None else asdict(probe),
+        "build_seconds": round(time.perf_counter() - t0, 2),
+    }
+    (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def _warmup_with_progress(model, tokenizer, cfg: WarmupConfig, quiet: bool) -> list[float]:
+    from areal_libra.models.warmup import supervised_warmup
+
+    if quiet:
+        return supervised_warmup(model, tokenizer, cfg)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:  # a log file gets a line every 10% instead of a live bar
+        t0 = time.perf_counter()
+        every = max(1, cfg.steps // 10)
+
+        def report(step: int, loss: float) -> None:
+            if step % every == 0 or step == cfg.steps:
+                print(f"areal_libra: warm-up {step}/{cfg.steps} loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+
+        return supervised_warmup(model, tokenizer, cfg, progress=report)
+    columns = (TextColumn("[bold]warm-up[/bold] {task.completed}/{task.total}"), BarColumn(),
+               TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as prog:
+        task = prog.add_task("warmup", total=cfg.steps, loss=float("nan"))
+        return supervised_warmup(model, tokenizer, cfg,
+                                 progress=lambda step, loss: prog.update(task, completed=step, loss=loss))
+
+
+def ensure_model(cache_dir: str | Path | None = None, seed: int = 0, config: TinyModelConfig | None = None,
+                 out: str | Path | None = None, force: bool = False, quiet: bool = False) -> Path:
+    """The path of a complete model directory, building it first when missing (or when force).
+
+    Builds in a temporary sibling directory and renames it into place, so a crash never leaves a
+    half-written model that a later call would trust; a concurrent builder that wins the rename wins."""
+    config = config or TinyModelConfig()
+    target = Path(out) if out is not None else model_dir(cache_dir, seed, config)
+    if is_complete(target) and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        if not quiet:
+            print(f"areal_libra: building {config.name} (seed {seed}) into {target}", file=sys.stderr)
+        info = build_model(tmp, config, seed, quiet=quiet)
+        if force and target.exists():
+            shutil.rmtree(target)
+        elif target.exists() and not is_complete(target):
+            shutil.rmtree(target)  # debris of an older, interrupted non-atomic copy
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not is_complete(target):
+                raise
+        if not quiet:
+            probe = info["probe"] or {}
+            print(f"areal_libra: built {target.name}: {info['parameters']:,} parameters in "
+                  f"{info['build_seconds']:.1f} s; sampled success at T=1: {probe.get('success', float('nan')):.2f} "
+                  f"(tool use {probe.get('tool_use', float('nan')):.2f})", file=sys.stderr)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m areal_libra.models.tiny", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="exact output directory (default: the cache directory for this config)")
+    ap.add_argument("--cache-dir", help="cache root (default: $AREAL_LIBRA_CACHE or ~/.cache/areal_libra)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rebuild even when a complete build exists")
+    args = ap.parse_args(argv)
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
+        return 2
+    try:
+        path = ensure_model(cache_dir=args.cache_dir, seed=args.seed, out=args.out, force=args.force)
+    except OSError as e:
+        print(f"error: cannot build the model: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

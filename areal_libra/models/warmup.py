@@ -1,0 +1,195 @@
+"""Supervised warm-up on deliberately imperfect tool-use demonstrations, and a sampled-success probe.
+
+Without a warm-up a random policy never produces a correct 'Answer:' and GRPO gets no signal; with clean
+demonstrations it succeeds too often to leave room to learn. So half of the demonstrations skip the tool
+(the tiny model cannot do the arithmetic itself) and a share of the tool demonstrations copy the tool's
+result wrongly into the answer; RL then has to learn to call the tool and copy faithfully."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, extract_call, format_result
+from areal_libra.workflows.math_data import MathProblem, dapo_prompt, generate_problems, problem_messages
+from areal_libra.workflows.reward import dapo_math_reward
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 2e-3
+    tool_fraction: float = 0.5  # demonstrations that call the tool
+    corrupt_fraction: float = 0.3  # tool demonstrations whose answer miscopies the tool result
+    seed: int = 0
+
+
+def corrupt_number(s: str, rng: random.Random) -> str:
+    """A plausible miscopy of a number: one digit replaced, dropped, duplicated or two swapped."""
+    digits = list(s)
+    i = rng.randrange(len(digits))
+    kind = rng.randrange(4) if len(digits) > 1 else rng.choice((0, 2))
+    if kind == 0:
+        digits[i] = rng.choice([d for d in "0123456789" if d != digits[i]])
+    elif kind == 1:
+        del digits[i]
+    elif kind == 2:
+        digits.insert(i, digits[i])
+    else:
+        j = i + 1 if i + 1 < len(digits) else i - 1
+        if digits[i] == digits[j]:
+            digits[i] = str((int(digits[i]) + 1) % 10)
+        else:
+            digits[i], digits[j] = digits[j], digits[i]
+    out = "".join(digits).lstrip("0") or "0"
+    return out if out != s else str(int(s) + 1)
+
+
+def demonstration(p: MathProblem, rng: random.Random, cfg: WarmupConfig) -> list[tuple[str, bool]]:
+    """The completion of one demonstration as (text, trained) segments; tool results are not trained
+    on, as in RL, where they are loss-masked."""
+    ans = str(p.answer)
+    if rng.random() >= cfg.tool_fraction:
+        return [(f"Answer: {ans}", True)]
+    said = corrupt_number(ans, rng) if rng.random() < cfg.corrupt_fraction else ans
+    return [(f"{CALC_OPEN}{p.expression}{CALC_CLOSE}", True), (format_result(ans), False), (f"\nAnswer: {said}", True)]
+
+
+def prompt_ids(tokenizer, p: MathProblem) -> list[int]:
+    return prompt_ids_batch(tokenizer, [p])[0]
+
+
+def prompt_ids_batch(tokenizer, problems: list[MathProblem]) -> list[list[int]]:
+    """Prompt token ids exactly as the workflow makes them (chat template, then encode)."""
+    texts = tokenizer.apply_chat_template([problem_messages(dapo_prompt(p.question)) for p in problems],
+                                          tokenize=False, add_generation_prompt=True)
+    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+
+def _batch(tokenizer, problems: list[MathProblem], rng: random.Random, cfg: WarmupConfig):
+    import torch
+
+    demos = [demonstration(p, rng, cfg) for p in problems]
+    flat = [text for d in demos for text, _ in d]
+    encoded = iter(tokenizer(flat, add_special_tokens=False)["input_ids"]) if flat else iter(())
+    seqs, masks = [], []
+    for ids, demo in zip(prompt_ids_batch(tokenizer, problems), demos):
+        ids = list(ids)
+        mask = [0] * len(ids)
+        for _text, trained in demo:
+            seg = next(encoded)
+            ids += seg
+            mask += [int(trained)] * len(seg)
+        ids.append(tokenizer.eos_token_id)
+        mask.append(1)
+        seqs.append(ids)
+        masks.append(mask)
+    width = max(len(s) for s in seqs)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+    loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    return input_ids, loss_mask, attn
+
+
+def supervised_warmup(model, tokenizer, cfg: WarmupConfig,
+                      progress: Callable[[int, float], None] | None = None) -> list[float]:
+    """Train `model` in place on fresh demonstrations every step; returns the loss per step."""
+    import torch
+
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(f"warmup-{cfg.seed}")
+    problems = generate_problems(cfg.steps * cfg.batch_size, seed=10_000 + cfg.seed, id_prefix="warmup")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / cfg.steps))
+    model.train()
+    losses = []
+    for step in range(cfg.steps):
+        ids, mask, attn = _batch(tokenizer, problems[step * cfg.batch_size : (step + 1) * cfg.batch_size], rng, cfg)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
+                                                reduction="none").view_as(mask[:, 1:])
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress(step + 1, losses[-1])
+    model.eval()
+    return losses
+
+
+@dataclass
+class ProbeResult:
+    episodes: int
+    success: float  # mean reward over all sampled episodes
+    tool_use: float  # share of episodes that called the tool at least once
+    success_with_tool: float  # mean reward of the episodes that called the tool
+    success_without_tool: float  # mean reward of those that did not
+    seconds: float
+
+
+def sampled_success(model, tokenizer, problems: list[MathProblem], temperature: float = 1.0,
+                    max_turns: int = 3, max_new_tokens: int = 32, seed: int = 0,
+                    tool: Callable[[str], str] | None = None) -> ProbeResult:
+    """Run the agentic episode (generate, stop at </calc>, append the tool result, resume) for each
+    problem with HF generate, sampling at `temperature`; score with the training reward."""
+    import torch
+    from transformers import GenerationConfig
+
+    if tool is None:
+        from areal_libra.workflows.tools import calculator_payload as tool
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    stop_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CALC_CLOSE)]
+    gen_cfg = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                               max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                               pad_token_id=tokenizer.pad_token_id)
+    seqs = [list(x) for x in prompt_ids_batch(tokenizer, problems)]
+    completions = ["" for _ in problems]
+    used_tool = [False] * len(problems)
+    active = list(range(len(problems)))
+    for _turn in range(max_turns):
+        if not active:
+            break
+        width = max(len(seqs[i]) for i in active)
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(seqs[i])) + seqs[i] for i in active])
+        attn = torch.tensor([[0] * (width - len(seqs[i])) + [1] * len(seqs[i]) for i in active])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen_cfg)
+        still = []
+        for row, i in enumerate(active):
+            new = out[row, width:].tolist()
+            if pad in new:  # finished rows are padded after their stop token
+                new = new[: new.index(pad)]
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            seqs[i] = seqs[i] + new
+            completions[i] += text
+            expr = extract_call(text)
+            if expr is not None and new and new[-1] == stop_ids[1]:
+                used_tool[i] = True
+                result = format_result(tool(expr))
+                seqs[i] += tokenizer.encode(result, add_special_tokens=False)
+                completions[i] += result
+                still.append(i)
+        active = still
+    rewards = [dapo_math_reward("", c, [], [], str(p.answer)) for c, p in zip(completions, problems)]
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return ProbeResult(
+        episodes=len(problems),
+        success=mean(rewards),
+        tool_use=mean([float(u) for u in used_tool]),
+        success_with_tool=mean([r for r, u in zip(rewards, used_tool) if u]),
+        success_without_tool=mean([r for r, u in zip(rewards, used_tool) if not u]),
+        seconds=time.perf_counter() - t0,
+    )

@@ -1,0 +1,196 @@
+"""MathToolWorkflow: agentic multi-turn math with a sandboxed calculator, for AReaL's rollout loop.
+
+One call of `arun_episode` is one trajectory (AReaL's GroupedRolloutWorkflow calls it n_samples times per
+prompt to make a GRPO group). Each turn is its own `engine.agenerate` (fresh rid, full prefix re-sent):
+generation stops at `</calc>`; the calculator's result is appended as `<result>...</result>` tokens
+(loss-masked, logprob 0, version -1) and a new request continues. The episode ends at EOS / a turn
+without a tool call, `max_turns`, or `gconfig.max_tokens`. Each request carries the trajectory's state
+in `ModelRequest.metadata` (read by the C-MLFQ dispatcher); each finished episode goes to the trajectory
+sink as a canonical `Trajectory`."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from areal.api import AsyncRewardWrapper, InferenceEngine, ModelRequest, RolloutWorkflow
+from areal.api.cli_args import GenerationHyperparameters
+from areal.infra import workflow_context
+from areal.utils import stats_tracker
+from areal.utils.dynamic_import import import_from_string
+from areal.utils.hf_utils import apply_chat_template, load_hf_tokenizer
+
+from areal_libra.trace import Segment, ToolReturn, Trajectory
+from areal_libra.workflows.markup import CALC_CLOSE, extract_call, format_result
+from areal_libra.workflows.tools import get_calculator_pool
+
+logger = logging.getLogger("areal_libra.math_tool")
+
+DEFAULT_REWARD = "areal_libra.workflows.reward.dapo_math_reward"
+
+# The reward function's positional parameters: dataset columns of these names must not be passed again.
+_REWARD_POSITIONAL = ("prompt", "completions", "prompt_ids", "completion_ids")
+
+_trajectory_sink: Callable[[Trajectory], None] | None = None
+
+
+def set_trajectory_sink(sink: Callable[[Trajectory], None] | None) -> None:
+    """Receive every finished episode as a Trajectory (None: stop). Called from the rollout thread."""
+    global _trajectory_sink
+    _trajectory_sink = sink
+
+
+def _emit(traj: Trajectory) -> None:
+    sink = _trajectory_sink
+    if sink is None:
+        return
+    try:
+        sink(traj)
+    except Exception:  # noqa: BLE001 - a broken observer must not lose the training sample
+        logger.exception("trajectory sink failed for %s", traj.trajectory_id)
+
+
+def _prompt_id(data: dict[str, Any]) -> str:
+    if data.get("prompt_id") is not None:
+        return str(data["prompt_id"])
+    # Stable across steps for the same prompt, as the trace format asks.
+    return "p-" + hashlib.sha1(repr(data.get("messages")).encode()).hexdigest()[:12]
+
+
+class MathToolWorkflow(RolloutWorkflow):
+    def __init__(
+        self,
+        gconfig: GenerationHyperparameters,
+        tokenizer: Any = None,
+        tokenizer_path: str | None = None,
+        reward_fn: Callable[..., float] | str = DEFAULT_REWARD,
+        max_turns: int = 3,
+        tool_timeout_s: float = 1.0,
+        tool_workers: int = 2,
+    ):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if tokenizer is None and tokenizer_path is None:
+            raise ValueError("MathToolWorkflow needs tokenizer or tokenizer_path")
+        if tokenizer is None or isinstance(tokenizer, str):
+            tokenizer = load_hf_tokenizer(str(tokenizer or tokenizer_path))
+        self.tokenizer = tokenizer
+        self.max_turns = max_turns
+        gconfig = gconfig.new_with_stop_and_pad_token_ids(tokenizer)
+        close_ids = tokenizer.encode(CALC_CLOSE, add_special_tokens=False)
+        if len(close_ids) == 1:  # a dedicated token: stop on its id
+            self.calc_close_id: int | None = close_ids[0]
+            gconfig = gconfig.new(stop_token_ids=gconfig.stop_token_ids + [close_ids[0]])
+        else:  # a general tokenizer (e.g. Qwen): stop on the string
+            self.calc_close_id = None
+            gconfig = gconfig.new(stop=list(gconfig.stop or []) + [CALC_CLOSE])
+        self.gconfig = gconfig.new(n_samples=1)
+        if isinstance(reward_fn, str):
+            reward_fn = import_from_string(reward_fn)
+        self.async_reward_fn = AsyncRewardWrapper(reward_fn)
+        self.tool = get_calculator_pool(size=tool_workers, timeout_s=tool_timeout_s)
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+        tok = self.tokenizer
+        prompt_ids = apply_chat_template(tok, data["messages"], tokenize=True, add_generation_prompt=True)
+        prompt_id = _prompt_id(data)
+        traj_id = f"{prompt_id}-{uuid.uuid4().hex[:10]}"
+        step = engine.get_version()
+        seq = list(prompt_ids)
+        logprobs = [0.0] * len(seq)
+        loss_mask = [0] * len(seq)
+        versions = [-1] * len(seq)
+        segments: list[Segment] = []
+        tool_meta: list[dict[str, Any]] = []
+        completion = ""
+        model_tokens = 0
+        finish = "stop"
+        for turn in range(self.max_turns):
+            budget = min(self.gconfig.max_new_tokens, self.gconfig.max_tokens - len(seq))
+            if budget <= 0:
+                finish = "length"
+                break
+            req = ModelRequest(
+                rid=uuid.uuid4().hex,  # a new request per turn: the dispatcher may place each one anew
+                input_ids=list(seq),
+                gconfig=self.gconfig.new(max_new_tokens=budget),
+                tokenizer=tok,
+                metadata={
+                    "trajectory_id": traj_id,
+                    "prompt_id": prompt_id,
+                    "turn": turn,
+                    "prompt_tokens": len(prompt_ids),
+                    "context_tokens": len(seq),
+                    "model_tokens": model_tokens,
+                    "tool_returns": [dict(t) for t in tool_meta],
+                },
+            )
+            resp = await engine.agenerate(req)
+            out = list(resp.output_tokens)
+            seq += out
+            logprobs += list(resp.output_logprobs)
+            loss_mask += [1] * len(out)
+            versions += list(resp.output_versions)
+            model_tokens += len(out)
+            text = tok.decode(out, skip_special_tokens=True)
+            completion += text
+            finish = {"tool_calls": "stop"}.get(resp.stop_reason, resp.stop_reason)
+            expr = extract_call(text) if resp.stop_reason != "abort" else None
+            if self.calc_close_id is not None and (not out or out[-1] != self.calc_close_id):
+                expr = None  # the tag must be the stop token itself, not text the model spelled out
+            if expr is None:
+                segments.append(Segment(len(out), None))
+                break
+            if turn == self.max_turns - 1:  # a call with no turn left to use its result
+                segments.append(Segment(len(out), None))
+                finish = "length"
+                break
+            result = await self.tool.acall(expr)
+            result_text = format_result(result.payload)
+            payload = tok.encode(result_text, add_special_tokens=False)
+            seq += payload
+            logprobs += [0.0] * len(payload)
+            loss_mask += [0] * len(payload)
+            versions += [-1] * len(payload)
+            completion += result_text
+            ret = ToolReturn(self.tool.name, len(payload), result.status, round(result.latency_s, 6))
+            segments.append(Segment(len(out), ret))
+            tool_meta.append({"name": ret.name, "payload_tokens": ret.payload_tokens, "status": ret.status})
+        if not segments:  # the prompt alone filled max_tokens
+            segments.append(Segment(0, None))
+
+        prompt_str = tok.decode(prompt_ids)
+        extra = {k: v for k, v in data.items() if k not in _REWARD_POSITIONAL}
+        reward = float(await self.async_reward_fn(prompt_str, completion, prompt_ids, seq[len(prompt_ids):], **extra))
+        tools = [s.tool for s in segments if s.tool is not None]
+        stats_tracker.get(workflow_context.stat_scope()).scalar(
+            reward=reward,
+            num_turns=len(segments),
+            tool_calls=len(tools),
+            tool_failures=sum(t.status == "failure" for t in tools),
+            tool_timeouts=sum(t.status == "timeout" for t in tools),
+            gen_tokens=model_tokens,
+        )
+        _emit(Trajectory(
+            trajectory_id=traj_id,
+            prompt_id=prompt_id,
+            step=step,
+            prompt_tokens=len(prompt_ids),
+            segments=tuple(segments),
+            finish_reason=finish if finish in ("stop", "length", "abort") else None,
+            reward=reward,
+            extra={"completion": completion, "answer": data.get("answer")},
+        ))
+        res = {
+            "input_ids": torch.tensor(seq, dtype=torch.int32),
+            "loss_mask": torch.tensor(loss_mask, dtype=torch.int32),
+            "logprobs": torch.tensor(logprobs, dtype=torch.float32),
+            "versions": torch.tensor(versions, dtype=torch.int32),
+            "attention_mask": torch.ones(len(seq), dtype=torch.bool),
+            "rewards": torch.tensor(reward, dtype=torch.float32),
+        }
+        return {k: v.unsqueeze(0) for k, v in res.items()}

@@ -1,0 +1,163 @@
+"""A sandboxed calculator tool: arithmetic runs in a separate, persistent worker process with a timeout.
+
+Errors and timeouts are tool outcomes (status 'failure' / 'timeout' with an error text as payload), never
+exceptions. A worker that exceeds the timeout or dies is killed and respawned on the next call. A call
+costs one pipe round trip (tens of microseconds), so hundreds of calls per training step are cheap."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import os
+import queue
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKER_SCRIPT = Path(__file__).with_name("_calc_worker.py")
+MAX_PAYLOAD_CHARS = 64
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    status: str  # "success" | "failure" | "timeout" (trace.TOOL_STATUSES)
+    payload: str  # text appended to the context between <result> tags
+    latency_s: float
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_PAYLOAD_CHARS else text[: MAX_PAYLOAD_CHARS - 3] + "..."
+
+
+class CalculatorTool:
+    """One persistent worker process; calls are serialised by a lock."""
+
+    name = "calculator"
+
+    def __init__(self, timeout_s: float = 1.0):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._buf = b""
+        self._lock = threading.Lock()
+        self.respawns = 0
+
+    def _start(self) -> subprocess.Popen:
+        # -I -S: no site-packages, no user env — the worker needs only the standard library.
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(WORKER_SCRIPT)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+        )
+        self._buf = b""
+        return self._proc
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+            self.respawns += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._proc is not None:
+                self._proc.kill()
+                self._proc.wait()
+                self._proc = None
+
+    def _read_line(self, proc: subprocess.Popen, deadline: float) -> bytes | None:
+        fd = proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    return None
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise EOFError("calculator worker exited")
+                self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+    def call(self, expr: str) -> ToolResult:
+        t0 = time.monotonic()
+        with self._lock:
+            proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+            try:
+                proc.stdin.write((json.dumps({"expr": expr}) + "\n").encode())
+                line = self._read_line(proc, t0 + self.timeout_s)
+            except (OSError, EOFError) as e:
+                self._kill()
+                return ToolResult("failure", _clip(f"WorkerError: {e}"), time.monotonic() - t0)
+            if line is None:
+                self._kill()
+                return ToolResult("timeout", f"TimeoutError: no result within {self.timeout_s:g} s",
+                                  time.monotonic() - t0)
+        reply = json.loads(line)
+        if reply.get("ok"):
+            return ToolResult("success", _clip(reply["value"]), time.monotonic() - t0)
+        return ToolResult("failure", _clip(reply["error"]), time.monotonic() - t0)
+
+
+class CalculatorPool:
+    """A few workers so that one slow call does not hold up the other episodes' tool calls."""
+
+    name = CalculatorTool.name
+
+    def __init__(self, size: int = 2, timeout_s: float = 1.0):
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.timeout_s = timeout_s
+        self._tools = [CalculatorTool(timeout_s) for _ in range(size)]
+        self._free: queue.Queue[CalculatorTool] = queue.Queue()
+        for t in self._tools:
+            self._free.put(t)
+
+    def call(self, expr: str) -> ToolResult:
+        tool = self._free.get()
+        try:
+            return tool.call(expr)
+        finally:
+            self._free.put(tool)
+
+    async def acall(self, expr: str) -> ToolResult:
+        return await asyncio.to_thread(self.call, expr)
+
+    @property
+    def respawns(self) -> int:
+        return sum(t.respawns for t in self._tools)
+
+    def close(self) -> None:
+        for t in self._tools:
+            t.close()
+
+
+_POOLS: dict[tuple[int, float], CalculatorPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def get_calculator_pool(size: int = 2, timeout_s: float = 1.0) -> CalculatorPool:
+    """The process-wide pool for these settings (workflows are created per rollout worker process)."""
+    with _POOLS_LOCK:
+        key = (size, float(timeout_s))
+        if key not in _POOLS:
+            _POOLS[key] = CalculatorPool(size, timeout_s)
+        return _POOLS[key]
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+
+
+def calculator_payload(expr: str) -> str:
+    """The payload text the tool returns for `expr` (an error text on failure or timeout)."""
+    return get_calculator_pool(size=1).call(expr).payload
