@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from areal_libra.cost.presets import PresetError, load_cluster, load_model
@@ -73,12 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     except (_UsageError, PresetError, PlanError, TraceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(plan.to_json()))
-    else:
-        print(plan.summary())
-    if args.explain:
-        print(plan.explain(), file=sys.stderr if args.json else sys.stdout)
+    try:
+        if args.json:
+            print(json.dumps(plan.to_json()))
+        else:
+            print(plan.summary())
+        if args.explain:
+            print(plan.explain(), file=sys.stderr if args.json else sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. piped into `head`: not an error of the planner
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
