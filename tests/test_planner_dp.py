@@ -126,3 +126,22 @@ def test_k_grid_and_off_grid_cost():
         n_req = max(dp.W[j] / k, 1.0)
         want = float(costs[1].group_makespan_s(n_req, dp.mean_p[j], dp.mean_o[j], dp.max_o[j], dp.max_f[j]))
         assert dp.cost(1, k, 0, 3) == pytest.approx(want, rel=1e-12)
+
+
+def test_monotone_tie_break_keeps_the_gpu_count():
+    """monotone_groups meets the same target with exactly as many GPUs as min_gpus, every group within T."""
+    for seed in range(15):
+        rng = random.Random(100 + seed)
+        n, budget = rng.randint(1, 20), rng.randint(1, 64)
+        costs = {tp: RolloutCost(HW, MODEL, tp) for tp in rng.choice([(1, 2, 4, 8), (1, 2), (2, 4)])}
+        reqs = sorted(((rng.randint(10, 2000), rng.randint(1, rng.choice([500, 5000, 30000]))) for _ in range(n)),
+                      key=lambda r: r[0] + r[1])
+        dp = RolloutDP(costs, [r[0] for r in reqs], [r[1] for r in reqs], [rng.choice([0.5, 2.0]) for _ in reqs],
+                       budget)
+        for T in dp.candidates_between(0.0, math.inf)[::5]:
+            g, _ = dp.min_gpus(float(T))
+            gm, groups = dp.monotone_groups(float(T))
+            assert gm == g
+            if groups:
+                assert all(dp.cost(tp, k, a, b) <= T for a, b, tp, k in groups)
+                assert sum(tp * k for _, _, tp, k in groups) == gm

@@ -210,14 +210,59 @@ class RolloutDP:
         gs = tuple(Group(tp, k, a, b, self.cost(tp, k, a, b)) for a, b, tp, k in groups)
         return RolloutSolution(max(g.t_s for g in gs), sum(g.gpus for g in gs), gs)
 
-    def best_within(self, budget: int) -> RolloutSolution | None:
-        """The minimum-makespan solution using at most `budget` GPUs (None if none exists)."""
+    def best_within(self, budget: int, monotone: bool = False) -> RolloutSolution | None:
+        """The minimum-makespan solution using at most `budget` GPUs (None if none exists). With `monotone`,
+        among the equally cheap ways to meet that makespan the one whose TP rises with length is taken."""
         rng = self.value_range()
         if rng is None or self.min_gpus(rng[1])[0] > budget:
             return None
         T = smallest_feasible(lambda T: self.min_gpus(T)[0] <= budget, rng[0] / 2, rng[1], self.candidates_between)
-        _, groups = self.min_gpus(T)
+        _, groups = self.monotone_groups(T) if monotone else self.min_gpus(T)
         return self.solution(groups)
+
+    def monotone_groups(self, T: float) -> tuple[float, list[tuple[int, int, int, int]] | None]:
+        """Like `min_gpus(T)` (same fewest GPUs), breaking ties by the fewest places where a longer interval
+        gets a smaller TP than the interval before it — so buckets grow in TP with length when that is free.
+        A shortest path over (requests covered, TP of the last interval) with key gpus * (n+1) + inversions."""
+        n, tps = self.n, list(self.tables)
+        nt = len(tps)
+        M = len(self._cols)
+        G = np.full((nt, M), np.inf)
+        Ks = np.zeros((nt, M), dtype=np.int64)
+        for i, tp in enumerate(tps):
+            idx = self._servers_needed(tp, T)
+            grid = self.kgrid[tp]
+            k = grid[np.minimum(idx, len(grid) - 1)]
+            G[i] = np.where(idx < len(grid), (k * tp).astype(float), np.inf)
+            Ks[i] = k
+        scale = float(n + 1)
+        F = np.full((n + 1, nt), np.inf)  # best key ending at b with last TP index t
+        arg = np.zeros((n + 1, nt, 2), dtype=np.int64)  # (a, previous TP index or -1)
+        penalty = (np.arange(nt)[None, :] > np.arange(nt)[:, None]).astype(float)  # [t, t'] = 1 if t < t'
+        for b in range(1, n + 1):
+            s = b * (b - 1) // 2
+            for t in range(nt):
+                g = G[t, s:s + b] * scale  # over a = 0..b-1
+                best, choice = g[0], (0, -1)  # a = 0: the first interval, nothing before it
+                if b > 1:
+                    cand = F[1:b, :] + penalty[t][None, :] + g[1:, None]  # [a-1, t']
+                    j = int(np.argmin(cand))
+                    a1, tprev = divmod(j, nt)
+                    if cand[a1, tprev] < best:
+                        best, choice = cand[a1, tprev], (a1 + 1, tprev)
+                F[b, t] = best
+                arg[b, t] = choice
+        t = int(np.argmin(F[n]))
+        if not np.isfinite(F[n, t]):
+            return math.inf, None
+        groups, b = [], n
+        while b > 0:
+            a, tprev = (int(x) for x in arg[b, t])
+            j = b * (b - 1) // 2 + a
+            groups.append((a, b, tps[t], int(Ks[t, j])))
+            b, t = a, tprev
+        groups.reverse()
+        return float(sum(tp * k for _, _, tp, k in groups)), groups
 
     def fill(self, sol: RolloutSolution, budget: int) -> tuple[RolloutSolution, int]:
         """Spend leftover GPUs on extra servers for the slowest groups (cost never rises with k); returns the

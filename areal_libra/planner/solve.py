@@ -235,6 +235,12 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
             best = (key, g, res, sol, left)
     assert best is not None  # t_star is feasible, so its smallest training option has a rollout plan
     _, g, res, sol, left = best
+    # Same makespan and GPU count, but TP rising with length where that costs nothing (cleaner buckets).
+    mono = dp.best_within(n - g, monotone=True)
+    if mono is not None:
+        mono, mono_left = dp.fill(mono, n - g)
+        if (max(res.t_s, mono.t_s), mono_left) <= (max(res.t_s, sol.t_s), left):
+            sol, left = mono, mono_left
     return _build_plan(cluster, cfg, tcost, st, res, sol, left, lo_len, hi_len, weights, t0)
 
 
