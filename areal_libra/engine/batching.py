@@ -128,6 +128,9 @@ class BatchEngine:
     def _reset_batch(self) -> None:
         self.cache = self._new_cache()
         self.row_req: list[Request | None] = []
+        self._n_live = 0  # running requests (rows with a request)
+        self._held = 0  # tokens (prompt + output) of the running requests
+        self._freed = False  # a row was freed since the last compaction check
         if getattr(self, "_last_tok", None) is None or self._counts.shape[1] != self.vocab_size:
             self._last_tok = None
             self._alloc_row_state(16)
@@ -148,6 +151,7 @@ class BatchEngine:
         self._top_p = grow(getattr(self, "_top_p", None), (rows,), torch.float32, 1.0)
         self._top_k = grow(getattr(self, "_top_k", None), (rows,), torch.long, -1)
         self._seed = grow(getattr(self, "_seed", None), (rows,), torch.long)
+        self._ntok = grow(getattr(self, "_ntok", None), (rows,), torch.long)
         self._freq = grow(getattr(self, "_freq", None), (rows,), torch.float32)
         self._pres = grow(getattr(self, "_pres", None), (rows,), torch.float32)
         self._counts = grow(getattr(self, "_counts", None), (rows, self.vocab_size), torch.float32)
@@ -187,7 +191,7 @@ class BatchEngine:
         return self._paused
 
     def num_running(self) -> int:
-        return sum(r is not None for r in self.row_req)
+        return self._n_live
 
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._inbox)
@@ -282,14 +286,11 @@ class BatchEngine:
             self.stats.busy_seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------ scheduling
-    def _tokens_held(self) -> int:
-        return sum(len(r.input_ids) + len(r.output_ids) for r in self.row_req if r is not None)
-
     def _admit(self) -> None:
         if not self._waiting:
             return
         running = self.num_running()
-        held = self._tokens_held()
+        held = self._held
         batch: list[Request] = []
         padded_max = 0
         while self._waiting and running + len(batch) < self.cfg.max_running_requests:
@@ -343,6 +344,11 @@ class BatchEngine:
         return rows
 
     def _free_row(self, row: int) -> None:
+        req = self.row_req[row]
+        if req is not None:
+            self._n_live -= 1
+            self._held -= len(req.input_ids) + len(req.output_ids)
+            self._freed = True
         self.row_req[row] = None
         self.cache.clear_row(row)
 
@@ -402,7 +408,10 @@ class BatchEngine:
             vs = [layer.values[u, :, pmax - ln :] for layer in tmp.layers]
             self.cache.place(row, ks, vs)
             self.row_req[row] = req
+            self._n_live += 1
+            self._held += ln
             self._pos[row] = ln
+            self._ntok[row] = len(req.output_ids)
             p = req.params
             self._temp[row] = p.temperature
             self._top_p[row] = p.top_p
@@ -448,8 +457,8 @@ class BatchEngine:
         fr, pr = take(self._freq), take(self._pres)
         if bool((fr != 0).any()) or bool((pr != 0).any()):
             counts, freq, pres = take(self._counts), fr, pr
-        row_list = list(range(b)) if rows is None else rows.tolist()
-        counter = torch.tensor([len(r.output_ids) if r is not None else 0 for r in (self.row_req[i] for i in row_list)])
+        row_list = range(b) if rows is None else rows.tolist()
+        counter = take(self._ntok)
         sp = SamplingBatch(
             temperature=take(self._temp),
             top_p=take(self._top_p),
@@ -463,10 +472,12 @@ class BatchEngine:
         tok, lp = sample(logits, sp)
         if rows is None:
             self._last_tok[:b] = tok
+            self._ntok[:b] += 1
         else:
             self._last_tok[sl] = tok
+            self._ntok[sl] += 1
         if counts is not None:
-            ri = torch.tensor(row_list)
+            ri = torch.tensor(list(row_list))
             self._counts.index_put_((ri, tok), torch.ones(b), accumulate=True)
         toks, lps = tok.tolist(), lp.tolist()
         n_new = 0
@@ -483,6 +494,7 @@ class BatchEngine:
                 self._finish(req, reason)
                 self._free_row(row)
         self.stats.generated_tokens += n_new
+        self._held += n_new
 
     def _check_finished(self, req: Request, tok: int) -> dict[str, Any] | None:
         p = req.params
@@ -524,7 +536,7 @@ class BatchEngine:
 
     def _enforce_token_budget(self) -> None:
         """If running requests outgrew max_total_tokens, retract the newest ones (SGLang does the same)."""
-        while self.num_running() > 1 and self._tokens_held() > self.cfg.max_total_tokens:
+        while self._n_live > 1 and self._held > self.cfg.max_total_tokens:
             newest = max(
                 (row for row, r in enumerate(self.row_req) if r is not None), key=lambda rr: self.row_req[rr].arrival
             )
@@ -535,6 +547,9 @@ class BatchEngine:
             self._waiting.appendleft(req)
 
     def _maybe_compact(self) -> None:
+        if not self._freed:
+            return  # padding and dead rows only grow when a request leaves
+        self._freed = False
         live = [i for i, r in enumerate(self.row_req) if r is not None]
         rows = self.cache.rows
         if not live:
@@ -551,7 +566,7 @@ class BatchEngine:
         self.stats.compactions += 1
         self.cache.compact(live)
         idx = torch.tensor(live, dtype=torch.long)
-        for name in ("_last_tok", "_pos", "_temp", "_top_p", "_top_k", "_seed", "_freq", "_pres", "_counts"):
+        for name in ("_last_tok", "_pos", "_temp", "_top_p", "_top_k", "_seed", "_ntok", "_freq", "_pres", "_counts"):
             t = getattr(self, name)
             nt = torch.zeros_like(t)
             nt[: len(live)] = t.index_select(0, idx)

@@ -1,0 +1,107 @@
+"""Throughput of the embedded server over HTTP at several batch sizes.
+
+    python -m areal_libra.engine.bench_server [--model-path DIR] [--batch 1 32 128] [--new-tokens 64]
+        [--threads 1] [--json]
+
+Without --model-path it builds a 0.87M-parameter Qwen2 (hidden 128, 4 layers, 48-token character
+vocabulary: the size of the project's embedded default policy) in a temporary directory. For each batch
+size B it sends B concurrent /generate requests (sampled, ignore_eos, --new-tokens each) and reports
+generated tokens per second of wall time, plus the per-decode-step time the server measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+async def _burst(addr: str, prompts: list[list[int]], new_tokens: int) -> int:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+
+        async def one(ids: list[int]) -> int:
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True},
+                "return_logprob": True,
+            }
+            async with s.post(f"http://{addr}/generate", json=body) as r:
+                r.raise_for_status()
+                return (await r.json())["meta_info"]["completion_tokens"]
+
+        return sum(await asyncio.gather(*[one(p) for p in prompts]))
+
+
+def run(model_path: str, batches: list[int], new_tokens: int, threads: int) -> list[dict]:
+    import torch
+
+    from areal_libra.engine.inprocess import InProcessServer
+
+    torch.set_num_threads(threads)
+    srv = InProcessServer(model_path, max_running_requests=max(batches), threads=threads)
+    tok = srv.tokenizer
+    rows = []
+    try:
+        asyncio.run(_burst(srv.addr, [tok.encode("warm up ")] * 4, 8))
+        for b in batches:
+            prompts = [tok.encode(f"What is {i}+{3 * i}? ") for i in range(b)]
+            st = srv.engine.stats
+            steps0, busy0 = st.decode_steps, st.busy_seconds
+            t0, c0 = time.perf_counter(), time.process_time()
+            n = asyncio.run(_burst(srv.addr, prompts, new_tokens))
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            steps = st.decode_steps - steps0
+            rows.append(
+                {
+                    "batch": b,
+                    "tokens": n,
+                    "wall_s": round(wall, 3),
+                    "tokens_per_s": round(n / wall, 1),
+                    "tokens_per_cpu_s": round(n / cpu, 1),
+                    "decode_steps": steps,
+                    "ms_per_step": round(1e3 * (st.busy_seconds - busy0) / max(steps, 1), 2),
+                    "threads": threads,
+                }
+            )
+    finally:
+        srv.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m areal_libra.engine.bench_server", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if any(b < 1 for b in a.batch) or a.new_tokens < 1 or a.threads < 1:
+        sys.stderr.write("bench_server: error: --batch, --new-tokens and --threads must be >= 1\n")
+        return 2
+    if a.model_path and not os.path.isfile(os.path.join(a.model_path, "config.json")):
+        sys.stderr.write(f"bench_server: error: --model-path {a.model_path!r} has no config.json\n")
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.model_path
+        if path is None:
+            from areal_libra.engine.tiny_model import TinyModelSpec, build_tiny_model
+
+            spec = TinyModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=384)
+            path = build_tiny_model(os.path.join(tmp, "m"), spec)
+        rows = run(path, a.batch, a.new_tokens, a.threads)
+    load = os.getloadavg()[0]
+    for r in rows:
+        r["loadavg_1m"] = round(load, 2)
+        print(json.dumps(r) if a.json else "  ".join(f"{k}={v}" for k, v in r.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
