@@ -433,3 +433,28 @@ def test_client_disconnect_frees_the_slot(server):
     while any(r is not None and r.rid == "gone" for r in server.engine.row_req):
         assert time.time() < deadline, "abandoned request still decoding"
         time.sleep(0.05)
+
+
+def test_areal_score_request_input_logprobs(server, models):
+    """SGLangBackend.build_score_request (logprob_start_len, top_logprobs_num) → prompt-token logprobs."""
+    from areal.engine.sglang_remote import SGLangBackend
+
+    be = SGLangBackend()
+    ids = prompt(server, "What is 5*6? Answer: 30")
+    target = 6
+    req = be.build_score_request(ids, target, False, 0)
+    status, body = http(server.addr, req.endpoint, req.payload)
+    assert status == 200, body
+    got = torch.tensor(be.parse_score_response(body, target))
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32)
+    with torch.no_grad():
+        lp = torch.log_softmax(m(torch.tensor([ids])).logits[0], -1)
+    ref = lp[len(ids) - target - 1 : -1].gather(1, torch.tensor(ids[-target:])[:, None]).squeeze(1)
+    assert torch.allclose(got, ref, atol=1e-4)
+    first = gen(server, ids, max_new_tokens=1) | {}
+    assert "input_token_logprobs" not in first["meta_info"]
+    status, body = http(server.addr, "/generate", {**req.payload, "logprob_start_len": 0})
+    entries = body["meta_info"]["input_token_logprobs"]
+    assert len(entries) == len(ids) and entries[0][0] is None and entries[0][1] == ids[0]

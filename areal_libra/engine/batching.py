@@ -41,6 +41,8 @@ class Request:
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
     retractions: int = 0
+    logprob_start_len: int = -1  # >= 0: also score the prompt tokens from this position (SGLang semantics)
+    input_logprobs: list[float | None] | None = None
     arrival: float = field(default_factory=time.perf_counter)
     finished_at: float = 0.0
     weight_version: str = "default"
@@ -353,8 +355,14 @@ class BatchEngine:
         self.cache.clear_row(row)
 
     def _forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask4d: torch.Tensor, cache: Any
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask4d: torch.Tensor,
+        cache: Any,
+        all_logits: bool = False,
     ) -> torch.Tensor:
+        """Logits of the last position [B, V], or of every position [B, T, V] with ``all_logits``."""
         masks = dict.fromkeys(self.layer_types, mask4d)
         out = self.model(
             input_ids=input_ids,
@@ -362,9 +370,9 @@ class BatchEngine:
             attention_mask=masks,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if all_logits else 1,
         )
-        return out.logits[:, -1, :]
+        return out.logits if all_logits else out.logits[:, -1, :]
 
     def _prefill(self, reqs: list[Request]) -> None:
         from transformers.cache_utils import DynamicCache
@@ -389,7 +397,11 @@ class BatchEngine:
         # Padding queries attend to themselves so no row of the mask is empty (empty rows give NaN).
         mask4d = (causal[None] & valid[:, None, :]) | torch.eye(pmax, dtype=torch.bool)[None]
         tmp = DynamicCache()
-        logits = self._forward(ids, pos, mask4d[:, None], tmp)
+        score = [r for r in reqs if r.logprob_start_len >= 0 and r.input_logprobs is None]
+        logits = self._forward(ids, pos, mask4d[:, None], tmp, all_logits=bool(score))
+        if score:
+            self._score_prompts(score, uniq, logits, pmax)
+            logits = logits[:, -1, :]
         self.stats.prefill_forwards += 1
         self.stats.prefill_tokens += int(lens.sum())
 
@@ -427,6 +439,23 @@ class BatchEngine:
         row_idx = torch.tensor(rows, dtype=torch.long)
         uidx = torch.tensor([uniq[s] for s in seqs], dtype=torch.long)
         self._sample_and_advance(logits.index_select(0, uidx), row_idx)
+
+    def _score_prompts(
+        self, reqs: list[Request], uniq: dict[tuple[int, ...], int], logits: torch.Tensor, pmax: int
+    ) -> None:
+        """Prompt-token logprobs (raw logits, as SGLang's input_token_logprobs): entry j is log p(token j |
+        tokens before j), None for the first token of the sequence."""
+        for r in reqs:
+            seq = tuple(r.input_ids + r.output_ids)
+            u, n = uniq[seq], len(r.input_ids)
+            start = min(r.logprob_start_len, n - 1)
+            off = pmax - len(seq)
+            out: list[float | None] = [None] if start == 0 else []
+            lo = max(start, 1)
+            if lo < n:
+                lp = torch.log_softmax(logits[u, off + lo - 1 : off + n - 1].float(), -1)
+                out += lp.gather(1, torch.tensor(r.input_ids[lo:n])[:, None]).squeeze(1).tolist()
+            r.input_logprobs = out
 
     def _decode_step(self) -> None:
         cache = self.cache

@@ -188,6 +188,7 @@ class EmbeddedServer:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
 
         req = Request(rid=gi.rid, input_ids=list(ids), params=gi.params, on_finish=on_finish)
+        req.logprob_start_len = gi.logprob_start_len
         self.engine.submit(req)
         try:
             # aiohttp does not cancel handlers when the client goes away, so watch the connection.
@@ -215,6 +216,9 @@ class EmbeddedServer:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids)]
+            if req.input_logprobs is not None:
+                toks = req.input_ids[len(req.input_ids) - len(req.input_logprobs) :]
+                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.input_logprobs, toks)]
         return {
             "text": finish_text(self.tokenizer, req.output_ids, req.params, reason),
             "output_ids": list(req.output_ids),

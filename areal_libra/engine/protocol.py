@@ -36,7 +36,15 @@ class RequestError(ValueError):
 
 
 # Top-level /generate fields: value must equal one of the given neutral values unless supported.
-GENERATE_FIELDS_SUPPORTED = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "stream"}
+GENERATE_FIELDS_SUPPORTED = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "stream",
+    "logprob_start_len",
+}
 GENERATE_FIELDS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "image_data": (None, []),
     "video_data": (None, []),
@@ -47,7 +55,6 @@ GENERATE_FIELDS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "return_routed_experts": (None, False),
     "return_hidden_states": (None, False),
     "return_text_in_logprobs": (None, False, True),
-    "logprob_start_len": (None, -1),
     "top_logprobs_num": (None, 0),
     "token_ids_logprob": (None,),
     "log_metrics": (None, True, False),
@@ -100,6 +107,7 @@ class GenerateInput:
     text: str | None
     params: SamplingParams
     return_logprob: bool
+    logprob_start_len: int = -1
 
 
 def _check_neutral(obj: dict[str, Any], supported: set[str], neutral: dict[str, tuple[Any, ...]], where: str) -> None:
@@ -207,6 +215,11 @@ def parse_generate(body: Any, default_max_new_tokens: int = 128) -> GenerateInpu
             raise RequestError("input_ids must be a list of integers (batched requests are not supported)")
     if text is not None and (not isinstance(text, str) or not text):
         raise RequestError("text must be a non-empty string (batched requests are not supported)")
+    start = body.get("logprob_start_len")
+    if start is None:
+        start = -1
+    if isinstance(start, bool) or not isinstance(start, int) or start < -1:
+        raise RequestError("logprob_start_len must be an integer >= -1")
     rid = body.get("rid")
     if rid is None:
         rid = uuid.uuid4().hex
@@ -218,6 +231,7 @@ def parse_generate(body: Any, default_max_new_tokens: int = 128) -> GenerateInpu
         text=text,
         params=parse_sampling_params(body.get("sampling_params"), default_max_new_tokens),
         return_logprob=_bool(body, "return_logprob", False, "request"),
+        logprob_start_len=start if _bool(body, "return_logprob", False, "request") else -1,
     )
 
 
