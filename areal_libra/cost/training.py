@@ -197,10 +197,3 @@ class TrainCost:
     def fits(self, par: TrainParallel, seq_lengths: Sequence[int] | BatchStats) -> bool:
         return self.memory_bytes(par, seq_lengths) <= self.cluster.hardware.hbm_bytes
 
-
-def ideal_step_lower_bound(cost: TrainCost, gpus: int, seq_lengths: Sequence[int] | BatchStats) -> float:
-    """No layout on `gpus` GPUs can beat this: forward+backward(+recompute)+log-prob FLOPs at train_mfu."""
-    st = cost._stats(seq_lengths)
-    hw = cost.cluster.hardware
-    passes = 3.0 + (1.0 if cost.recompute else 0.0) + cost.logprob_passes
-    return passes * cost._fwd_flops(st.tokens, st.sq_tokens) / (gpus * hw.flops * hw.train_mfu)
