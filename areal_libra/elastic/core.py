@@ -324,6 +324,7 @@ class ElasticCore:
         out["elastic/domain_size"] = float(self.domain.size)
         out["elastic/domain_rebuilds"] = float(self.domain.rebuilds)
         out["elastic/snapshots_published"] = float(len(self.published))
+        out["elastic/snapshot_errors"] = float(len(self.snapshots.errors))
         for k, v in self.last.items():
             out[f"elastic/{k}"] = float(v)
         return out
