@@ -302,7 +302,7 @@ def test_continuous_batching_short_requests_overtake_long(server):
     short = gen(server, prompt(server), max_new_tokens=5, ignore_eos=True)
     assert short["meta_info"]["completion_tokens"] == 5
     assert long_t.is_alive(), "short request had to wait for the long one"
-    assert time.time() - t0 < 10
+    assert time.time() - t0 < 30
     http(server.addr, "/abort_request", {"abort_all": True})
     long_t.join(30)
     assert long_box["out"]["meta_info"]["finish_reason"]["type"] == "abort"
