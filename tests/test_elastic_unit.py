@@ -155,3 +155,38 @@ def test_domain_weighted_mean_and_zero_weight_joiner():
         assert total == 3.0
         assert t[0] == [[expect, expect], [expect, expect]]
         assert t[1] == [10 * expect, 10 * expect]
+
+
+# -- controller and Megatron bucket views ----------------------------------------------------------
+def test_controller_turns_policy_decisions_into_requests(tmp_path):
+    from areal_libra.elastic.controller import ElasticController
+    from areal_libra.elastic.core import ElasticCore, RuntimeConfig
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    core = ElasticCore(store, RuntimeConfig(), 0, 1, None, str(tmp_path), dict, hybrids=[("h0", 1), ("h1", 1)])
+    ctl = ElasticController(core, ElasticPolicy(ElasticConfig(cooldown_steps=1)))
+    d = ctl.on_step(t_train_s=2.0, t_rollout_s=1.0, rollout_pressure=0.1)
+    assert d.action == "join" and core.pool.hybrid["h0"].state == ReplicaState.REQUESTED
+    assert core.kv.get("cmd/h0") == {"op": "join", "gen": 1}
+    assert ctl.on_step(2.0, 1.0, 0.1).action == "hold"  # one transition at a time
+    h0 = core.pool.hybrid["h0"]
+    for st in (ReplicaState.FETCHING, ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING, ReplicaState.TRAINING):
+        core.pool.advance("h0", st, h0.generation)
+    assert ctl.on_step(2.0, 1.0, 0.95).action == "release"  # protect rollout
+    assert core.kv.get("cmd/h0") == {"op": "release", "gen": 2}
+
+
+def test_megatron_bucket_views_follow_the_distributed_optimizer_shard():
+    from types import SimpleNamespace
+
+    from areal_libra.elastic.megatron_adapter import bucket_views
+
+    b1, b2 = SimpleNamespace(grad_data=torch.arange(8.0)), SimpleNamespace(grad_data=torch.arange(4.0))
+    plain = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False), buckets=[b1, b2])
+    assert [v.tolist() for v in bucket_views([plain])] == [list(range(8)), list(range(4))]
+    zero1 = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True), buckets=[b1, b2],
+                            intra_distributed_optimizer_instance_size=2, intra_distributed_optimizer_instance_rank=1)
+    views = bucket_views([zero1])
+    assert [v.tolist() for v in views] == [[4.0, 5.0, 6.0, 7.0], [2.0, 3.0]]
+    views[0].fill_(0)  # views, not copies: the domain reduces Megatron's buffer in place
+    assert b1.grad_data[4:].sum() == 0
