@@ -69,9 +69,14 @@ def build_tiny_model(out_dir: str, spec: TinyModelSpec | None = None) -> str:
     model = Qwen2ForCausalLM(config)
     # Untied, unit-variance embeddings and a wider output layer: sampled text is varied (entropy ~3.5
     # nats) and two seeds give clearly different distributions, which the contract tests rely on.
+    # Sharper attention (larger query/key weights) makes outputs depend on positions and on which keys
+    # are attended, so cache/mask/RoPE mistakes in a server show up in its logprobs.
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
         model.lm_head.weight.mul_(3.0)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
