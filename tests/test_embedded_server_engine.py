@@ -183,3 +183,36 @@ def test_finish_text_trims_like_sglang(hf):
         finish_text(tok, ids[:2] + [eos], SamplingParams(skip_special_tokens=False), {"type": "stop", "matched": eos})
         == "12"
     )
+
+
+def test_multi_turn_reuses_previous_turn_cache(hf):
+    """Turn 2 re-sends prompt + turn-1 output + a tool return: only the new tail is prefilled, and its
+    logprobs equal a plain forward of the whole conversation."""
+    model, tok = hf
+    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=8))
+    engine.start()
+    try:
+        firsts = run_staggered(
+            engine,
+            [
+                (tok.encode(f"What is {i}*7? "), SamplingParams(max_new_tokens=12 + i, ignore_eos=True))
+                for i in range(4)
+            ],
+            gap=0.0,
+        )
+        tool = tok.encode("<r>42</r>")
+        before = engine.stats.prefill_tokens
+        seconds = run_staggered(
+            engine,
+            [(r.input_ids + r.output_ids + tool, SamplingParams(max_new_tokens=10, ignore_eos=True)) for r in firsts],
+            gap=0.0,
+        )
+    finally:
+        engine.stop()
+    # the last sampled token of turn 1 was never fed back, so it is prefilled with the tool return
+    assert engine.stats.prefill_tokens - before == 4 * (len(tool) + 1)
+    for first, second in zip(firsts, seconds):
+        assert second.cached_tokens == len(first.input_ids) + len(first.output_ids) - 1
+        check_logprobs(model, second)
+    engine2 = BatchEngine(model, tok, EngineConfig(prefix_cache_tokens=0))
+    assert engine2.prefix_cache is None

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from areal_libra.engine.kv_cache import SlotKVCache
+from areal_libra.engine.kv_cache import PrefixCache, SlotKVCache
 from areal_libra.engine.protocol import SamplingParams
 from areal_libra.engine.sampling import SamplingBatch, sample
 
@@ -57,6 +57,7 @@ class EngineConfig:
     max_running_requests: int = 128
     max_total_tokens: int = 262144
     max_prefill_tokens: int = 16384  # padded tokens per prefill forward
+    prefix_cache_tokens: int = 32768  # 0 disables reuse of finished sequences' keys/values
     seed: int = 0
     compact_dead_fraction: float = 0.25
     compact_padding_fraction: float = 0.5
@@ -95,6 +96,7 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self._vocab_texts: list[str] | None = None
         self._candidate_cache: dict[tuple[str, ...], frozenset[int] | None] = {}
+        self.prefix_cache = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens > 0 else None
         self._set_model(model)
 
     # ------------------------------------------------------------------ model
@@ -112,6 +114,8 @@ class BatchEngine:
         dtype = next(model.parameters()).dtype
         self._new_cache = lambda: SlotKVCache(cfg.num_hidden_layers, kv_heads, head_dim, dtype)
         self.eos_ids = self._eos_ids(model, self.tokenizer)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # keys/values of other weights
         self._reset_batch()
 
     @staticmethod
@@ -228,6 +232,7 @@ class BatchEngine:
         for row, req in enumerate(self.row_req):
             if req is not None and (rid is None or req.rid == rid):
                 self._finish(req, {"type": "abort", "message": message})
+                self._keep_prefix(row, req)
                 self._free_row(row)
                 n += 1
         self.stats.aborted_requests += n
@@ -247,6 +252,8 @@ class BatchEngine:
         if self.num_running() or self._waiting or self._inbox:
             return False
         self._reset_batch()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         return True
 
     # ------------------------------------------------------------ the loop
@@ -345,6 +352,21 @@ class BatchEngine:
                 self._alloc_row_state(max(self.cache.rows, 2 * self._last_tok.shape[0]))
         return rows
 
+    def _keep_prefix(self, row: int, req: Request) -> None:
+        """Offer a leaving request's keys/values to the prefix cache. The cache holds every token but the
+        last sampled one (never fed back), right-aligned at the write column."""
+        if self.prefix_cache is None:
+            return
+        seq = (req.input_ids + req.output_ids)[:-1]
+        n, end = len(seq), self.cache.length
+        if n < 4 or n > end:
+            return
+        self.prefix_cache.put(
+            tuple(seq),
+            [k[row, :, end - n : end] for k in self.cache.keys],
+            [v[row, :, end - n : end] for v in self.cache.values],
+        )
+
     def _free_row(self, row: int) -> None:
         req = self.row_req[row]
         if req is not None:
@@ -355,14 +377,9 @@ class BatchEngine:
         self.cache.clear_row(row)
 
     def _forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        mask4d: torch.Tensor,
-        cache: Any,
-        all_logits: bool = False,
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask4d: torch.Tensor, cache: Any
     ) -> torch.Tensor:
-        """Logits of the last position [B, V], or of every position [B, T, V] with ``all_logits``."""
+        """Logits [B, V] of the last position (the decode step)."""
         masks = dict.fromkeys(self.layer_types, mask4d)
         out = self.model(
             input_ids=input_ids,
@@ -370,13 +387,15 @@ class BatchEngine:
             attention_mask=masks,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=0 if all_logits else 1,
+            logits_to_keep=1,
         )
-        return out.logits if all_logits else out.logits[:, -1, :]
+        return out.logits[:, -1, :]
 
     def _prefill(self, reqs: list[Request]) -> None:
-        from transformers.cache_utils import DynamicCache
-
+        """One batched forward for newly admitted requests: identical sequences are computed once, and a
+        sequence that extends a cached one (the previous turn of a multi-turn agent) prefills only its
+        new tail on top of the cached keys/values. Suffixes are right-padded after the right-aligned
+        prefixes, so each sequence's keys are contiguous in the temporary cache."""
         for r in reqs:
             self._prepare(r)
         seqs = [tuple(r.input_ids + r.output_ids) for r in reqs]
@@ -384,41 +403,53 @@ class BatchEngine:
         for s in seqs:
             uniq.setdefault(s, len(uniq))
         useqs = list(uniq)
-        lens = torch.tensor([len(s) for s in useqs], dtype=torch.long)
-        pmax = int(lens.max())
         n = len(useqs)
-        ids = torch.zeros(n, pmax, dtype=torch.long)
-        valid = torch.zeros(n, pmax, dtype=torch.bool)
-        for i, s in enumerate(useqs):
-            ids[i, pmax - len(s) :] = torch.tensor(s, dtype=torch.long)
-            valid[i, pmax - len(s) :] = True
-        pos = (torch.arange(pmax)[None, :] - (pmax - lens)[:, None]).clamp(min=0)
-        causal = torch.ones(pmax, pmax, dtype=torch.bool).tril()
-        # Padding queries attend to themselves so no row of the mask is empty (empty rows give NaN).
-        mask4d = (causal[None] & valid[:, None, :]) | torch.eye(pmax, dtype=torch.bool)[None]
-        tmp = DynamicCache()
-        score = [r for r in reqs if r.logprob_start_len >= 0 and r.input_logprobs is None]
-        logits = self._forward(ids, pos, mask4d[:, None], tmp, all_logits=bool(score))
-        if score:
-            self._score_prompts(score, uniq, logits, pmax)
-            logits = logits[:, -1, :]
+        scoring = {uniq[s] for r, s in zip(reqs, seqs) if r.logprob_start_len >= 0 and r.input_logprobs is None}
+        hits = [
+            None if (u in scoring or self.prefix_cache is None) else self.prefix_cache.match(s)
+            for u, s in enumerate(useqs)
+        ]
+        plens = [h[0] if h else 0 for h in hits]
+        slens = [len(s) - p for s, p in zip(useqs, plens)]
+        pmax, smax = max(plens), max(slens)
+
+        tmp = self._new_cache()
+        tmp.add_rows(n)
+        tmp.widen_to(pmax)
+        for u, h in enumerate(hits):
+            if h is not None:
+                tmp.place(u, h[1], h[2])
+        tmp.ensure_step_room(smax)
+        ids = torch.zeros(n, smax, dtype=torch.long)
+        for u, (s, p) in enumerate(zip(useqs, plens)):
+            ids[u, : len(s) - p] = torch.tensor(s[p:], dtype=torch.long)
+        pos = torch.tensor(plens)[:, None] + torch.arange(smax)[None, :]
+        causal = torch.ones(smax, smax, dtype=torch.bool).tril()
+        # Prefix columns: the row's cached tokens; suffix columns: causal. No mask row is empty (the
+        # diagonal), so padding queries cannot produce NaNs.
+        mask4d = torch.cat([tmp.mask[:n, None, :pmax].expand(n, smax, pmax), causal.expand(n, smax, smax)], dim=-1)
+        hidden = self._hidden(ids, pos, mask4d[:, None], tmp)
+        last = hidden[torch.arange(n), torch.tensor(slens) - 1]
+        logits = self.model.get_output_embeddings()(last)
+        for r in reqs:
+            if r.logprob_start_len >= 0 and r.input_logprobs is None:
+                self._score_prompt(r, hidden[uniq[tuple(r.input_ids + r.output_ids)]])
         self.stats.prefill_forwards += 1
-        self.stats.prefill_tokens += int(lens.sum())
+        self.stats.prefill_tokens += sum(slens)
 
         rows = self._free_rows(len(reqs))
-        self.cache.widen_to(pmax)
+        self.cache.widen_to(max(len(s) for s in useqs))
         self.cache.ensure_step_room(1)
         seen: set[int] = set()
         for req, row, s in zip(reqs, rows, seqs):
             u = uniq[s]
-            if u in seen:
-                req.cached_tokens += len(s)
-                self.stats.cached_tokens += len(s)
+            reused = len(s) if u in seen else plens[u]
+            req.cached_tokens += reused
+            self.stats.cached_tokens += reused
             seen.add(u)
             ln = len(s)
-            ks = [layer.keys[u, :, pmax - ln :] for layer in tmp.layers]
-            vs = [layer.values[u, :, pmax - ln :] for layer in tmp.layers]
-            self.cache.place(row, ks, vs)
+            lo, hi = pmax - plens[u], pmax + slens[u]
+            self.cache.place(row, [k[u, :, lo:hi] for k in tmp.keys], [v[u, :, lo:hi] for v in tmp.values])
             self.row_req[row] = req
             self._n_live += 1
             self._held += ln
@@ -440,22 +471,28 @@ class BatchEngine:
         uidx = torch.tensor([uniq[s] for s in seqs], dtype=torch.long)
         self._sample_and_advance(logits.index_select(0, uidx), row_idx)
 
-    def _score_prompts(
-        self, reqs: list[Request], uniq: dict[tuple[int, ...], int], logits: torch.Tensor, pmax: int
-    ) -> None:
+    def _hidden(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask4d: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """Final hidden states [B, T, H] of the decoder (the LM head is applied only where needed)."""
+        masks = dict.fromkeys(self.layer_types, mask4d)
+        out = self.model.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=masks, past_key_values=cache, use_cache=True
+        )
+        return out.last_hidden_state
+
+    def _score_prompt(self, r: Request, hidden: torch.Tensor) -> None:
         """Prompt-token logprobs (raw logits, as SGLang's input_token_logprobs): entry j is log p(token j |
-        tokens before j), None for the first token of the sequence."""
-        for r in reqs:
-            seq = tuple(r.input_ids + r.output_ids)
-            u, n = uniq[seq], len(r.input_ids)
-            start = min(r.logprob_start_len, n - 1)
-            off = pmax - len(seq)
-            out: list[float | None] = [None] if start == 0 else []
-            lo = max(start, 1)
-            if lo < n:
-                lp = torch.log_softmax(logits[u, off + lo - 1 : off + n - 1].float(), -1)
-                out += lp.gather(1, torch.tensor(r.input_ids[lo:n])[:, None]).squeeze(1).tolist()
-            r.input_logprobs = out
+        tokens before j), None for the first token of the sequence. ``hidden`` is the row's [T, H]."""
+        n = len(r.input_ids)
+        start = min(r.logprob_start_len, n - 1)
+        out: list[float | None] = [None] if start == 0 else []
+        lo = max(start, 1)
+        if lo < n:
+            logits = self.model.get_output_embeddings()(hidden[lo - 1 : n - 1])
+            lp = torch.log_softmax(logits.float(), -1)
+            out += lp.gather(1, torch.tensor(r.input_ids[lo:n])[:, None]).squeeze(1).tolist()
+        r.input_logprobs = out
 
     def _decode_step(self) -> None:
         cache = self.cache
@@ -521,6 +558,7 @@ class BatchEngine:
             reason = self._check_finished(req, t)
             if reason is not None:
                 self._finish(req, reason)
+                self._keep_prefix(row, req)
                 self._free_row(row)
         self.stats.generated_tokens += n_new
         self._held += n_new

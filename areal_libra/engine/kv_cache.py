@@ -159,3 +159,60 @@ class SlotKVCache(Cache):
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.keys + self.values)
+
+
+class PrefixCache:
+    """Keys/values of finished sequences, reused when a later request starts with one of them.
+
+    Multi-turn agents re-send the whole conversation every turn (prompt + previous output + tool return);
+    with this cache only the new tail is prefilled. Entries are exact token sequences (no partial-entry
+    matches, unlike SGLang's radix tree), evicted least-recently-used beyond ``max_tokens``, and must be
+    cleared whenever the weights change.
+    """
+
+    def __init__(self, max_tokens: int):
+        import collections
+
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._entries: collections.OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = (
+            collections.OrderedDict()
+        )
+        self._lengths: collections.Counter[int] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, seq: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Store keys/values ([kv_heads, len(seq), head_dim] per layer; copied) for ``seq``."""
+        n = len(seq)
+        if n == 0 or n > self.max_tokens or seq in self._entries:
+            return
+        self._entries[seq] = ([k.clone() for k in keys], [v.clone() for v in values])
+        self._lengths[n] += 1
+        self.tokens += n
+        while self.tokens > self.max_tokens:
+            old, _ = self._entries.popitem(last=False)
+            self._forget(len(old))
+
+    def _forget(self, n: int) -> None:
+        self.tokens -= n
+        self._lengths[n] -= 1
+        if not self._lengths[n]:
+            del self._lengths[n]
+
+    def match(self, ids: tuple[int, ...]) -> tuple[int, list[torch.Tensor], list[torch.Tensor]] | None:
+        """The longest stored sequence that is a strict prefix of ``ids`` (at least one token is left to
+        prefill, whose logits give the next token): (its length, keys, values), or None."""
+        for n in sorted(self._lengths, reverse=True):
+            if n < len(ids):
+                hit = self._entries.get(ids[:n])
+                if hit is not None:
+                    self._entries.move_to_end(ids[:n])
+                    return n, hit[0], hit[1]
+        return None
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._lengths.clear()
+        self.tokens = 0
