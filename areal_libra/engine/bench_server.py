@@ -20,31 +20,42 @@ import tempfile
 import time
 
 
-async def _burst(addr: str, prompts: list[list[int]], new_tokens: int) -> int:
+async def _burst(
+    addr: str, prompts: list[list[int]], new_tokens: int, turns: int = 1, tool: list[int] | None = None
+) -> int:
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
 
         async def one(ids: list[int]) -> int:
-            body = {
-                "input_ids": ids,
-                "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True},
-                "return_logprob": True,
-            }
-            async with s.post(f"http://{addr}/generate", json=body) as r:
-                r.raise_for_status()
-                return (await r.json())["meta_info"]["completion_tokens"]
+            n = 0
+            for _ in range(turns):  # each turn re-sends the conversation, as AReaL's multi-turn workflows do
+                body = {
+                    "input_ids": ids,
+                    "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True},
+                    "return_logprob": True,
+                }
+                async with s.post(f"http://{addr}/generate", json=body) as r:
+                    r.raise_for_status()
+                    out = await r.json()
+                n += out["meta_info"]["completion_tokens"]
+                ids = ids + out["output_ids"] + (tool or [])
+            return n
 
         return sum(await asyncio.gather(*[one(p) for p in prompts]))
 
 
-def run(model_path: str, batches: list[int], new_tokens: int, threads: int) -> list[dict]:
+def run(
+    model_path: str, batches: list[int], new_tokens: int, threads: int, turns: int = 1, prefix_cache: bool = True
+) -> list[dict]:
     import torch
 
     from areal_libra.engine.inprocess import InProcessServer
 
     torch.set_num_threads(threads)
     srv = InProcessServer(model_path, max_running_requests=max(batches), threads=threads)
+    if not prefix_cache:
+        srv.engine.prefix_cache = None
     tok = srv.tokenizer
     rows = []
     try:
@@ -52,9 +63,9 @@ def run(model_path: str, batches: list[int], new_tokens: int, threads: int) -> l
         for b in batches:
             prompts = [tok.encode(f"What is {i}+{3 * i}? ") for i in range(b)]
             st = srv.engine.stats
-            steps0, busy0 = st.decode_steps, st.busy_seconds
+            steps0, busy0, pre0 = st.decode_steps, st.busy_seconds, st.prefill_tokens
             t0, c0 = time.perf_counter(), time.process_time()
-            n = asyncio.run(_burst(srv.addr, prompts, new_tokens))
+            n = asyncio.run(_burst(srv.addr, prompts, new_tokens, turns, tok.encode("<r>1234</r> ")))
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             steps = st.decode_steps - steps0
             rows.append(
@@ -67,6 +78,9 @@ def run(model_path: str, batches: list[int], new_tokens: int, threads: int) -> l
                     "decode_steps": steps,
                     "ms_per_step": round(1e3 * (st.busy_seconds - busy0) / max(steps, 1), 2),
                     "threads": threads,
+                    "turns": turns,
+                    "prefilled_tokens": st.prefill_tokens - pre0,
+                    "prefix_cache": prefix_cache,
                 }
             )
     finally:
@@ -80,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--turns", type=int, default=1, help="requests per conversation (multi-turn re-sends)")
+    p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    if any(b < 1 for b in a.batch) or a.new_tokens < 1 or a.threads < 1:
-        sys.stderr.write("bench_server: error: --batch, --new-tokens and --threads must be >= 1\n")
+    if any(b < 1 for b in a.batch) or min(a.new_tokens, a.threads, a.turns) < 1:
+        sys.stderr.write("bench_server: error: --batch, --new-tokens, --threads and --turns must be >= 1\n")
         return 2
     if a.model_path and not os.path.isfile(os.path.join(a.model_path, "config.json")):
         sys.stderr.write(f"bench_server: error: --model-path {a.model_path!r} has no config.json\n")
@@ -95,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
             spec = TinyModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=384)
             path = build_tiny_model(os.path.join(tmp, "m"), spec)
-        rows = run(path, a.batch, a.new_tokens, a.threads)
+        rows = run(path, a.batch, a.new_tokens, a.threads, a.turns, not a.no_prefix_cache)
     load = os.getloadavg()[0]
     for r in rows:
         r["loadavg_1m"] = round(load, 2)
