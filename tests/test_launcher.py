@@ -15,6 +15,7 @@ from areal_libra.engine.launcher import (
     free_ports,
     launch_servers,
     resolve_backend,
+    server_infos,
     shutdown,
 )
 from areal_libra.engine.tiny_model import build_tiny_model
@@ -37,6 +38,8 @@ def test_two_servers_serve_report_spec_and_shut_down(model_dir, tmp_path):
             status, out = http(h.addr, "/generate", {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 4}})
             assert status == 200 and out["meta_info"]["completion_tokens"] == 4
             assert spec.group in h.log_path and "ready" in open(h.log_path).read()
+        infos = server_infos(handles)
+        assert [f"{i.host}:{i.port}" for i in infos] == [h.addr for h in handles]
         handles[0].kill()  # fault injection: the other server keeps serving
         assert not handles[0].alive() and handles[1].alive()
         assert http(handles[1].addr, "/health")[0] == 200

@@ -277,6 +277,19 @@ def shutdown(handles: Sequence[ServerHandle], timeout: float = 10.0) -> None:
         _signal_group(h.proc, signal.SIGKILL)
 
 
+def server_infos(handles: Sequence[ServerHandle]) -> list:
+    """AReaL ``LocalInfServerInfo`` records for already-running servers: pass them as
+    ``RolloutController.initialize(role, server_infos=...)`` so AReaL connects instead of launching SGLang.
+    (``process`` is left None: these servers belong to the launcher, which stops them.)"""
+    from areal.api import LocalInfServerInfo
+
+    out = []
+    for h in handles:
+        host, port = h.addr.rsplit(":", 1)
+        out.append(LocalInfServerInfo(host=host, port=int(port), process=None))
+    return out
+
+
 @contextlib.contextmanager
 def servers(model_path: str, specs: Sequence[ServerSpec], log_dir: str, **kwargs) -> Iterator[list[ServerHandle]]:
     """``with servers(...) as handles:`` — launch, yield, always shut down."""
