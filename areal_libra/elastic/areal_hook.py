@@ -13,11 +13,22 @@ What the hook does, per optimizer step of the engine:
      hybrid replica in the domain this is bitwise the engine's own gradient, so the hook is inert.
   4. AReaL's own `optimizer_step` (clipping, optimizer, per-layer step) runs unchanged.
 The snapshot state is this rank's shard: local parameter shards, optimizer and lr-scheduler state.
+
+Batch sharing: when the step's plan has hybrid replicas in "training", the hook splits the batch that
+`train_batch` receives into 1 + k contiguous shards of sequences, keeps the first and hands shard i to
+hybrid i (a file `batches/b<step>_<rid>_p<position>.pt` next to the snapshots, with the loss function);
+the hybrid's `AReaLEngineReplica` runs forward/backward on it with the same engine code. The token-weighted
+domain mean then equals the full-batch token mean (up to float reassociation), and the core's step gets
+shorter. Assumes one optimizer step per train step (`ppo_n_minibatches: 1`, the embedded default): the
+hybrid steps its lr scheduler after each update, as the trainer does after each `ppo_update`.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 import threading
+import time
 from typing import Any
 
 import torch
@@ -64,7 +75,13 @@ class FSDPElasticHook:
             hook.before_optimizer_step()
             return original_step()
 
-        engine.optimizer_step = optimizer_step  # instance attribute: only this engine is affected
+        original_train = engine.train_batch
+
+        def train_batch(input_: Any, loss_fn: Any, loss_weight_fn: Any) -> dict[str, float]:
+            return original_train(hook.share_batch(input_, loss_fn, loss_weight_fn), loss_fn, loss_weight_fn)
+
+        engine.optimizer_step = optimizer_step  # instance attributes: only this engine is affected
+        engine.train_batch = train_batch
         core.state_fn = hook.state
         return hook
 
@@ -105,6 +122,18 @@ class FSDPElasticHook:
         self.step += 1
         self.weight = None
 
+    def share_batch(self, input_: Any, loss_fn: Any, loss_weight_fn: Any) -> Any:
+        """Keep this replica's shard of the step's batch; write the others for the training hybrids."""
+        plan = self.core.begin_step(self.step)
+        trainers = sorted(rid for rid, st in plan["states"].items() if st == "training")
+        if not trainers or not isinstance(input_, dict):
+            return input_
+        shards = split_batch(input_, 1 + len(trainers))
+        for rid, shard in zip(trainers, shards[1:]):
+            write_shard(batch_dir(self.core.snapshots.root), self.step, rid, self.core.rank, shard, loss_fn,
+                        loss_weight_fn)
+        return shards[0]
+
     def step_metrics(self) -> dict[str, float]:
         return dict(self.last)
 
@@ -144,3 +173,100 @@ def _copy_into(dst: Any, src: Any) -> None:
                     _local(v).copy_(src[k])
             else:
                 _copy_into(v, src[k])
+
+
+# -- batch sharing ---------------------------------------------------------------------------------
+def batch_dir(snapshot_root: str) -> str:
+    d = os.path.join(snapshot_root, "batches")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _shard_path(d: str, step: int, rid: str, position: int) -> str:
+    return os.path.join(d, f"b{step:08d}_{rid}_p{position}.pt")
+
+
+def split_batch(input_: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """n contiguous shards of a padded batch dict (tensors with the batch on dim 0); may be empty."""
+    bs = int(input_["attention_mask"].shape[0])
+    bounds = [round(i * bs / n) for i in range(n + 1)]
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        out.append({k: (v[a:b] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == bs else v)
+                    for k, v in input_.items()})
+    return out
+
+
+def loss_mask_count(mb: dict[str, Any]) -> torch.Tensor:
+    """AReaL's PPO actor weighs micro-batches by this (it passes it as a lambda, which cannot travel)."""
+    return mb["loss_mask"].count_nonzero()
+
+
+def _portable(fn: Any, fallback: Any) -> Any:
+    try:
+        pickle.dumps(fn)
+        return fn
+    except Exception:  # noqa: BLE001 - lambdas and closures do not pickle
+        return fallback
+
+
+def write_shard(d: str, step: int, rid: str, position: int, shard: dict[str, Any], loss_fn: Any,
+                loss_weight_fn: Any) -> None:
+    path = _shard_path(d, step, rid, position)
+    tmp = f"{path}.tmp"
+    torch.save({"input": shard, "loss_fn": _portable(loss_fn, None),
+                "loss_weight_fn": _portable(loss_weight_fn, loss_mask_count)}, tmp)
+    os.replace(tmp, path)
+
+
+class AReaLEngineReplica:
+    """ReplicaAdapter for a hybrid replica built on an AReaL FSDPEngine (same config as the core)."""
+
+    def __init__(self, engine: Any, snapshot_root: str, rid: str, position: int = 0,
+                 timeout_s: float = 600.0) -> None:
+        self.engine, self.rid, self.position, self.timeout_s = engine, rid, position, timeout_s
+        self.dir = batch_dir(snapshot_root)
+        self._hook = FSDPElasticHook(engine, core=None)  # type: ignore[arg-type] - state helpers only
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self._hook.grad_tensors()
+
+    def compute_gradients(self, step: int) -> float:
+        import areal.engine.fsdp_engine as fe
+
+        path = _shard_path(self.dir, step, self.rid, self.position)
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no batch shard {path}")
+            time.sleep(0.005)
+        blob = torch.load(path, weights_only=False)
+        os.remove(path)
+        e = self.engine
+        e.optimizer_zero_grad()
+        if blob["loss_fn"] is None or int(blob["input"]["attention_mask"].shape[0]) == 0:
+            for g in self.grad_tensors():
+                g.zero_()
+            return 0.0
+        loss_fn, weight_fn = blob["loss_fn"], blob["loss_weight_fn"]
+        batched, _ = e._normalize_batch_input(blob["input"])
+        mb_list = e._prepare_mb_list(batched).to(e.device)
+        total = fe.compute_total_loss_weight(mb_list, weight_fn, e.dp_group)
+
+        def process_output(logits: torch.Tensor, ctx_dict: dict[str, Any]) -> torch.Tensor:
+            return e._compute_logprobs_and_loss(logits, fe.FSDPTrainContext(**ctx_dict), loss_fn, weight_fn, total,
+                                                loss_multiplier=e.parallel_helper.dp_size)
+
+        e.forward_backward_batch(mb_list, process_output, forward_only=False)
+        return float(total)
+
+    def apply_update(self) -> dict[str, float]:
+        stats = self.engine.optimizer_step()
+        self.engine.lr_scheduler_step()
+        return stats
+
+    def state(self) -> dict[str, Any]:
+        return self._hook.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._hook.load_state(state)

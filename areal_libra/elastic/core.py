@@ -95,6 +95,7 @@ class ElasticCore:
         self.published: list[int] = []
         self.last_step: int | None = None
         self.logging_grads = False
+        self._early: dict[str, Any] | None = None
 
     # -- leader: requests ------------------------------------------------------------------------
     def request_join(self, rid: str) -> bool:
@@ -259,12 +260,13 @@ class ElasticCore:
         opts_work.wait()
         return bool(flag.item())
 
-    def reduce_gradients(self, step: int, tensors: list[torch.Tensor], weight: float) -> dict[str, float]:
-        """Reduce `tensors` in place over the domain for `step`; retries with the survivors on failure."""
-        t0 = time.perf_counter()
-        self.last_step = step
-        saved = [t.detach().clone() for t in tensors]
-        attempt = 0
+    def begin_step(self, step: int) -> dict[str, Any]:
+        """The plan of `step` (who is in the domain, in which state). Optional: callers that must know
+        the trainers before computing (to split the batch among replicas) call it before forward;
+        otherwise reduce_gradients calls it. Publishes the step's snapshot when the plan asks for one
+        (the state is still version `step` at either point)."""
+        if self._early is not None and self._early["step"] == step:
+            return self._early
         if self.is_leader:
             plan = self._write_plan(step, 0, self._advance_pool(step))
         else:
@@ -272,6 +274,17 @@ class ElasticCore:
         if plan["snapshot"] == step:
             self.snapshots.publish_async(step, self.rank, self.state_fn(), self.corrupt.pop(0) if self.corrupt else None)
             self.published.append(step)
+        self._early = plan
+        return plan
+
+    def reduce_gradients(self, step: int, tensors: list[torch.Tensor], weight: float) -> dict[str, float]:
+        """Reduce `tensors` in place over the domain for `step`; retries with the survivors on failure."""
+        t0 = time.perf_counter()
+        self.last_step = step
+        saved = [t.detach().clone() for t in tensors]
+        attempt = 0
+        plan = self.begin_step(step)
+        self._early = None
         while True:
             ok, err = True, ""
             try:
