@@ -8,11 +8,11 @@ from areal_libra.sim.systems import Env, run_system
 from areal_libra.sim.workloads import WorkloadConfig, make_workload
 
 
-def _sim(eta, steps=10, seed=0, workload="r2e_gym", colocated=False):
+def _sim(eta, steps=10, seed=0, workload="r2e_gym", colocated=False, strict=False):
     wl = make_workload(workload, WorkloadConfig(group_size=4, batch_prompts=4, drift=0.5, horizon=20))
     truth = truth_for("a800", "qwen3-14b")
     lay = Layout(TrainLayout(8, 1, 1), [(2, 0)] * 4)
-    sim = Simulation(truth, wl, 16, lay, RunConfig(max_staleness=eta, colocated=colocated,
+    sim = Simulation(truth, wl, 16, lay, RunConfig(max_staleness=eta, colocated=colocated, strict_staleness=strict,
                                                    mem_fraction=0.5 if colocated else None), seed=seed)
     res = sim.run(steps)
     return sim, res
@@ -20,14 +20,20 @@ def _sim(eta, steps=10, seed=0, workload="r2e_gym", colocated=False):
 
 @pytest.mark.parametrize("eta", [0, 1, 3])
 def test_asynchrony_never_exceeds_the_staleness_bound(eta):
+    # AReaL semantics: rollout never runs more than eta batches ahead of training (checked at every admission)
     sim, res = _sim(eta)
     assert res["steps"] == 10
-    assert max(sim.staleness_seen) <= eta
-    assert res["max_staleness"] <= eta
-    # admission rule: a group starts only while started <= (version + eta + 1) * batch
+    assert res["max_lead"] <= eta
     assert sim.started_groups <= (sim.version + eta + 1) * sim.batch
     if eta > 0:
-        assert max(sim.staleness_seen) >= 1  # asynchrony is really used
+        assert res["max_lead"] == eta  # the bound is reached: asynchrony is really used
+    else:
+        assert res["max_staleness"] == 0  # synchronous: every group trains on the policy that generated it
+    # strict mode: additionally, every consumed group started at most eta versions before its step
+    strict, res_s = _sim(eta, strict=True)
+    assert max(strict.staleness_seen) <= eta and res_s["max_lead"] <= eta
+    if eta > 0:
+        assert max(strict.staleness_seen) >= 1
 
 
 def test_asynchrony_beats_synchronous_on_the_same_layout():

@@ -61,6 +61,7 @@ class RunConfig:
     train_noise: bool = True
     reconfig_train_s: float = 60.0  # re-shard the training job after a topology change
     max_running: int = 256
+    strict_staleness: bool = False  # also bound each consumed group's staleness (waits for stragglers)
 
 
 class Router:
@@ -137,6 +138,7 @@ class Simulation:
         self._retired_gpu_s = 0.0
         self._last_step_t = 0.0
         self._trainer_ready_t = 0.0
+        self.max_lead = 0
         self._blocked_on = ""
         self._last_busy = 0.0
         self._gpu_time_origin: dict[int, float] = {}
@@ -263,6 +265,8 @@ class Simulation:
             trajs = self.workload.sample_group(self.version, self.wl_rng)
             g = Group(self.started_groups, self.version, len(trajs), trajs, self.t)
             self.started_groups += 1
+            # How many batches rollout runs ahead of training: AReaL's bound is lead <= max_staleness.
+            self.max_lead = max(self.max_lead, -(-self.started_groups // self.batch) - self.version - 1)
             self.pending.append(g)
             for tr in trajs:
                 req = SimRequest(tr, g, self.version, self.t)
@@ -323,7 +327,10 @@ class Simulation:
         if self.trainer_busy or self.t < self.trainer_available_at - 1e-9:
             return
         k = self.version
-        need_before = k - self.cfg.max_staleness  # groups started at versions <= this must be consumed now
+        # AReaL (default): groups are consumed oldest-first among the finished ones; the bound acts at
+        # admission, so a straggler is used later rather than waited for. Strict mode also guarantees
+        # every consumed group started at most max_staleness versions ago, by waiting for stragglers.
+        need_before = k - self.cfg.max_staleness if self.cfg.strict_staleness else -1
         # Groups that would exceed the bound after this step must be in it (the batch grows past
         # `batch` in the rare case that more than a batch of them is left); fill the rest oldest-first.
         forced = [g for g in self.pending if g.version <= need_before]
@@ -465,6 +472,7 @@ class Simulation:
             "steps": len(self.records),
             "wall_s": wall,
             "max_staleness": max(self.staleness_seen) if self.staleness_seen else 0,
+            "max_lead": self.max_lead,
             "migrated_token_ratio": self.migrated_tokens / max(1, self.total_final),
             "preemptions": sum(s.preemptions for s in self.servers),
         }

@@ -79,7 +79,7 @@ class TruthConstants:
     prefill_flop_eff: float = 0.55
     host_overhead_s: float = 4e-3  # per decode iteration: scheduler, sampling launch
     host_per_seq_s: float = 4.0e-4  # per running sequence per iteration (CPU-side batch bookkeeping)
-    allreduce_latency_s: float = 9e-6  # per all-reduce hop
+    allreduce_latency_s: float = 10e-6  # small-message all-reduce inside a node (custom one-shot kernel)
     mem_fraction: float = 0.88  # SGLang mem_fraction_static
     workspace_bytes: float = 3.0 * GB  # activations / CUDA graphs per GPU
     train_mfu: float = 0.42  # base model FLOP utilisation of a training step
@@ -110,9 +110,9 @@ class HardwareTruth:
     def _allreduce_s(self, tp: int, nbytes: float) -> float:
         if tp <= 1:
             return 0.0
-        hops = math.log2(tp) * 2
         bw = self.gpu.nvlink_bw if tp <= self.gpu.gpus_per_node else self.gpu.internode_bw
-        return hops * self.c.allreduce_latency_s + 2.0 * (tp - 1) / tp * nbytes / bw
+        lat = self.c.allreduce_latency_s * (1.0 + 0.25 * math.log2(tp))  # one-shot kernel, grows slowly
+        return lat + 2.0 * (tp - 1) / tp * nbytes / bw
 
     def decode_coeffs(self, tp: int, batch: int) -> tuple[float, float]:
         """Decode iteration time = a + b * resident_kv_tokens for a batch of `batch` running sequences."""

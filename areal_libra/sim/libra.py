@@ -100,12 +100,13 @@ def plan_for(env: Env, history, homogeneous: bool, **restrict):
 
 
 def layout_from_plan(plan, max_len: int) -> Layout:
-    buckets = plan.buckets()
-    limits = [b[0] for b in buckets]
-    limits[-1] = max(limits[-1], max_len)  # the last bucket takes everything longer than the history
+    """Servers and routing buckets of a plan. Bucket thresholds come from Plan.buckets(); the last one takes
+    everything up to the model's max length; groups that end at the same threshold share a bucket."""
+    limits = sorted({lim for lim, _ in plan.buckets()})
+    limits[-1] = max(limits[-1], max_len)
     servers = []
     for inst in plan.instances:
-        b = next((i for i, (lim, tp) in enumerate(buckets) if inst.max_len <= lim and tp == inst.tp), len(buckets) - 1)
+        b = next((i for i, lim in enumerate(limits) if inst.max_len <= lim), len(limits) - 1)
         servers += [(inst.tp, b)] * inst.count
     t = plan.train
     return Layout(TrainLayout(t.tp, t.pp, t.dp), servers, limits)
@@ -186,15 +187,16 @@ class LibraController(Controller):
         if opts.replan:
             from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
 
-            self.replan = ReplanPolicy(ReplanConfig(every_k=opts.every_k, reconfig_cost_s=opts.reconfig_cost_s,
+            self.replan = ReplanPolicy(ReplanConfig(every_k=opts.every_k, reconfig_cost_s=opts.reconfig_cost_s, cooldown_steps=5,
                                                     horizon_steps=opts.every_k))
         if opts.elastic:
             from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 
-            self.elastic = ElasticPolicy(ElasticConfig(cooldown_steps=2))
+            # Decisions wait 4 steps after any change so its effect shows in the measured times.
+            self.elastic = ElasticPolicy(ElasticConfig(cooldown_steps=4))
         self.intervals: deque[float] = deque(maxlen=opts.every_k)
-        self.t_train: deque[float] = deque(maxlen=3)
-        self.t_roll: deque[float] = deque(maxlen=3)
+        self.t_train: deque[float] = deque(maxlen=4)
+        self.t_roll: deque[float] = deque(maxlen=4)
         self.units = units
         self.last_change = -10
         self.log: list[str] = []
