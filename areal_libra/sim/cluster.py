@@ -134,6 +134,7 @@ class Simulation:
         self.migrated_tokens = 0
         self.total_final = 0
         self.traj_durations: list[float] = []
+        self.traj_versions: list[int] = []
         self._retired_busy = 0.0
         self._retired_gpu_s = 0.0
         self._last_step_t = 0.0
@@ -295,6 +296,7 @@ class Simulation:
         self.finished_trajs.append(tr)
         self.total_final += tr.final_length
         self.traj_durations.append(t - req.t_start)
+        self.traj_versions.append(req.start_version)
         g = req.group
         g.n_left -= 1
         if g.n_left == 0:
