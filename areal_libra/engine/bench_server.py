@@ -25,7 +25,9 @@ async def _burst(
 ) -> int:
     import aiohttp
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+    # limit=0: no cap on connections (aiohttp's default 100 would cap the batch), as in AReaL's client
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=connector) as s:
 
         async def one(ids: list[int]) -> int:
             n = 0
@@ -45,46 +47,56 @@ async def _burst(
         return sum(await asyncio.gather(*[one(p) for p in prompts]))
 
 
+def _server_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(
     model_path: str, batches: list[int], new_tokens: int, threads: int, turns: int = 1, prefix_cache: bool = True
 ) -> list[dict]:
-    import torch
+    """Start one embedded server as a subprocess (as in a real run: client and server in separate
+    processes), send the bursts, read the server's own counters from /get_server_info."""
+    from transformers import AutoTokenizer
 
-    from areal_libra.engine.inprocess import InProcessServer
+    from areal_libra.engine.inprocess import http
+    from areal_libra.engine.launcher import ServerSpec, launch_servers, shutdown
 
-    torch.set_num_threads(threads)
-    srv = InProcessServer(model_path, max_running_requests=max(batches), threads=threads)
-    if not prefix_cache:
-        srv.engine.prefix_cache = None
-    tok = srv.tokenizer
+    tok = AutoTokenizer.from_pretrained(model_path)
+    extra = () if prefix_cache else ("--prefix-cache-tokens", "0")
+    spec = ServerSpec(threads=threads, max_running=max(batches), extra_args=extra)
     rows = []
-    try:
-        asyncio.run(_burst(srv.addr, [tok.encode("warm up ")] * 4, 8))
-        for b in batches:
-            prompts = [tok.encode(f"What is {i}+{3 * i}? ") for i in range(b)]
-            st = srv.engine.stats
-            steps0, busy0, pre0 = st.decode_steps, st.busy_seconds, st.prefill_tokens
-            t0, c0 = time.perf_counter(), time.process_time()
-            n = asyncio.run(_burst(srv.addr, prompts, new_tokens, turns, tok.encode("<r>1234</r> ")))
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            steps = st.decode_steps - steps0
-            rows.append(
-                {
-                    "batch": b,
-                    "tokens": n,
-                    "wall_s": round(wall, 3),
-                    "tokens_per_s": round(n / wall, 1),
-                    "tokens_per_cpu_s": round(n / cpu, 1),
-                    "decode_steps": steps,
-                    "ms_per_step": round(1e3 * (st.busy_seconds - busy0) / max(steps, 1), 2),
-                    "threads": threads,
-                    "turns": turns,
-                    "prefilled_tokens": st.prefill_tokens - pre0,
-                    "prefix_cache": prefix_cache,
-                }
-            )
-    finally:
-        srv.close()
+    with tempfile.TemporaryDirectory() as logs:
+        (h,) = launch_servers(model_path, [spec], logs, backend="embedded", timeout=300)
+        try:
+            asyncio.run(_burst(h.addr, [tok.encode("warm up ")] * 4, 8))
+            for b in batches:
+                prompts = [tok.encode(f"What is {i}+{3 * i}? ") for i in range(b)]
+                st0 = http(h.addr, "/get_server_info")[1]["engine_stats"]
+                t0, c0 = time.perf_counter(), _server_cpu_seconds(h.proc.pid)
+                n = asyncio.run(_burst(h.addr, prompts, new_tokens, turns, tok.encode("<r>1234</r> ")))
+                wall, cpu = time.perf_counter() - t0, _server_cpu_seconds(h.proc.pid) - c0
+                st = http(h.addr, "/get_server_info")[1]["engine_stats"]
+                steps = st["decode_steps"] - st0["decode_steps"]
+                rows.append(
+                    {
+                        "batch": b,
+                        "tokens": n,
+                        "wall_s": round(wall, 3),
+                        "tokens_per_s": round(n / wall, 1),
+                        "tokens_per_server_cpu_s": round(n / max(cpu, 1e-9), 1),
+                        "decode_steps": steps,
+                        "ms_per_step": round(1e3 * (st["busy_seconds"] - st0["busy_seconds"]) / max(steps, 1), 2),
+                        "max_batch": st["max_batch_seen"],
+                        "prefilled_tokens": st["prefill_tokens"] - st0["prefill_tokens"],
+                        "threads": threads,
+                        "turns": turns,
+                        "prefix_cache": prefix_cache,
+                    }
+                )
+        finally:
+            shutdown([h])
     return rows
 
 

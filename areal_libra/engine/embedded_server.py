@@ -45,6 +45,7 @@ class ServerArgs:
     max_running_requests: int = 128
     threads: int = 1
     max_total_tokens: int = 262144
+    prefix_cache_tokens: int = 32768
     seed: int = 0
     default_max_new_tokens: int = 128
     weight_version: str = "default"
@@ -108,6 +109,7 @@ class EmbeddedServer:
             EngineConfig(
                 max_running_requests=args.max_running_requests,
                 max_total_tokens=args.max_total_tokens,
+                prefix_cache_tokens=args.prefix_cache_tokens,
                 seed=args.seed,
             ),
             weight_version=args.weight_version,
@@ -280,6 +282,7 @@ class EmbeddedServer:
             "dp_size": 1,
             "max_running_requests": self.args.max_running_requests,
             "max_total_tokens": self.args.max_total_tokens,
+            "prefix_cache_tokens": self.args.prefix_cache_tokens,
             "context_length": eng.context_len,
             "random_seed": self.args.seed,
             "threads": self.args.threads,
@@ -425,6 +428,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--max-running-requests", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-total-tokens", type=int, default=262144)
+    p.add_argument("--prefix-cache-tokens", type=int, default=32768, help="0 disables reuse across turns")
     p.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
     p.add_argument("--default-max-new-tokens", type=int, default=128)
     p.add_argument("--weight-version", default="default")
@@ -433,6 +437,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     for name in ("tp_size", "max_running_requests", "threads", "max_total_tokens", "default_max_new_tokens"):
         if getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.prefix_cache_tokens < 0:
+        p.error(f"--prefix-cache-tokens must be >= 0, got {ns.prefix_cache_tokens}")
     if not 0 < ns.port < 65536:
         p.error(f"--port must be in 1..65535, got {ns.port}")
     if not os.path.isfile(os.path.join(ns.model_path, "config.json")):
@@ -449,6 +455,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         max_running_requests=ns.max_running_requests,
         threads=ns.threads,
         max_total_tokens=ns.max_total_tokens,
+        prefix_cache_tokens=ns.prefix_cache_tokens,
         seed=ns.seed,
         default_max_new_tokens=ns.default_max_new_tokens,
         weight_version=ns.weight_version,
@@ -478,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    # The HTTP thread must get the GIL between engine steps often enough to take in a burst of requests
+    # (default 5 ms would let requests trickle into the batch over many decode steps).
+    sys.setswitchinterval(0.0005)
     try:
         model, tokenizer = load_model(args.model_path)
     except Exception as e:
