@@ -216,3 +216,26 @@ def test_multi_turn_reuses_previous_turn_cache(hf):
         check_logprobs(model, second)
     engine2 = BatchEngine(model, tok, EngineConfig(prefix_cache_tokens=0))
     assert engine2.prefix_cache is None
+
+
+def test_frequency_penalty_discourages_repeats(hf):
+    model, tok = hf
+    engine = BatchEngine(model, tok, EngineConfig())
+    assert engine._counts.shape[1] == 1  # no penalty table until a request needs one
+    ids = tok.encode("What is 1+1? ")
+    outs = {}
+    for fp in (0.0, 2.0):
+        r = Request(
+            rid=str(fp),
+            input_ids=ids,
+            params=SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, frequency_penalty=fp),
+            on_finish=lambda r: None,
+        )
+        engine.submit(r)
+        engine._drain_inbox()
+        engine._admit()
+        while engine.num_running():
+            engine._decode_step()
+        outs[fp] = r.output_ids
+    assert engine._counts.shape[1] == engine.vocab_size
+    assert len(set(outs[2.0])) > len(set(outs[0.0]))

@@ -137,7 +137,7 @@ class BatchEngine:
         self._n_live = 0  # running requests (rows with a request)
         self._held = 0  # tokens (prompt + output) of the running requests
         self._freed = False  # a row was freed since the last compaction check
-        if getattr(self, "_last_tok", None) is None or self._counts.shape[1] != self.vocab_size:
+        if getattr(self, "_last_tok", None) is None or self._counts.shape[1] not in (1, self.vocab_size):
             self._last_tok = None
             self._alloc_row_state(16)
 
@@ -160,7 +160,11 @@ class BatchEngine:
         self._ntok = grow(getattr(self, "_ntok", None), (rows,), torch.long)
         self._freq = grow(getattr(self, "_freq", None), (rows,), torch.float32)
         self._pres = grow(getattr(self, "_pres", None), (rows,), torch.float32)
-        self._counts = grow(getattr(self, "_counts", None), (rows, self.vocab_size), torch.float32)
+        # Output-token counts for frequency/presence penalties: one column until a request uses them
+        # (a [rows, vocab] table is large for real vocabularies).
+        counts = getattr(self, "_counts", None)
+        width = 1 if counts is None or n_old == 0 else counts.shape[1]
+        self._counts = grow(counts if width > 1 else None, (rows, width), torch.float32)
 
     # ------------------------------------------------------------ thread API
     def start(self) -> None:
@@ -462,6 +466,8 @@ class BatchEngine:
             self._seed[row] = req.seed
             self._freq[row] = p.frequency_penalty
             self._pres[row] = p.presence_penalty
+            if (p.frequency_penalty or p.presence_penalty) and self._counts.shape[1] == 1:
+                self._counts = torch.zeros(self._counts.shape[0], self.vocab_size)
             self._counts[row] = 0
             if req.output_ids and (p.frequency_penalty or p.presence_penalty):
                 self._counts[row].index_add_(
