@@ -1,7 +1,8 @@
 """Embedded CPU inference server speaking SGLang's native HTTP API.
 
     python -m areal_libra.engine.embedded_server --model-path DIR --host 127.0.0.1 --port N \
-        [--tp-size T] [--max-running-requests B] [--threads K] [--max-total-tokens M] [--seed S]
+        [--tp-size T] [--max-running-requests B] [--threads K] [--max-total-tokens M] [--seed S] \
+        [--prefix-cache-tokens P]
 
 SGLang cannot run on a CPU-only machine, so on CPU the project serves rollouts with this server instead:
 the same endpoints, bodies and response shapes (see shared/reference/sglang-http-api.md), so AReaL's own
@@ -9,6 +10,23 @@ SGLang client talks to it unchanged. Generation is done by batching.BatchEngine 
 with a KV cache) on a Hugging Face causal LM. ``--tp-size`` is accepted and reported so that the planner's
 heterogeneous instance mix is visible, but a CPU server runs the model unsharded; its compute is set by
 ``--threads``.
+
+Semantics worth knowing (matching SGLang 0.5):
+- ``output_ids`` and ``meta_info.output_token_logprobs`` hold every generated token, including a matched
+  stop token and the tokens that spell a matched stop string; ``text`` leaves the stop token out and is
+  cut before the stop string (``no_stop_trim`` keeps it). Stop strings are matched in the decoded tail
+  of the output only.
+- Logprobs are log_softmax(logits / temperature) of the sampled token (greedy: temperature 1), after
+  frequency/presence penalties, before top-k/top-p.
+- Sampling is seeded per request (``sampling_params.sampling_seed``, else server seed + arrival index)
+  with a counter-based generator, so a request's sample does not depend on its batch mates.
+- Aborted requests (pause mode abort, /abort_request, client disconnect) return finish reason abort with
+  the tokens so far; a request aborted before its prefill says "Abort before prefill", which AReaL's
+  client reads as "no tokens". While paused, new requests wait for /continue_generation.
+- ``cached_tokens`` counts prompt tokens whose keys/values were reused: an identical prompt in the same
+  admission wave, or a previous turn of the conversation held in the prefix cache.
+- Not supported (400 with a message): images, LoRA, streaming, n > 1, grammars, min_p, repetition
+  penalty, NCCL weight updates (/init_weights_update_group, /update_weights_from_distributed).
 """
 
 from __future__ import annotations
