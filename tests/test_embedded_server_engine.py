@@ -28,9 +28,17 @@ def hf(model_dir):
     )
 
 
+_REF: dict[str, torch.nn.Module] = {}
+
+
 def check_logprobs(model, req: Request, temperature: float = 1.0) -> None:
+    """Compare with a separately loaded copy using the eager attention (the engine swaps its model's
+    attention implementation, so the engine's own model object is no independent reference)."""
+    path = model.name_or_path
+    if path not in _REF:
+        _REF[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        logits = model(torch.tensor([req.input_ids + req.output_ids])).logits[0, len(req.input_ids) - 1 : -1]
+        logits = _REF[path](torch.tensor([req.input_ids + req.output_ids])).logits[0, len(req.input_ids) - 1 : -1]
     ref = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(req.output_ids)[:, None]).squeeze(1)
     assert torch.allclose(ref, torch.tensor(req.output_logprobs), atol=1e-4), req.rid
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from areal_libra.engine.attention import use_gqa_attention
 from areal_libra.engine.kv_cache import PrefixCache, SlotKVCache
 from areal_libra.engine.protocol import SamplingParams
 from areal_libra.engine.sampling import SamplingBatch, sample
@@ -102,6 +103,7 @@ class BatchEngine:
     # ------------------------------------------------------------------ model
     def _set_model(self, model: torch.nn.Module) -> None:
         model.eval()
+        self.gqa_attention = use_gqa_attention(model)
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.model = model
         self.model_config = cfg

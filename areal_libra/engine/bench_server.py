@@ -3,8 +3,9 @@
     python -m areal_libra.engine.bench_server [--model-path DIR] [--batch 1 32 128] [--new-tokens 64]
         [--threads 1] [--json]
 
-Without --model-path it builds a 0.87M-parameter Qwen2 (hidden 128, 4 layers, 48-token character
-vocabulary: the size of the project's embedded default policy) in a temporary directory. For each batch
+Without --model-path it builds a random Qwen2 with the embedded default policy's shape (hidden 128,
+4 layers, 4 query / 2 key-value heads, MLP 352; 48-token character vocabulary, 0.69M parameters) in a
+temporary directory and serves it from a subprocess, as a real run does. For each batch
 size B it sends B concurrent /generate requests (sampled, ignore_eos, --new-tokens each) and reports
 generated tokens per second of wall time, plus the per-decode-step time the server measured.
 """
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             from areal_libra.engine.tiny_model import TinyModelSpec, build_tiny_model
 
-            spec = TinyModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=384)
+            spec = TinyModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=352)
             path = build_tiny_model(os.path.join(tmp, "m"), spec)
         rows = run(path, a.batch, a.new_tokens, a.threads, a.turns, not a.no_prefix_cache)
     load = os.getloadavg()[0]
