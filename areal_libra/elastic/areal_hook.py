@@ -62,6 +62,8 @@ class FSDPElasticHook:
         self.step = start_step
         self.weight: float | None = None
         self.last: dict[str, float] = {}
+        self.before_step: Any = None  # callback(step, last train_batch seconds), e.g. the policy
+        self.last_train_s = 0.0
 
     # -- installation ----------------------------------------------------------------------------
     @classmethod
@@ -78,7 +80,13 @@ class FSDPElasticHook:
         original_train = engine.train_batch
 
         def train_batch(input_: Any, loss_fn: Any, loss_weight_fn: Any) -> dict[str, float]:
-            return original_train(hook.share_batch(input_, loss_fn, loss_weight_fn), loss_fn, loss_weight_fn)
+            if hook.before_step is not None:
+                hook.before_step(hook.step, hook.last_train_s)  # policy decisions at the step boundary
+            t0 = time.perf_counter()
+            try:
+                return original_train(hook.share_batch(input_, loss_fn, loss_weight_fn), loss_fn, loss_weight_fn)
+            finally:
+                hook.last_train_s = time.perf_counter() - t0
 
         engine.optimizer_step = optimizer_step  # instance attributes: only this engine is affected
         engine.train_batch = train_batch
