@@ -1,0 +1,74 @@
+"""Where Libra's plan and the simulated cluster disagree: the planner's predictions next to what the same
+layout measures on the hardware truth, and how the planner ranks its own layout against the static
+optimum found by the sweep.
+
+python -m areal_libra.sim.diagnose --workload r2e_gym [--cluster a800x48] [--model qwen3-14b] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from areal_libra.sim.cluster import RunConfig, SimError, Simulation
+from areal_libra.sim.libra import PLAN_WINDOW, layout_from_plan, plan_for
+from areal_libra.sim.report import make_env
+from areal_libra.sim.systems import AREAL_STALENESS, areal_static_optimal, policy_router
+from areal_libra.trace import TraceError
+
+
+def _measure(env, layout, eta: int, steps: int, routing: str) -> dict:
+    router = policy_router(routing if len(layout.bucket_limits) > 1 else "least_loaded")(layout)
+    sim = Simulation(env.truth, env.workload, env.n_gpus, layout, RunConfig(max_staleness=eta), router, seed=env.seed)
+    res = sim.run(steps)
+    recs = sim.records[1:] or sim.records
+    return {"tokens_per_s": res["tokens_per_s"], "train_s": statistics.mean(r["train_s"] for r in recs),
+            "step_s": statistics.mean(r["interval_s"] for r in recs),
+            "rollout_s": statistics.mean(r["interval_s"] - r["train_s"] for r in recs)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--cluster", default="a800x48")
+    ap.add_argument("--model", default="qwen3-14b")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        env = make_env(args.workload, args.cluster, args.model, args.seed)
+        prof = env.workload.profile(env.profile_groups)
+        hist = [(t.prompt_tokens, t.final_length) for t in prof]
+        plan = plan_for(env, hist, homogeneous=False)
+        lay = layout_from_plan(plan, env.workload.cfg.max_len)
+        print(f"Libra's initial plan (planning window {PLAN_WINDOW} batches):")
+        print("  " + plan.summary().replace("\n", "\n  "))
+        w = PLAN_WINDOW
+        print(f"  predicted per step: T_train {plan.t_train_s / w:.1f} s, T_rollout {plan.t_rollout_s / w:.1f} s")
+        sync = _measure(env, lay, 0, args.steps, "oracle")
+        print(f"  measured, synchronous, oracle routing: T_train {sync['train_s']:.1f} s, rollout phase "
+              f"{sync['rollout_s']:.1f} s per step")
+        asy = _measure(env, lay, AREAL_STALENESS, args.steps, "least_loaded")
+        print(f"  measured, asynchronous (staleness {AREAL_STALENESS}), least-loaded buckets: "
+              f"{asy['tokens_per_s']:.0f} tokens/s, step {asy['step_s']:.1f} s, T_train {asy['train_s']:.1f} s")
+        best = areal_static_optimal(env).layout
+        g = best.train.gpus
+        tp = best.servers[0][0]
+        asy_best = _measure(env, best, AREAL_STALENESS, args.steps, "least_loaded")
+        print(f"Sweep's static optimum: {g} training GPUs ({best.train}), {best.rollout_gpus} rollout GPUs as TP{tp}")
+        try:
+            priced = plan_for(env, hist, homogeneous=True, min_train_gpus=g, max_train_gpus=g, allowed_tp=(tp,))
+            print(f"  planner's prediction for it: makespan {priced.makespan_s / w:.1f} s per step "
+                  f"(its own plan: {plan.makespan_s / w:.1f} s)")
+        except (ValueError, SimError) as e:  # PlanError is a ValueError
+            print(f"  the planner finds no plan with {g} training GPUs and TP{tp} only ({str(e).splitlines()[0]})")
+        print(f"  measured, asynchronous: {asy_best['tokens_per_s']:.0f} tokens/s, step {asy_best['step_s']:.1f} s")
+    except (ValueError, TraceError, SimError, OSError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
