@@ -397,6 +397,7 @@ class BatchEngine:
         )
         return out.logits[:, -1, :]
 
+    @torch.inference_mode()
     def _prefill(self, reqs: list[Request]) -> None:
         """One batched forward for newly admitted requests: identical sequences are computed once, and a
         sequence that extends a cached one (the previous turn of a multi-turn agent) prefills only its
@@ -502,6 +503,7 @@ class BatchEngine:
             out += lp.gather(1, torch.tensor(r.input_ids[lo:n])[:, None]).squeeze(1).tolist()
         r.input_logprobs = out
 
+    @torch.inference_mode()
     def _decode_step(self) -> None:
         cache = self.cache
         b = cache.rows
