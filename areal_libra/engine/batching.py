@@ -269,7 +269,11 @@ class BatchEngine:
         self._waiting.extend(inbox)
 
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
+        # Everything the engine thread does (steps and commands) touches inference-mode tensors.
+        with torch.inference_mode():
+            self._run()
+
+    def _run(self) -> None:
         while True:
             with self._cv:
                 while not (
