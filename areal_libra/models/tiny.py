@@ -71,14 +71,28 @@ def _tokenizer_corpus(n: int) -> list[str]:
 def build_model(out_dir: Path, config: TinyModelConfig, seed: int = 0, quiet: bool = False) -> dict:
     """Build tokenizer + model, warm it up, probe it, and save everything into out_dir (fp32 safetensors)."""
     import torch
+
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    # On an oversubscribed machine OpenMP threads spin against each other (measured: 2 threads cost 3-5x
+    # the CPU time of 1 for the same step); use one thread then.
+    if os.getloadavg()[0] > (os.cpu_count() or 1):
+        torch.set_num_threads(1)
+    try:
+        return _build(out_dir, config, seed, quiet, t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build(out_dir: Path, config: TinyModelConfig, seed: int, quiet: bool, t0: float) -> dict:
+    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from areal_libra.models.tokenizer import build_tokenizer
     from areal_libra.models.warmup import sampled_success
     from areal_libra.workflows.math_data import generate_problems
 
-    t0 = time.perf_counter()
-    torch.manual_seed(seed)
     tokenizer = build_tokenizer(_tokenizer_corpus(config.tokenizer_corpus_problems), config.vocab_size)
     vocab = -(-len(tokenizer) // 64) * 64
     mcfg = Qwen2Config(
@@ -122,6 +136,7 @@ def build_model(out_dir: Path, config: TinyModelConfig, seed: int = 0, quiet: bo
         "warmup_final_loss": round(sum(losses[-10:]) / max(1, len(losses[-10:])), 4),
         "probe": None if probe is None else asdict(probe),
         "build_seconds": round(time.perf_counter() - t0, 2),
+        "torch_threads": torch.get_num_threads(),
     }
     (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return info
