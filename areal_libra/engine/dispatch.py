@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import urllib.request
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -73,6 +74,7 @@ class _Track:
     group: int
     addr: str
     anonymous: bool = False
+    placements: list[tuple[int, str]] = field(default_factory=list)  # (tool returns seen, server) per send
 
 
 @dataclass
@@ -134,6 +136,9 @@ class RequestRouter:
         self.restored = bool(restore and self.run_dir is not None and self.live.restore(self.run_dir))
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}
+        self.addr_requests: dict[str, int] = dict.fromkeys(self.all_addresses, 0)  # sends per server
+        # Where each finished trajectory's requests ran: {trajectory_id: [(tool returns seen, server), ...]}
+        self.placement_log: OrderedDict[str, list[tuple[int, str]]] = OrderedDict()
         self._step = _StepCounters()
         self._totals = _StepCounters()
         self._t_step = time.monotonic()
@@ -222,9 +227,10 @@ class RequestRouter:
         bucket = placed[0] if placed else self.group_of[addr]
         gi = self.group_of[addr]
         with self._lock:
+            self.addr_requests[addr] = self.addr_requests.get(addr, 0) + 1
             tr = self._tracks.get(tid)
             if tr is None:
-                self._tracks[tid] = _Track([[bucket, 0]], n_tools, gi, addr, anonymous)
+                tr = self._tracks[tid] = _Track([[bucket, 0]], n_tools, gi, addr, anonymous)
             else:
                 if n_tools > tr.n_tools:
                     tr.decisions.append([bucket, 0])
@@ -238,6 +244,7 @@ class RequestRouter:
                     for c in (self._step, self._totals):
                         c.fallback_moves += 1
                 tr.group, tr.addr = gi, addr
+            tr.placements.append((n_tools, addr))
             for c in (self._step, self._totals):
                 c.routed += 1
         return addr
@@ -332,8 +339,10 @@ class RequestRouter:
         with self._lock:
             for c in (self._step, self._totals):
                 c.failovers += 1
+            self.addr_requests[new] = self.addr_requests.get(new, 0) + 1
             if tr is not None:
                 tr.group, tr.addr = self.group_of[new], new
+                tr.placements.append((tr.n_tools, new))
         log.warning("request %s moved from %s to %s after %s", getattr(req, "rid", "?"), addr, new, type(exc).__name__)
         return new
 
@@ -343,6 +352,9 @@ class RequestRouter:
         with self._lock:
             tr = self._tracks.pop(traj.trajectory_id, None)
             if tr is not None:
+                self.placement_log[traj.trajectory_id] = tr.placements
+                while len(self.placement_log) > 4096:
+                    self.placement_log.popitem(last=False)
                 oracle = self.dispatcher.policy.bucket_of(traj.final_length)
                 for c in (self._step, self._totals):
                     c.finished += 1
