@@ -93,7 +93,7 @@ def test_fsdp_engine_hook_joins_hybrid_with_its_weight(tmp_path):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     rt = RuntimeConfig(heartbeat_timeout_s=5.0)
     core = ElasticCore(store, rt, 0, 1, None, str(tmp_path / "snap"), state_fn=dict, hybrids=[("h0", 1)])
-    hook = FSDPElasticHook.install(engine, core)
+    hook = FSDPElasticHook.install(engine, core, share_batches=False)  # the hybrid brings its own data
     child = mp.get_context("spawn").Process(
         target=_hybrid, args=(store.port, [tuple(g.shape) for g in own], str(tmp_path / "snap"), rt))
     child.start()

@@ -63,12 +63,16 @@ class FSDPElasticHook:
         self.weight: float | None = None
         self.last: dict[str, float] = {}
         self.before_step: Any = None  # callback(step, last train_batch seconds), e.g. the policy
+        self.share_batches = True
         self.last_train_s = 0.0
 
     # -- installation ----------------------------------------------------------------------------
     @classmethod
-    def install(cls, engine: Any, core: ElasticCore, start_step: int = 0) -> FSDPElasticHook:
+    def install(cls, engine: Any, core: ElasticCore, start_step: int = 0, share_batches: bool = True
+                ) -> FSDPElasticHook:
+        """share_batches=False: training hybrids bring their own data (the core keeps its whole batch)."""
         hook = cls(engine, core, start_step)
+        hook.share_batches = share_batches
         cls._patch_weight()
         cls._current = hook
         original_step = engine.optimizer_step
@@ -134,7 +138,7 @@ class FSDPElasticHook:
         """Keep this replica's shard of the step's batch; write the others for the training hybrids."""
         plan = self.core.begin_step(self.step)
         trainers = sorted(rid for rid, st in plan["states"].items() if st == "training")
-        if not trainers or not isinstance(input_, dict):
+        if not trainers or not self.share_batches or not isinstance(input_, dict):
             return input_
         shards = split_batch(input_, 1 + len(trainers))
         for rid, shard in zip(trainers, shards[1:]):
