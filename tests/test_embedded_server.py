@@ -458,3 +458,14 @@ def test_areal_score_request_input_logprobs(server, models):
     status, body = http(server.addr, "/generate", {**req.payload, "logprob_start_len": 0})
     entries = body["meta_info"]["input_token_logprobs"]
     assert len(entries) == len(ids) and entries[0][0] is None and entries[0][1] == ids[0]
+
+
+def test_zero_new_tokens_and_unknown_abort(server):
+    status, out = http(server.addr, "/generate", {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 0}})
+    assert (
+        status == 200
+        and out["output_ids"] == []
+        and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    )
+    assert http(server.addr, "/abort_request", {"rid": "no-such-request"})[0] == 200
+    assert gen(server, [3, 4, 5], max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
