@@ -190,3 +190,18 @@ def test_megatron_bucket_views_follow_the_distributed_optimizer_shard():
     assert [v.tolist() for v in views] == [[4.0, 5.0, 6.0, 7.0], [2.0, 3.0]]
     views[0].fill_(0)  # views, not copies: the domain reduces Megatron's buffer in place
     assert b1.grad_data[4:].sum() == 0
+
+
+def test_live_config_from_libra_or_environment(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from areal_libra.elastic.live import load_config
+
+    monkeypatch.delenv("AREAL_LIBRA_ELASTIC", raising=False)
+    assert not load_config(OmegaConf.create({})).enabled
+    cfg = load_config(OmegaConf.create({"elastic": {"enabled": True, "hybrids": 2, "policy": {"join_ratio": 1.3}}}))
+    assert cfg.enabled and cfg.hybrids == 2 and cfg.policy == {"join_ratio": 1.3}
+    monkeypatch.setenv("AREAL_LIBRA_ELASTIC", '{"enabled": true, "join_at_step": 3}')
+    assert load_config(OmegaConf.create({})).join_at_step == 3
+    with pytest.raises(ValueError, match="unknown libra.elastic keys"):
+        load_config(OmegaConf.create({"elastic": {"enabled": True, "hybirds": 1}}))
