@@ -108,3 +108,36 @@ def test_server_cli_bad_input_is_one_line(tmp_path):
         assert r.returncode != 0
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_server_exits_when_its_launcher_dies(model_dir, tmp_path):
+    """A launcher killed with SIGKILL cannot shut its servers down; they notice and exit by themselves."""
+    import os
+    import signal
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from areal_libra.engine.launcher import ServerSpec, launch_servers\n"
+        f"h = launch_servers({model_dir!r}, [ServerSpec()], {str(tmp_path / 'logs')!r}, backend='embedded', timeout=120)\n"
+        "print(h[0].proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                os.kill(server_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.25)
+        else:
+            os.killpg(server_pid, signal.SIGKILL)
+            raise AssertionError("orphaned server kept running")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -67,6 +67,7 @@ class ServerArgs:
     seed: int = 0
     default_max_new_tokens: int = 128
     weight_version: str = "default"
+    parent_pid: int | None = None  # exit when this process is gone (set by the launcher)
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -450,6 +451,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
     p.add_argument("--default-max-new-tokens", type=int, default=128)
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process has gone")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ns = p.parse_args(argv)
     for name in ("tp_size", "max_running_requests", "threads", "max_total_tokens", "default_max_new_tokens"):
@@ -477,7 +479,27 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         seed=ns.seed,
         default_max_new_tokens=ns.default_max_new_tokens,
         weight_version=ns.weight_version,
+        parent_pid=ns.parent_pid,
     )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
+    """Servers run in their own session (so they can be killed as a group); without this, a launcher that
+    crashes would leave them running forever."""
+    while _alive(pid) and os.getppid() != 1:
+        await asyncio.sleep(1.0)
+    logger.warning("parent process %d is gone; shutting down", pid)
+    stop.set()
 
 
 async def _serve(server: EmbeddedServer) -> None:
@@ -490,10 +512,15 @@ async def _serve(server: EmbeddedServer) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watchdog = None
+    if server.args.parent_pid is not None:
+        watchdog = asyncio.create_task(_watch_parent(server.args.parent_pid, stop))
     try:
         await site.start()
         print(f"embedded_server ready on http://{server.args.host}:{server.args.port}", flush=True)
         await stop.wait()
+        if watchdog is not None:
+            watchdog.cancel()
     finally:
         await runner.cleanup()
 

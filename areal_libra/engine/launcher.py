@@ -136,6 +136,8 @@ def build_command(
             str(spec.threads),
             "--seed",
             str(spec.seed),
+            "--parent-pid",
+            str(os.getpid()),
         ]
     elif backend == "sglang":
         cmd = [
