@@ -239,7 +239,12 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
     kv = KV(store, cfg.runtime.namespace)
     if cfg.rollout_requests:
         push_requests(kv, list(range(cfg.rollout_requests)))
-    ctx = mp.get_context(os.environ.get("ELASTIC_TB_START", "fork"))
+    start = os.environ.get("ELASTIC_TB_START", "fork")
+    if start == "fork":
+        # Building a replica the first time imports optimizer machinery (torch._dynamo, ~3 s of CPU):
+        # do it once here so that every forked child inherits it instead of repeating it.
+        build_replica(replace(cfg, init_state=None), CORE, 0, None).apply_update()
+    ctx = mp.get_context(start)
     procs: dict[tuple[str, int], Any] = {}
     for r in range(cfg.replica_size):
         procs[(CORE, r)] = ctx.Process(target=_core_main, args=(cfg, r, "127.0.0.1", store.port, outdir))
