@@ -126,7 +126,8 @@ class Simulation:
         self.train_busy_s = 0.0
         self.train_gpu_s = 0.0
         self.records: list[dict] = []
-        self.finished: deque = deque(maxlen=4000)  # (prompt_tokens, final_length) of finished trajectories
+        # (prompt_tokens, final_length, model_tokens) of finished trajectories: what the live system records
+        self.finished: deque = deque(maxlen=4000)
         self.finished_trajs: deque = deque(maxlen=4000)
         self.reconfigurations = 0
         self.staleness_seen: list[int] = []
@@ -292,7 +293,7 @@ class Simulation:
     def _traj_done(self, req: SimRequest, t: float) -> None:
         tr = req.traj
         self.router.finish(req)
-        self.finished.append((tr.prompt_tokens, tr.final_length))
+        self.finished.append((tr.prompt_tokens, tr.final_length, tr.model_tokens))
         self.finished_trajs.append(tr)
         self.total_final += tr.final_length
         self.traj_durations.append(t - req.t_start)

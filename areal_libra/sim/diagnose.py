@@ -12,7 +12,7 @@ import statistics
 import sys
 
 from areal_libra.sim.cluster import RunConfig, SimError, Simulation
-from areal_libra.sim.libra import PLAN_WINDOW, layout_from_plan, plan_for
+from areal_libra.sim.libra import PLAN_WINDOW, layout_from_plan, plan_for, profile_history
 from areal_libra.sim.report import make_env
 from areal_libra.sim.systems import AREAL_STALENESS, areal_static_optimal, policy_router
 from areal_libra.trace import TraceError
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     try:
         env = make_env(args.workload, args.cluster, args.model, args.seed)
         prof = env.workload.profile(env.profile_groups)
-        hist = [(t.prompt_tokens, t.final_length) for t in prof]
+        hist = profile_history(prof)
         plan = plan_for(env, hist, homogeneous=False)
         lay = layout_from_plan(plan, env.workload.cfg.max_len)
         print(f"Libra's initial plan (planning window {PLAN_WINDOW} batches):")

@@ -28,7 +28,7 @@ class LibraOptions:
     hybrid_replicas: int = 3  # Elastic Hybrid Pool workers carved from the planned rollout pool
 
 
-TREE_BACKEND = "python"
+TREE_BACKEND = "auto"  # the scheduler's C++ prefix tree when built, else its Python core
 # A request whose context already overruns its bucket follows the mean when mean and P90 disagree.
 CMLFQ_SWITCHES: dict = {"overrun": True}
 
@@ -54,6 +54,8 @@ CALIBRATE = True
 # flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
 # instead of once per step, as it is in the running system.
 PLAN_WINDOW = AREAL_STALENESS + 1
+# Steps a new plan is credited with in the re-plan gate (the planner's default: one step).
+REPLAN_HORIZON = 1
 
 
 def planner_cluster(env: Env):
@@ -97,6 +99,23 @@ def plan_for(env: Env, history, homogeneous: bool, **restrict):
     if best is None:
         raise SimError("the planner found no homogeneous plan for this cluster")
     return best
+
+
+# Give the planner (prompt, final, model_tokens) triples (tool payloads prefilled, only model tokens
+# decoded) or plain (prompt, final) pairs.
+HISTORY_TRIPLES = False
+
+
+def profile_history(trajs) -> list[tuple[int, ...]]:
+    """The planner's length history from finished trajectories (see HISTORY_TRIPLES)."""
+    if HISTORY_TRIPLES:
+        return [(t.prompt_tokens, t.final_length, t.model_tokens) for t in trajs]
+    return [(t.prompt_tokens, t.final_length) for t in trajs]
+
+
+def history_of(sim: Simulation, n: int) -> list[tuple[int, ...]]:
+    rows = list(sim.finished)[-n:]
+    return rows if HISTORY_TRIPLES else [r[:2] for r in rows]
 
 
 def layout_from_plan(plan, max_len: int) -> Layout:
@@ -188,7 +207,7 @@ class LibraController(Controller):
             from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
 
             self.replan = ReplanPolicy(ReplanConfig(every_k=opts.every_k, reconfig_cost_s=opts.reconfig_cost_s, cooldown_steps=5,
-                                                    horizon_steps=opts.every_k))
+                                                    horizon_steps=REPLAN_HORIZON))
         if opts.elastic:
             from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 
@@ -228,7 +247,7 @@ class LibraController(Controller):
 
     def _replan(self, sim: Simulation, step: int) -> bool:
         _, _, PlanError = _planner()
-        hist = list(sim.finished)[-self.opts.history:]
+        hist = history_of(sim, self.opts.history)
         if len(hist) < 16:
             return False
         try:
@@ -241,15 +260,17 @@ class LibraController(Controller):
         if _same(new_layout, cur_layout):
             self.plan = new  # refresh the predictions; nothing to move
             return False
-        # Price the current layout on the same new history (the planner restricted to the current training
-        # size and TP set), then scale both predictions by measured/predicted for the current layout, so the
-        # gate compares like with like and charges the reconfiguration cost in real seconds.
-        g = cur_layout.train.gpus
+        # Price the current plan on the same new history (areal_libra.planner.evaluate.price), then scale both
+        # predictions by measured/predicted for the current plan, so the gate compares like with like and
+        # charges the reconfiguration cost in real seconds.
         try:
-            cur = plan_for(self.env, hist, self.opts.homogeneous, min_train_gpus=g, max_train_gpus=g,
-                           allowed_tp=tuple(sorted({tp for tp, _ in cur_layout.servers})))
-            t_cur_pred = cur.makespan_s
-        except (PlanError, SimError):
+            from areal_libra.planner.evaluate import price
+
+            gb = self.env.workload.cfg.batch_prompts * self.env.workload.cfg.group_size * PLAN_WINDOW
+            solve, PlannerConfig, _ = _planner()
+            t_cur_pred = price(self.plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name,
+                               hist, PlannerConfig(global_batch=gb)).makespan_s
+        except (ImportError, PlanError, SimError, ValueError):
             t_cur_pred = self.plan.makespan_s
         measured = _mean(self.intervals)
         scale = measured / max(1e-9, t_cur_pred)
@@ -345,7 +366,7 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
 def libra_system(name: str, env: Env) -> SystemSpec:
     opts = RUNGS[name]
     prof = env.workload.profile(env.profile_groups)
-    hist = [(t.prompt_tokens, t.final_length) for t in prof]
+    hist = profile_history(prof)
     plan = plan_for(env, hist, opts.homogeneous)
     layout = layout_from_plan(plan, env.workload.cfg.max_len)
     core, units = carve_hybrid(layout, opts.hybrid_replicas) if opts.elastic else (layout, [])
