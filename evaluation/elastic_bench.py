@@ -66,7 +66,13 @@ def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, o
                + [_maxdiff(joined["params"][k], ref_b["params"][k]) for k in range(a, r + 1)])
     join_steps = [m["step"] for m in joined["metrics"] if any(m.get(k, 0) > 0 for k in JOINING)]
     ev = {e["event"]: e for e in joined["events"]}
+    by_step = {m["step"]: m for m in joined["metrics"]}
+    ref_by_step = {m["step"]: m for m in ref_a["metrics"]}
+    phases = [(next((k[10:] for k in JOINING if by_step[s].get(k, 0) > 0), "?"),
+               joined["step_s"][s] / ref_a["step_s"][s],
+               by_step[s]["elastic/reduce_s"], ref_by_step[s]["elastic/reduce_s"]) for s in join_steps]
     return {
+        "phases": phases,
         "diff": diff,
         "during": [joined["step_s"][s] for s in join_steps],
         "no_join": [ref_a["step_s"][s] for s in join_steps],
@@ -133,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         for i, r in enumerate(reps):
             print(f"repeat {i}: activation step {r['activation_step']}, release step {r['release_step']}, "
                   f"join steps {r['join_steps']}, median no-join step (all) {r['all_no_join_median']:.4f}s")
+            for phase, ratio, proto, proto_ref in r["phases"]:
+                # protocol = time inside reduce_gradients (plan, snapshot clone, domain rebuild, all-reduce)
+                print(f"  {phase:10s} step time x{ratio:.2f} of no-join; protocol {proto * 1e3:.1f} ms "
+                      f"(no-join {proto_ref * 1e3:.1f} ms)")
     return 0
 
 
