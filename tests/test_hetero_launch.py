@@ -1,0 +1,62 @@
+"""End to end: `python -m areal_libra.launch experiment=dapo_math cluster=cpu_hetero` runs GRPO with two
+embedded server groups and C-MLFQ dispatch, migrates trajectories, and survives losing a server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a 4-step training run: ~3 minutes on 2 shared cores
+
+
+def _server_pid(port: str) -> int:
+    out = subprocess.run(["pgrep", "-f", f"embedded_server.*--port {port}"], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 1, out.stdout
+    return pids[0]
+
+
+def test_cpu_hetero_run_migrates_and_finishes_after_losing_a_server(tmp_path: Path) -> None:
+    steps, kill_after = 4, 2
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_libra.launch", "experiment=dapo_math", "cluster=cpu_hetero",
+         f"total_train_steps={steps}", f"cluster.fileroot={tmp_path}", "trial_name=hetero"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = tmp_path / "logs" / os.environ.get("USER", "root") / "dapo-math" / "hetero"
+    killed = None
+    try:
+        deadline = time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline:
+            mpath = next(tmp_path.rglob("metrics.jsonl"), None)
+            if killed is None and mpath is not None and len(mpath.read_text().splitlines()) >= kill_after:
+                run = mpath.parent
+                groups = json.loads((run / "rollout_groups.json").read_text())["groups"]
+                killed = groups[1]["addresses"][0]  # the long group's only server
+                os.kill(_server_pid(killed.rsplit(":", 1)[1]), signal.SIGKILL)
+            time.sleep(0.5)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert killed is not None, "the run ended before the server could be killed"
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    # C-MLFQ moved trajectories to the long group while it was there
+    assert sum(r["cmlfq/migrations"] for r in recs[:kill_after]) >= 1
+    assert sum(r["cmlfq/requests/long"] for r in recs[:kill_after]) >= 1
+    # after the loss every step still trained on a full batch and nothing went to the dead server
+    assert all(r["trajectories"] >= 128 for r in recs)
+    assert sum(r["cmlfq/health_down"] for r in recs) == 1 and recs[-1]["cmlfq/unhealthy_servers"] == 1
+    assert recs[-1]["cmlfq/requests/long"] == 0
+    events = [json.loads(x) for x in (run / "dispatch_health.jsonl").read_text().splitlines()]
+    assert [(e["addr"], e["up"]) for e in events] == [(killed, False)]
+    # the live tree was saved in the run directory
+    assert (run / "cmlfq_tree.bin").is_file() and (run / "cmlfq_window.jsonl").is_file()
