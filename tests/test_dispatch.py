@@ -335,3 +335,18 @@ def test_single_controller_router_travels_over_areal_rpc_serialization(tmp_path:
     assert inner.step_metrics()["cmlfq/requests/short"] == 1
     assert inner.run_dir.parent == tmp_path and inner.run_dir.name.startswith("router-")
     inner.close()
+
+
+def test_mean_inflight_per_group_is_time_weighted() -> None:
+    router = make_router()
+    router.step_metrics()
+    reqs = [req(f"t{i}", 10, []) for i in range(2)]
+    addrs = [router.route(r, None) for r in reqs]
+    time.sleep(0.3)
+    for r, a in zip(reqs, addrs):
+        router.done(r, a, [1], "stop")
+    time.sleep(0.3)
+    m = router.step_metrics()
+    # two requests for ~0.3 s out of ~0.6 s: about one in flight on average, none in the long group
+    assert 0.7 < m["cmlfq/inflight_mean/short"] < 1.3
+    assert m["cmlfq/inflight_mean/long"] == 0 and m["cmlfq/inflight/short"] == 0

@@ -142,6 +142,9 @@ class RequestRouter:
         self._step = _StepCounters()
         self._totals = _StepCounters()
         self._t_step = time.monotonic()
+        self._inflight = [0] * len(self.groups)
+        self._area = [0.0] * len(self.groups)
+        self._t_load = [self._t_step] * len(self.groups)
         self._engine = None
         self._version_down: dict[str, int] = {}
         self._warned_addresses = False
@@ -202,6 +205,25 @@ class RequestRouter:
         """Servers that are out (patch 10 skips them for pause/continue/disk weight updates)."""
         return self.health.down()
 
+    # --- load accounting: the dispatcher's counts plus a time-weighted mean per group for the metrics ---
+    def _load_change(self, addr: str, delta: int) -> None:
+        gi = self.group_of.get(addr)
+        if gi is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._area[gi] += self._inflight[gi] * (now - self._t_load[gi])
+            self._t_load[gi] = now
+            self._inflight[gi] = max(0, self._inflight[gi] + delta)
+
+    def _begin(self, addr: str) -> None:
+        self.dispatcher.begin(addr)
+        self._load_change(addr, +1)
+
+    def _end(self, addr: str) -> None:
+        self.dispatcher.end(addr)
+        self._load_change(addr, -1)
+
     # --- routing ---
     @staticmethod
     def _meta(req) -> tuple[dict, bool]:
@@ -222,7 +244,7 @@ class RequestRouter:
         tid = str(meta["trajectory_id"])
         n_tools = len(meta.get("tool_returns") or ())
         addr = self.dispatcher.route(meta)
-        self.dispatcher.begin(addr)
+        self._begin(addr)
         placed = self.dispatcher.placement(tid)
         bucket = placed[0] if placed else self.group_of[addr]
         gi = self.group_of[addr]
@@ -250,7 +272,7 @@ class RequestRouter:
         return addr
 
     def done(self, req, addr: str, output_tokens: Sequence[int], stop_reason: str | None) -> None:
-        self.dispatcher.end(addr)
+        self._end(addr)
         meta, anonymous = self._meta(req)
         tid = str(meta["trajectory_id"])
         n = len(output_tokens)
@@ -316,10 +338,10 @@ class RequestRouter:
         if not isinstance(exc, ServerDown):
             alive = await asyncio.get_running_loop().run_in_executor(None, probe, addr, self.config.health_timeout_s)
             if alive:
-                self.dispatcher.end(addr)
+                self._end(addr)
                 raise exc
             self.health.report_failure(addr, f"request failed: {type(exc).__name__}")
-        self.dispatcher.end(addr)
+        self._end(addr)
         if n > self.config.max_failovers:
             raise RuntimeError(f"request {getattr(req, 'rid', '?')} failed over {n - 1} times") from exc
         try:
@@ -335,7 +357,7 @@ class RequestRouter:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
-        self.dispatcher.begin(new)
+        self._begin(new)
         with self._lock:
             for c in (self._step, self._totals):
                 c.failovers += 1
@@ -374,6 +396,12 @@ class RequestRouter:
             s, self._step = self._step, _StepCounters()
             dt = max(now - self._t_step, 1e-9)
             self._t_step = now
+            mean_load = []
+            for gi in range(len(self.groups)):
+                self._area[gi] += self._inflight[gi] * (now - self._t_load[gi])
+                self._t_load[gi] = now
+                mean_load.append(self._area[gi] / dt)
+                self._area[gi] = 0.0
         d = self.dispatcher.metrics()
         out = {
             "cmlfq/migrations": s.migrations,
@@ -389,8 +417,9 @@ class RequestRouter:
             "cmlfq/health_up": s.health_up,
             "cmlfq/unhealthy_servers": d.get("unhealthy", 0),
         }
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
             out[f"cmlfq/inflight/{g.name}"] = d.get(f"inflight/{g.name}", 0)
+            out[f"cmlfq/inflight_mean/{g.name}"] = round(mean_load[gi], 3)
             out[f"cmlfq/tokens_per_s/{g.name}"] = round(s.group_tokens.get(g.name, 0) / dt, 3)
             out[f"cmlfq/requests/{g.name}"] = s.group_requests.get(g.name, 0)
         out.update(self.live.metrics())
