@@ -46,7 +46,7 @@ class DispatchConfig:
     sticky: bool = True  # stay on one server inside a group (its prefix cache holds the context)
     health_interval_s: float = 2.0
     health_timeout_s: float = 5.0
-    fail_after: int = 2  # consecutive failed probes before a server is marked down
+    fail_after: int = 3  # consecutive failed probes before a server is marked down
     ok_after: int = 2  # consecutive good probes before it is re-admitted
     watch_interval_s: float = 0.5  # how often an in-flight request checks its server's health
     failover_wait_s: float = 120.0  # how long a request waits for any healthy server
@@ -147,6 +147,7 @@ class RequestRouter:
         self._t_load = [self._t_step] * len(self.groups)
         self._engine = None
         self._version_down: dict[str, int] = {}
+        self._stale_warned: set[str] = set()
         self._warned_addresses = False
         self.health = HealthMonitor(
             self.all_addresses,
@@ -175,7 +176,12 @@ class RequestRouter:
         down_at = self._version_down.get(addr)
         now = self._version()
         if down_at is not None and now is not None and now != down_at:
-            return False  # it missed a weight update while it was out: its tokens would be off-policy
+            # It missed a weight update while it was out: its tokens would be off-policy. It stays out
+            # until restarted with current weights (a new run or recover).
+            if addr not in self._stale_warned:
+                self._stale_warned.add(addr)
+                log.warning("rollout server %s answers again but missed weight version %s; kept out", addr, now)
+            return False
         return True
 
     def _on_health(self, addr: str, up: bool, reason: str) -> None:
@@ -526,7 +532,12 @@ def build_router(
             raise ValueError(f"rollout groups have {len(servers)} servers but {len(flat)} addresses were given")
         it = iter(flat)
         addrs = [[next(it) for _ in range(g.count)] for g in groups]
-    return RequestRouter(groups, addrs, cfg, run_dir, restore=_recover_enabled(run_dir), health=health)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    # SPMD with several trainer ranks: every rank routes its own share of the rollouts; rank 0 keeps the run
+    # directory's tree files, the others save theirs in a sub-folder.
+    own = run_dir if rank == 0 else run_dir / f"router-rank{rank}"
+    own.mkdir(parents=True, exist_ok=True)
+    return RequestRouter(groups, addrs, cfg, own, restore=_recover_enabled(run_dir), health=health)
 
 
 # --- single-controller mode ----------------------------------------------------------------------------
