@@ -89,7 +89,6 @@ class ElasticCore:
         self.members: tuple[str, ...] = ()
         self.snapreq_seen: dict[str, int] = {}
         self.t_request: dict[str, float] = {}
-        self.entered_step: dict[str, int] = {}
         self.last: dict[str, float] = {}
         self.events: list[dict[str, Any]] = []
         self.published: list[int] = []
@@ -171,7 +170,6 @@ class ElasticCore:
                 continue
             if h.state == ReplicaState.REQUESTED and int(vals.get(f"ack/{h.rid}/{g}", 0)) >= h.n_ranks:
                 self.pool.advance(h.rid, ReplicaState.FETCHING, g)
-                self.entered_step[h.rid] = step
                 publish = True
                 # The snapshot of this step's version, then the gradient log from this step on.
                 self.kv.set(f"fetch/{h.rid}/{g}", step)

@@ -127,13 +127,3 @@ class GradientDomain:
             off += k
         self.last_reduce_s = time.perf_counter() - t0
         return total
-
-    def reduce_flat_to(self, out: torch.Tensor, tensors: Sequence[torch.Tensor], weight: float) -> float:
-        """Like reduce, but also returns the reduced values as one flat fp32 copy in `out` (for replay logs)."""
-        total = self.reduce(tensors, weight)
-        off = 0
-        for t in tensors:
-            k = t.numel()
-            out[off:off + k].copy_(t.reshape(-1))
-            off += k
-        return total
