@@ -1,7 +1,7 @@
 """Elastic Hybrid Pool benchmark on loopback gloo (pinned --json keys, issue 6).
 
     python evaluation/elastic_bench.py [--model qwen2|mlp] [--hidden N] [--batch N] [--repeats R]
-        [--join-at S] [--release-after K] [--fetch-delay SEC] [--json]
+        [--join-at S] [--release-after K] [--fetch-delay SEC] [--pin-cpus] [--json]
 
 Per repeat, three runs of the same deterministic training (areal_libra.elastic.testbed):
   joined  one core replica; hybrid h0 is asked to join at --join-at and released --release-after steps
@@ -48,7 +48,7 @@ def _maxdiff(a, b) -> float:
 def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, object]:
     rt = RuntimeConfig(fetch_delay_s=args.fetch_delay)
     base = dict(model=args.model, hidden=args.hidden, batch_per_rank=args.batch, seed=seed, runtime=rt,
-                lr=args.lr)
+                lr=args.lr, pin_cpus=args.pin_cpus)
     joined = run(TestbedConfig(max_steps=args.max_steps, join_at={"h0": args.join_at},
                                release_after={"h0": args.release_after}, tail_steps=args.tail, **base),
                  f"{workdir}/joined")["core"][0]
@@ -95,6 +95,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tail", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=80)
     p.add_argument("--fetch-delay", type=float, default=0.0, help="extra seconds per snapshot fetch (emulates a big model)")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="core on CPU 0, hybrid on the others (a stand-in for separate devices)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for name in ("hidden", "batch", "repeats", "max_steps"):

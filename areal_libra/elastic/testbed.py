@@ -54,6 +54,7 @@ class TestbedConfig:
     corrupt: list[str] = field(default_factory=list)  # successive publishes: "truncate" | "wrong_version"
     kill: dict[str, Any] | None = None  # {"rid", "state": "fetching"|"training"}: SIGKILL the replica then
     rollout_requests: int = 0  # size of the rollout workload served by hybrids while in rollout mode
+    pin_cpus: bool = False  # core ranks on CPU 0, hybrid ranks on the other CPUs (stand-in for own devices)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     timeout_s: float = 180.0
 
@@ -105,13 +106,17 @@ def build_replica(cfg: TestbedConfig, slot: str, rank: int, group: Any) -> Modul
     return rep
 
 
-def _setup_proc() -> None:
+def _setup_proc(cfg: TestbedConfig | None = None, core: bool = True) -> None:
     torch.set_num_threads(1)
+    if cfg is not None and cfg.pin_cpus and hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) > 1:
+            os.sched_setaffinity(0, {cpus[0]} if core else set(cpus[1:]))
 
 
 # -- processes -------------------------------------------------------------------------------------
 def _core_main(cfg: TestbedConfig, rank: int, host: str, port: int, outdir: str) -> None:
-    _setup_proc()
+    _setup_proc(cfg, core=True)
     out: dict[str, Any] = {"params": {}, "step_s": {}, "metrics": [], "error": None}
     core = None
     try:
@@ -207,7 +212,7 @@ def _resolved(cfg: TestbedConfig, core: ElasticCore, step: int, first_real: dict
 
 
 def _hybrid_main(cfg: TestbedConfig, rid: str, rank: int, host: str, port: int, outdir: str) -> None:
-    _setup_proc()
+    _setup_proc(cfg, core=False)
     out: dict[str, Any] = {"error": None}
     try:
         store = connect(host, port, timeout_s=cfg.runtime.domain_timeout_s)
