@@ -33,3 +33,41 @@ def test_without_sizes_the_payload_is_areal_s_original() -> None:
     got = _payloads(meta, 2)
     assert [(p["rank_offset"], p["world_size"]) for p in got] == [(1, 5), (3, 5)]
     assert meta.gen_server_sizes is None
+
+
+_MEMBER = r"""
+import sys, torch, torch.distributed as dist
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+dist.broadcast(t, src=0)  # the trainer (rank 0) sends, every server TP rank receives
+print("GOT", rank, t.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_rank_offsets_form_one_complete_group_over_gloo() -> None:
+    """The payloads' ranks (offset + tp rank per server, trainer 0) join one process group and all receive a
+    broadcast: what /init_weights_update_group does on GPU with NCCL, run here with gloo."""
+    import subprocess
+    import sys
+
+    from areal_libra.utils import free_port
+
+    sizes = [2, 1]  # a TP2 server, then a TP1 server: three inference ranks + the trainer
+    meta = WeightUpdateMeta.from_fsdp_xccl(ModelAllocation.from_str(f"sglang:d{sum(sizes)}t1"))
+    # AReaL's own formula (equal servers) would give the TP1 server rank 2, which the TP2 server also holds
+    plain = [p["rank_offset"] for p in _payloads(meta, len(sizes))]
+    assert plain == [1, 2]
+    meta.gen_server_sizes = sizes
+    pays = _payloads(meta, len(sizes))
+    world = pays[0]["world_size"]
+    ranks = [0] + [p["rank_offset"] + r for p, s in zip(pays, sizes) for r in range(s)]
+    assert sorted(ranks) == list(range(world))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _MEMBER, str(r), str(world), port],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in ranks]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    got = sorted(line for o in outs for line in o.splitlines() if line.startswith("GOT"))
+    assert got == [f"GOT {r} [0.0, 1.0, 2.0, 3.0]" for r in range(world)]
