@@ -100,3 +100,18 @@ def decode_benchmark(truth: HardwareTruth, tp: int, n_prompts: int = 320, output
     """The public vLLM throughput benchmark's shape: fixed concurrency, n prompts x fixed output length."""
     trajs = [Trajectory(f"b{i}", f"b{i}", 0, prompt_tokens, (Segment(output_tokens, None),)) for i in range(n_prompts)]
     return replay_on_server(truth, tp, trajs, seed=seed)
+
+
+def main() -> None:
+    """python -m areal_libra.sim.bench: the simulated decode benchmark next to the public TP table."""
+    from areal_libra.sim.hardware import truth_for
+
+    ref = {1: 1591, 2: 1862, 4: 2228, 8: 2381}  # reference/libra.md, Mistral-7B on A100
+    truth = truth_for("a100", "mistral-7b")
+    for tp, want in ref.items():
+        got = decode_benchmark(truth, tp).decode_tokens_per_s
+        print(f"TP{tp}: simulated {got:.0f} tokens/s, public table {want} ({got / want - 1:+.0%})")
+
+
+if __name__ == "__main__":
+    main()
