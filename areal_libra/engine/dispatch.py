@@ -54,6 +54,7 @@ class DispatchConfig:
     rebuild_every_steps: int = 1  # live-tree rebuild + save period (0: never rebuild)
     rebuild_window: int = 5000
     online_siblings: bool = False
+    wandb: bool = True  # also log the step metrics into the active W&B run (AReaL's, on rank 0)
     cmlfq: dict = field(default_factory=dict)  # switches for the policy (CMLFQConfig fields for cmlfq)
 
     @classmethod
@@ -429,6 +430,8 @@ class RequestRouter:
             out[f"cmlfq/tokens_per_s/{g.name}"] = round(s.group_tokens.get(g.name, 0) / dt, 3)
             out[f"cmlfq/requests/{g.name}"] = s.group_requests.get(g.name, 0)
         out.update(self.live.metrics())
+        if self.config.wandb:
+            _to_wandb(out)
         return out
 
     def totals(self) -> dict:
@@ -451,6 +454,21 @@ class RequestRouter:
     def close(self) -> None:
         self.health.stop()
         self.live.wait(timeout=30)
+
+
+def _to_wandb(metrics: dict) -> None:
+    """Merge into the W&B step AReaL has just logged (the metrics sources run right after its wandb.log)."""
+    try:
+        import wandb
+    except ImportError:
+        return
+    run = wandb.run
+    if run is None:
+        return
+    try:
+        run.log({k: v for k, v in metrics.items() if v is not None}, step=run.step)
+    except Exception as e:  # noqa: BLE001 - metrics must never stop training
+        log.warning("router metrics not logged to W&B: %s", e)
 
 
 # --- construction from a run ---------------------------------------------------------------------------
