@@ -197,6 +197,36 @@ def carve_hybrid(layout: Layout, max_units: int, keep_frac: float = 0.5) -> tupl
     return Layout(layout.train, core, layout.bucket_limits), units
 
 
+def hybrid_from_train(layout: Layout, max_units: int) -> tuple[Layout, list[HybridUnit]]:
+    """Designate up to `max_units` of the plan's training data-parallel replicas (never the last one) as
+    Elastic Hybrid Pool workers; they start training and, when released, serve the bucket that holds the
+    most rollout GPUs with servers of its TP."""
+    t = layout.train
+    unit = t.tp * t.pp
+    n = min(max_units, t.dp - 1)
+    if n <= 0 or not layout.servers:
+        return layout, []
+    per_bucket: dict[int, int] = {}
+    for tp, b in layout.servers:
+        per_bucket[b] = per_bucket.get(b, 0) + tp
+    b = max(per_bucket, key=lambda k: (per_bucket[k], k))
+    tp_b = max(tp for tp, bb in layout.servers if bb == b)
+    tp_u = 1 << (min(tp_b, unit).bit_length() - 1)
+    specs = [(tp_u, b)] * (unit // tp_u) + [(1, b)] * (unit % tp_u)
+    return layout, [HybridUnit(list(specs), training=True) for _ in range(n)]
+
+
+# Where the Elastic Hybrid Pool's workers come from: "rollout" (carved out of the planned rollout pool,
+# starting as rollout servers) or "train" (the plan's extra training replicas, starting in training).
+HYBRID_FROM = "train"
+
+
+def make_hybrid(layout: Layout, max_units: int) -> tuple[Layout, list[HybridUnit]]:
+    if HYBRID_FROM == "train":
+        return hybrid_from_train(layout, max_units)
+    return carve_hybrid(layout, max_units)
+
+
 class LibraController(Controller):
     def __init__(self, env: Env, opts: LibraOptions, plan, units: list[HybridUnit]):
         self.env, self.opts, self.plan = env, opts, plan
@@ -225,8 +255,10 @@ class LibraController(Controller):
         self._bind_units(sim)
 
     def _bind_units(self, sim: Simulation) -> None:
-        """Start every hybrid unit in rollout mode: its servers join the fleet (already warm at t=0)."""
+        """Units that start in rollout mode bring their servers up (already warm at t=0)."""
         for u in self.units:
+            if u.training:
+                continue
             u.servers = [sim._add_server(tp, b, sim.t) for tp, b in u.specs]
             u.training = False
             sim.layout = Layout(sim.layout.train, sim.layout.servers + list(u.specs), sim.layout.bucket_limits)
@@ -282,7 +314,7 @@ class LibraController(Controller):
         self.log.append(f"step {step}: re-plan ({self.replan.last_reason}): {new.rollout_alloc()} train "
                         f"{new.train_alloc()} (measured {measured:.1f}s -> predicted {t_new:.1f}s)")
         self.plan = new
-        core, units = carve_hybrid(new_layout, self.opts.hybrid_replicas) if self.opts.elastic else (new_layout, [])
+        core, units = make_hybrid(new_layout, self.opts.hybrid_replicas) if self.opts.elastic else (new_layout, [])
         sim.apply_layout(core, train_changed=True)
         self.units = units
         self._bind_units(sim)
@@ -369,7 +401,7 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     hist = profile_history(prof)
     plan = plan_for(env, hist, opts.homogeneous)
     layout = layout_from_plan(plan, env.workload.cfg.max_len)
-    core, units = carve_hybrid(layout, opts.hybrid_replicas) if opts.elastic else (layout, [])
+    core, units = make_hybrid(layout, opts.hybrid_replicas) if opts.elastic else (layout, [])
     ctl = LibraController(env, opts, plan, units)
     spec = SystemSpec(name, core, RunConfig(max_staleness=AREAL_STALENESS),
                       lambda lay: _router_for(lay, opts, None, prof), ctl)
