@@ -21,9 +21,12 @@ from areal_libra.workflows.reward import dapo_math_reward
 class WarmupConfig:
     steps: int = 300
     batch_size: int = 64
-    lr: float = 2e-3
-    tool_fraction: float = 0.5  # demonstrations that call the tool
-    corrupt_fraction: float = 0.3  # tool demonstrations whose answer miscopies the tool result
+    lr: float = 3e-3
+    # Measured (lead): with half the demonstrations answering without the tool, copying the tool result
+    # was not learned in 300 steps (sampled success 0); with 3 in 4 calling it, success was 0.55 at step
+    # 200 (tool use 0.79, 0.70 with the tool): room for RL to raise tool use and copy accuracy.
+    tool_fraction: float = 0.75  # demonstrations that call the tool
+    corrupt_fraction: float = 0.2  # tool demonstrations whose answer miscopies the tool result
     seed: int = 0
 
 
