@@ -72,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         if router is not None:
             sinks.append(router.on_trajectory)
             router.attach_engine(trainer.rollout)  # a server that missed a weight update stays out
+        from areal_libra.elastic.live import install_elastic
+
+        elastic = install_elastic(trainer, libra, run_dir, metrics)  # None unless libra.elastic.enabled
         try:
             trainer.train(workflow=str(libra.workflow), workflow_kwargs=workflow_kwargs)
         finally:
+            if elastic is not None:
+                elastic.close()
             if router is not None and hasattr(router, "close"):
                 router.close()
     return 0
