@@ -36,7 +36,7 @@ def resolve_model(c: Composed) -> str:
     if path in ("auto", "", "???"):
         from areal_libra.models.tiny import ensure_model
 
-        return str(ensure_model(seed=int(c.areal.seed)))
+        return str(ensure_model(seed=int(c.libra.get("model", {}).get("seed", c.areal.seed))))
     p = Path(path)
     if not p.is_dir():
         raise LaunchError(f"actor.path={path}: no such model directory")
