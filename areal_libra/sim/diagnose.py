@@ -28,6 +28,28 @@ def _measure(env, layout, eta: int, steps: int, routing: str) -> dict:
             "rollout_s": statistics.mean(r["interval_s"] - r["train_s"] for r in recs)}
 
 
+def _cost_vs_truth(env) -> None:
+    """The Cost Evaluator's decode step next to the truth's at the public TP table's operating point
+    (320 running sequences, ~1,128 tokens of KV each), raw and after the profiling-pass calibration."""
+    if env.cluster is None:
+        return
+    from areal_libra.cost.rollout import RolloutCost
+    from areal_libra.sim.libra import planner_cluster
+
+    cal = planner_cluster(env)
+    print(f"Cost Evaluator vs hardware truth, {env.truth.model.name} on {env.truth.gpu.name}, decode step at "
+          "320 running sequences:")
+    for tp in (1, 2, 4, 8):
+        truth = env.truth.decode_iteration_s(tp, 320, 320 * 1128)
+        raw = float(RolloutCost(env.cluster.hardware, env.model, tp).decode_step_s(320, 320 * 1128))
+        fit = float(RolloutCost(cal.hardware, env.model, tp).decode_step_s(320, 320 * 1128))
+        print(f"  TP{tp}: truth {truth * 1e3:.1f} ms, cost model {raw * 1e3:.1f} ms raw ({truth / raw:.1f}x faster "
+              f"than truth), {fit * 1e3:.1f} ms calibrated")
+    err = getattr(env, "calibration_error", {})
+    print("  calibration fit, mean relative error on the profiling samples: "
+          + ", ".join(f"{k} {v:.0%}" for k, v in err.items()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", required=True)
@@ -38,6 +60,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         env = make_env(args.workload, args.cluster, args.model, args.seed)
+        _cost_vs_truth(env)
         prof = env.workload.profile(env.profile_groups)
         hist = profile_history(prof)
         plan = plan_for(env, hist, homogeneous=False)
