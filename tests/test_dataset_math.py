@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,8 +40,9 @@ def test_generator_is_deterministic_and_correct():
     assert len({p.prompt_id for p in a}) == 300
     for p in a:
         assert p.answer == _value(ast.parse(p.expression, mode="eval"))
-        assert isinstance(p.answer, int) and p.answer >= 0
-    assert len({p.expression.strip("()0123456789") for p in a}) >= 4  # several problem shapes
+        # Fixed widths: 8-symbol expressions, 4-digit answers (see math_data._one_expression).
+        assert len(p.expression) == 8 and 1000 <= p.answer <= 9999
+    assert {re.sub(r"\d", "9", p.expression) for p in a} == {"99*99+99", "99+99*99", "99*99-99", "(9+9)*99"}
 
 
 def test_generated_dataset_rows_follow_dapo_format():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -60,6 +61,18 @@ def test_incomplete_build_is_rebuilt(cache_root, tmp_path):
     stamp = (out / BUILD_INFO).stat().st_mtime_ns
     ensure_model(out=out, config=SMALL, quiet=True, force=True)
     assert (out / BUILD_INFO).stat().st_mtime_ns != stamp
+
+
+def test_orphaned_temp_dirs_of_killed_builders_are_removed(tmp_path):
+    out = tmp_path / "models" / "m"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = out.parent / f".m.{dead.pid}.abc123"
+    live = out.parent / f".m.{os.getpid()}.def456"  # a builder still running keeps its dir
+    orphan.mkdir(parents=True)
+    live.mkdir()
+    ensure_model(out=out, config=SMALL, quiet=True)
+    assert not orphan.exists() and live.exists() and is_complete(out)
 
 
 def test_loads_with_transformers_and_areal(built):

@@ -20,7 +20,7 @@ from pathlib import Path
 from areal_libra.models.warmup import WarmupConfig
 
 BUILD_INFO = "build_info.json"  # written last: its presence marks a complete build
-FORMAT_VERSION = 1  # bump when the build recipe changes in a way the config does not capture
+FORMAT_VERSION = 2  # bump when the build recipe changes in a way the config does not capture
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,15 @@ def is_complete(path: Path) -> bool:
 
 
 def _tokenizer_corpus(n: int) -> list[str]:
-    from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, TOOL_INSTRUCTION, format_result
-    from areal_libra.workflows.math_data import dapo_prompt, generate_problems
+    """Whole episodes as the model sees them: the chat-rendered prompt, then a tool-using completion."""
+    from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, format_result
+    from areal_libra.workflows.math_data import generate_problems, problems_to_rows
 
-    corpus = [TOOL_INSTRUCTION]
-    for p in generate_problems(n, seed=20_000, id_prefix="tok"):
-        corpus.append(dapo_prompt(p.question))
-        corpus.append(f"{CALC_OPEN}{p.expression}{CALC_CLOSE}{format_result(str(p.answer))}\nAnswer: {p.answer}")
+    problems = generate_problems(n, seed=20_000, id_prefix="tok")
+    corpus = []
+    for p, row in zip(problems, problems_to_rows(problems)):
+        prompt = "".join(m["content"] + "\n" for m in row["messages"])  # = the tokenizer's chat template
+        corpus.append(f"{prompt}{CALC_OPEN}{p.expression}{CALC_CLOSE}{format_result(str(p.answer))}\nAnswer: {p.answer}")
     return corpus
 
 
@@ -169,6 +171,26 @@ def _warmup_with_progress(model, tokenizer, cfg: WarmupConfig, quiet: bool) -> l
                                  progress=lambda step, loss: prog.update(task, completed=step, loss=loss))
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_orphans(target: Path) -> None:
+    """Temporary build dirs of builders that were killed (their pid is in the name) are removed."""
+    for p in target.parent.glob(f".{target.name}.*"):
+        parts = p.name[len(target.name) + 2 :].split(".")
+        if parts and parts[0].isdigit() and not _pid_alive(int(parts[0])):
+            shutil.rmtree(p, ignore_errors=True)
+        elif parts and not parts[0].isdigit() and time.time() - p.stat().st_mtime > 3600:
+            shutil.rmtree(p, ignore_errors=True)  # an older builder's dir without a pid: stale after an hour
+
+
 def ensure_model(cache_dir: str | Path | None = None, seed: int = 0, config: TinyModelConfig | None = None,
                  out: str | Path | None = None, force: bool = False, quiet: bool = False) -> Path:
     """The path of a complete model directory, building it first when missing (or when force).
@@ -180,7 +202,8 @@ def ensure_model(cache_dir: str | Path | None = None, seed: int = 0, config: Tin
     if is_complete(target) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    _remove_orphans(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", dir=target.parent))
     try:
         if not quiet:
             print(f"areal_libra: building {config.name} (seed {seed}) into {target}", file=sys.stderr)

@@ -37,20 +37,26 @@ class MathProblem:
 
 
 def _one_expression(rng: random.Random) -> tuple[str, int]:
-    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 99)
-    form = rng.randrange(6)
-    if form == 0:
-        return f"{a}*{b}+{c}", a * b + c
-    if form == 1:
-        return f"{a}+{b}*{c}", a + b * c
-    if form == 2:  # keep answers non-negative: the subtrahend is at most the product
-        c = min(c, a * b)
-        return f"{a}*{b}-{c}", a * b - c
-    if form == 3:
-        return f"({a}+{b})*{c}", (a + b) * c
-    if form == 4:
-        return f"{a}*{b}", a * b
-    return f"{a}+{b}+{c}", a + b + c
+    """An 8-character expression with a 4-digit answer.
+
+    Fixed widths are deliberate: with every expression 8 tokens and every answer 4 digits, copying the
+    expression into the tool call and the tool's result into the answer are fixed-offset look-ups that
+    a 0.8M-parameter model learns in a few hundred supervised steps on 2 CPU cores (measured: with
+    variable widths it had not learned to copy after 300 steps, and RL had no signal)."""
+    while True:
+        form = rng.randrange(4)
+        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
+        if form == 0:
+            expr, ans = f"{a}*{b}+{c}", a * b + c
+        elif form == 1:
+            expr, ans = f"{a}+{b}*{c}", a + b * c
+        elif form == 2:
+            expr, ans = f"{a}*{b}-{c}", a * b - c
+        else:
+            x, y = rng.randint(1, 9), rng.randint(1, 9)
+            expr, ans = f"({x}+{y})*{c}", (x + y) * c
+        if 1000 <= ans <= 9999:
+            return expr, ans
 
 
 def generate_problems(n: int, seed: int = 0, id_prefix: str = "arith") -> list[MathProblem]:
