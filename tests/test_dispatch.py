@@ -350,3 +350,52 @@ def test_mean_inflight_per_group_is_time_weighted() -> None:
     # two requests for ~0.3 s out of ~0.6 s: about one in flight on average, none in the long group
     assert 0.7 < m["cmlfq/inflight_mean/short"] < 1.3
     assert m["cmlfq/inflight_mean/long"] == 0 and m["cmlfq/inflight/short"] == 0
+
+
+class _Control(http.server.BaseHTTPRequestHandler):
+    """Answers /health and any POST control call with {} (what AReaL needs from pause/continue)."""
+
+    def do_GET(self):  # noqa: N802 - http.server API
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):  # noqa: N802 - http.server API
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = b"{}"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_control_requests_take_a_dead_server_out_instead_of_failing() -> None:
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Control)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    live, dead = f"127.0.0.1:{srv.server_address[1]}", _dead_addr()
+    try:
+        eng = RemoteSGLangEngine(InferenceEngineConfig(experiment_name="c", trial_name="t", request_timeout=5,
+                                                       request_retries=1))
+        eng._engine.addresses = [live, dead]
+        with pytest.raises(RuntimeError):  # AReaL's behaviour without a router: a dead server fails the call
+            eng.continue_generation()
+        router = make_router(addrs=[[live], [dead]], health_timeout_s=1.0)
+        eng.set_request_router(router)
+        eng.continue_generation()  # the dead server is taken out, the live one still gets the call
+        assert router.down_addresses() == {dead}
+        assert eng._engine._serving_addresses() == [live]
+        # a server that failed a weight update stays out even when it answers again
+        router.weights_failed([live])
+        router.health.addresses = [live]
+        router.health.check_once()
+        router.health.check_once()
+        assert live in router.down_addresses()
+    finally:
+        srv.shutdown()

@@ -259,10 +259,10 @@ def test_tool_returns_that_predict_long_answers_migrate_and_outputs_stay_intact(
         assert placed[0] == (0, placed[0][1]) and router.group_of[placed[0][1]] == 0  # starts short
         statuses = [x.status for x in t.tool_returns()]
         for n_tools, addr in placed[1:]:
-            # after a successful call the tree predicts a long answer: the larger group serves the rest;
-            # after a failed one it predicts a short end: the trajectory stays where it was
-            first_success = next((k for k, st in enumerate(statuses[:n_tools]) if st == "success"), None)
-            if first_success is not None:
+            # the history knows one call deep: a successful first call predicts a long answer, so the larger
+            # group serves the rest of the trajectory; a failed one predicts a short end and later states
+            # have no trusted node, so the trajectory stays where it was
+            if statuses[0] == "success":
                 assert addr == long_addr, (t.trajectory_id, placed, statuses)
             else:
                 assert router.group_of[addr] == 0, (t.trajectory_id, placed, statuses)

@@ -149,6 +149,7 @@ class RequestRouter:
         self._engine = None
         self._version_down: dict[str, int] = {}
         self._stale_warned: set[str] = set()
+        self._missed_update: set[str] = set()
         self._warned_addresses = False
         self.health = HealthMonitor(
             self.all_addresses,
@@ -174,6 +175,8 @@ class RequestRouter:
             return None
 
     def _may_readmit(self, addr: str) -> bool:
+        if addr in self._missed_update:
+            return False
         down_at = self._version_down.get(addr)
         now = self._version()
         if down_at is not None and now is not None and now != down_at:
@@ -207,6 +210,22 @@ class RequestRouter:
                 )
             except OSError:
                 pass
+
+    def server_failed(self, addr: str, exc: BaseException) -> bool:
+        """A control request (pause, continue) failed on addr (patch 10): True if the server is gone, now
+        marked down; False if it still answers /health (a real error the caller raises)."""
+        if addr in self.health.down() or not probe(addr, self.config.health_timeout_s):
+            self.health.report_failure(addr, f"control request failed: {type(exc).__name__}")
+            return True
+        return False
+
+    def weights_failed(self, addrs: Sequence[str]) -> None:
+        """These servers did not take the latest weights (patch 10): out for good, their tokens would be
+        off-policy."""
+        for a in addrs:
+            with self._lock:
+                self._missed_update.add(a)
+            self.health.report_failure(a, "weight update failed")
 
     def down_addresses(self) -> set[str]:
         """Servers that are out (patch 10 skips them for pause/continue/disk weight updates)."""
@@ -617,6 +636,12 @@ class RemoteRouter:
 
     def down_addresses(self) -> set[str]:
         return self._get().down_addresses()
+
+    def server_failed(self, addr: str, exc: BaseException) -> bool:
+        return self._get().server_failed(addr, exc)
+
+    def weights_failed(self, addrs) -> None:
+        self._get().weights_failed(addrs)
 
     @classmethod
     def from_groups_file(cls, run_dir: str | Path, libra: Mapping) -> RemoteRouter:
