@@ -258,7 +258,7 @@ def test_tool_returns_that_predict_long_answers_migrate_and_outputs_stay_intact(
         placed = router.placement_log[t.trajectory_id]
         assert placed[0] == (0, placed[0][1]) and router.group_of[placed[0][1]] == 0  # starts short
         statuses = [x.status for x in t.tool_returns()]
-        for n_tools, addr in placed[1:]:
+        for _, addr in placed[1:]:
             # the history knows one call deep: a successful first call predicts a long answer, so the larger
             # group serves the rest of the trajectory; a failed one predicts a short end and later states
             # have no trusted node, so the trajectory stays where it was
