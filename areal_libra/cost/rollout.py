@@ -179,22 +179,31 @@ class RolloutCost:
             total = lin(comp0, comp_s, 0, split) + lin(mem0, mem_s, split, k)
         return total + k * const
 
-    def group_makespan_s(self, n_req, mean_prompt, mean_output, max_output, max_final):
+    def group_makespan_s(self, n_req, mean_prompt, mean_output, max_output, max_final, window: float = 1.0):
         """Fluid estimate of the makespan of `n_req` requests (possibly fractional: an even share of an
         interval over several servers) with the given length statistics, on one server. Concurrency is
         limited by max_running and by KV capacity with final lengths reserved. Decode takes the longer of
         (a) the work: total output / concurrency steps at the full batch's step time (each request's KV half
         grown) and (b) the critical path: the longest output's steps, with that request's own KV in the
         batch. Prefill: per-request compute plus one call overhead per admission wave. This is the planner's
-        cost function (vectorised over numpy arrays); `makespan_s` is the event-driven version."""
+        cost function (vectorised over numpy arrays); `makespan_s` is the event-driven version.
+
+        `window` > 1 is the asynchronous (staleness-bounded) mode: `window` = eta + 1 batches are in flight,
+        so the sustained concurrency is that of window * n_req requests, the KV pool holds requests at their
+        average resident size (nothing is reserved up front; the server preempts when it fills), and the
+        longest request only has to finish within the window, i.e. its critical path counts 1/window per
+        step. The result is still the time per batch of n_req requests."""
         cap = float(self.kv_capacity_tokens())
         mean_final = mean_prompt + mean_output
-        conc = np.minimum(np.minimum(n_req, float(self.max_running)), cap / np.maximum(mean_final, 1.0))
-        conc = np.maximum(conc, 1e-9)
         avg_kv = mean_prompt + mean_output / 2.0
+        in_flight = n_req * window if window > 1.0 else n_req
+        per_req_kv = avg_kv if window > 1.0 else mean_final
+        conc = np.minimum(np.minimum(in_flight, float(self.max_running)), cap / np.maximum(per_req_kv, 1.0))
+        conc = np.maximum(conc, 1e-9)
         t_work = (n_req * mean_output / conc) * self.decode_step_s(conc, conc * avg_kv)
         own_kv = np.maximum(max_final - max_output / 2.0, avg_kv)
         t_crit = max_output * self.decode_step_s(conc, np.maximum(conc - 1.0, 0.0) * avg_kv + own_kv)
+        t_crit = t_crit / max(window, 1.0)
         ovh = self.hw.prefill_overhead_s
         prefill = n_req * (self.prefill_s(mean_prompt) - ovh) + ovh * np.maximum(n_req / conc, 1.0)
         return prefill + np.maximum(t_work, t_crit)

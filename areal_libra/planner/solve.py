@@ -64,6 +64,10 @@ def _validate(cluster: ClusterSpec, history: Sequence[tuple[int, ...]], cfg: Pla
             raise PlanError(f"allowed TP {tp} must be >= 1")
         if tp > cluster.gpus_per_node:
             raise PlanError(f"allowed TP {tp} is larger than a node ({cluster.gpus_per_node} GPUs per node)")
+    if cfg.mode not in ("sync", "async"):
+        raise PlanError(f"planner mode must be 'sync' or 'async', got {cfg.mode!r}")
+    if cfg.staleness < 0:
+        raise PlanError(f"staleness must be >= 0, got {cfg.staleness}")
     if cfg.global_batch < 1:
         raise PlanError(f"global batch must be >= 1, got {cfg.global_batch}")
     if cfg.n_samples < 1:
@@ -189,7 +193,7 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     frontier = _train_frontier(tcost, st, n, cfg, tree_cfg)
     pareto = _pareto(frontier)
     max_roll = n - pareto[0][0]
-    dp = RolloutDP(costs, prompts, outputs, weights, max_roll)
+    dp = RolloutDP(costs, prompts, outputs, weights, max_roll, window=cfg.rollout_window)
     rng = dp.value_range()
     if rng is None or dp.min_gpus(rng[1])[0] > max_roll:
         need = dp.min_gpus(rng[1])[0] if rng else math.inf

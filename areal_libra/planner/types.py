@@ -35,6 +35,15 @@ class PlannerConfig:
     train_backend: str = "megatron"
     rollout_backend: str = "sglang"
     max_split_candidates: int = 6  # train sizes compared once the optimal makespan is known
+    # "sync": rollout is one batch's makespan (bounded by its longest request). "async": AReaL's
+    # staleness-bounded loop with `staleness` = eta: eta + 1 batches in flight, rollout priced at the servers'
+    # sustained throughput, the longest request only needing to finish within the window.
+    mode: str = "sync"
+    staleness: int = 0
+
+    @property
+    def rollout_window(self) -> float:
+        return float(self.staleness + 1) if self.mode == "async" else 1.0
 
 
 @dataclass(frozen=True)
@@ -103,11 +112,13 @@ class Plan:
         return f"{self.rollout_backend}:" + "+".join(f"d{c}t{tp}" for tp, c in self.tp_counts())
 
     def buckets(self) -> list[tuple[int, int]]:
-        """Ascending (max_len threshold, tp) from the DP intervals; neighbours with the same TP merge."""
+        """Strictly ascending (max_len threshold, tp) from the DP intervals; neighbours with the same TP merge,
+        and groups ending at the same length share one bucket (the larger TP names it), so a router never
+        sees a duplicate threshold."""
         out: list[tuple[int, int]] = []
-        for inst in sorted(self.instances, key=lambda i: i.max_len):
-            if out and out[-1][1] == inst.tp:
-                out[-1] = (max(out[-1][0], inst.max_len), inst.tp)
+        for inst in sorted(self.instances, key=lambda i: (i.max_len, i.tp)):
+            if out and (out[-1][1] == inst.tp or out[-1][0] == inst.max_len):
+                out[-1] = (max(out[-1][0], inst.max_len), max(out[-1][1], inst.tp))
             else:
                 out.append((inst.max_len, inst.tp))
         return out

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field, replace
 
 from areal_libra.scheduler.policy import LeastLoadedPolicy, RequestInfo
+from areal_libra.scheduler.spill import SpillConfig, spill
 from areal_libra.scheduler.states import as_tool_return
 from areal_libra.trace import TraceError, Trajectory, parse_canonical
 
@@ -60,7 +61,8 @@ def request_from_meta(meta: dict) -> RequestInfo:
 
 
 class Dispatcher:
-    def __init__(self, policy, groups: list[ServerGroup], sticky: bool = False) -> None:
+    def __init__(self, policy, groups: list[ServerGroup], sticky: bool = False,
+                 spill: SpillConfig | None = None) -> None:
         if not groups:
             raise ValueError("Dispatcher needs at least one server group")
         self.groups = sorted(groups, key=lambda g: g.max_len)
@@ -68,6 +70,7 @@ class Dispatcher:
             raise ValueError(f"policy has {len(policy.buckets)} buckets but there are {len(self.groups)} groups")
         self.policy = policy
         self.sticky = sticky  # keep a trajectory on its server inside a group (prefix-cache reuse)
+        self.spill = spill  # load-aware spill-over between neighbouring groups on placements (None: off)
         self._lock = threading.RLock()
         self._traj: dict[str, _TrajState] = {}
         self._group_of: dict[str, int] = {}
@@ -81,7 +84,8 @@ class Dispatcher:
                 self._group_of[a] = gi
                 self._inflight[a] = 0
                 self._routed[a] = 0
-        self.counters = {"routed": 0, "migrations": 0, "migrated_tokens": 0, "fallbacks": 0, "finished": 0}
+        self.counters = {"routed": 0, "migrations": 0, "migrated_tokens": 0, "fallbacks": 0, "finished": 0,
+                         "spills": 0}
         if isinstance(policy, LeastLoadedPolicy) and policy.load_fn is None:
             policy.load_fn = self._group_loads
 
@@ -90,6 +94,15 @@ class Dispatcher:
         for g in self.groups:
             healthy = [a for a in g.addresses if a not in self._unhealthy]
             out.append(sum(self._inflight[a] for a in healthy) / len(healthy) if healthy else float("inf"))
+        return out
+
+    def _gpu_loads(self) -> list[float]:
+        """In-flight requests per healthy GPU of each group (what spill-over compares)."""
+        out = []
+        for g in self.groups:
+            healthy = [a for a in g.addresses if a not in self._unhealthy]
+            gpus = len(healthy) * max(1, g.tp)
+            out.append(sum(self._inflight[a] for a in healthy) / gpus if gpus else float("inf"))
         return out
 
     def _pick(self, gi: int, prefer: str | None) -> tuple[int, str]:
@@ -126,6 +139,12 @@ class Dispatcher:
                 contexts = st.contexts
                 bucket = st.bucket
             bucket = max(0, min(int(bucket), len(self.groups) - 1))
+            if self.spill is not None and (st is None or bucket != st.bucket):
+                loads = self._gpu_loads()
+                spilled = spill(bucket, loads, self.spill)
+                if spilled != bucket:
+                    self.counters["spills"] += 1
+                    bucket = spilled
             # Sticky: stay on the same server while the group does not change (its prefix cache holds the
             # context); otherwise re-pick the least-loaded healthy server of the group on every request.
             prefer = st.server if (self.sticky and st is not None and bucket == st.bucket) else None

@@ -11,8 +11,9 @@ import argparse
 import statistics
 import sys
 
+from areal_libra.sim import libra as sim_libra
 from areal_libra.sim.cluster import RunConfig, SimError, Simulation
-from areal_libra.sim.libra import PLAN_WINDOW, layout_from_plan, plan_for, profile_history
+from areal_libra.sim.libra import layout_from_plan, plan_for, profile_history
 from areal_libra.sim.report import make_env
 from areal_libra.sim.systems import AREAL_STALENESS, areal_static_optimal, policy_router
 from areal_libra.trace import TraceError
@@ -65,9 +66,10 @@ def main(argv=None) -> int:
         hist = profile_history(prof)
         plan = plan_for(env, hist, homogeneous=False)
         lay = layout_from_plan(plan, env.workload.cfg.max_len)
-        print(f"Libra's initial plan (planning window {PLAN_WINDOW} batches):")
+        w = 1 if sim_libra.PLANNER_MODE == "async" else sim_libra.PLAN_WINDOW
+        how = (f"asynchronous objective, staleness {AREAL_STALENESS}" if w == 1 else f"planning window {w} batches")
+        print(f"Libra's initial plan ({how}):")
         print("  " + plan.summary().replace("\n", "\n  "))
-        w = PLAN_WINDOW
         print(f"  predicted per step: T_train {plan.t_train_s / w:.1f} s, T_rollout {plan.t_rollout_s / w:.1f} s")
         sync = _measure(env, lay, 0, args.steps, "oracle")
         print(f"  measured, synchronous, oracle routing: T_train {sync['train_s']:.1f} s, rollout phase "

@@ -31,6 +31,17 @@ class LibraOptions:
 TREE_BACKEND = "auto"  # the scheduler's C++ prefix tree when built, else its Python core
 # A request whose context already overruns its bucket follows the mean when mean and P90 disagree.
 CMLFQ_SWITCHES: dict = {"overrun": True}
+# Load-aware spill-over between neighbouring buckets on C-MLFQ's placements (areal_libra.scheduler.spill;
+# the live Dispatcher's `spill` switch); None turns it off.
+SPILL_RATIO: float | None = 1.2
+
+
+def _spill_cfg():
+    if SPILL_RATIO is None:
+        return None
+    from areal_libra.scheduler.spill import SpillConfig
+
+    return SpillConfig(ratio=SPILL_RATIO)
 
 RUNGS = {
     "+planner": LibraOptions(homogeneous=True, cmlfq=False, elastic=False),
@@ -54,6 +65,21 @@ CALIBRATE = True
 # flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
 # instead of once per step, as it is in the running system.
 PLAN_WINDOW = AREAL_STALENESS + 1
+# "async": the planner prices rollout as AReaL's staleness-bounded loop does it (PlannerConfig mode="async",
+# staleness=eta: sustained throughput of eta+1 batches in flight, the tail only has to finish within the
+# window) for one batch per step. "window": a synchronous plan for PLAN_WINDOW batches at once. "window" is
+# the default: with "async" the first plan measures better on R2E (diagnose: 1,696 vs 1,117 tokens/s over 8
+# steps) but the full Libra run (re-planning, elastic pool) does worse on all three workloads (README sim).
+PLANNER_MODE = "window"
+
+
+def planner_config(env: Env, **fields):
+    """The PlannerConfig the simulated Libra plans with (global batch and rollout mode per PLANNER_MODE)."""
+    _, PlannerConfig, _ = _planner()
+    per_step = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
+    if PLANNER_MODE == "async":
+        return PlannerConfig(global_batch=per_step, mode="async", staleness=AREAL_STALENESS, **fields)
+    return PlannerConfig(global_batch=per_step * PLAN_WINDOW, **fields)
 # Steps a new plan is credited with in the re-plan gate (the planner's default: one step).
 REPLAN_HORIZON = 1
 
@@ -82,16 +108,15 @@ def plan_for(env: Env, history, homogeneous: bool, **restrict):
     """Call the planner; for the homogeneous rung, the best single-TP plan by the planner's own prediction.
     `restrict` passes PlannerConfig fields (used to price the current layout on a new history)."""
     solve, PlannerConfig, PlanError = _planner()
-    gb = env.workload.cfg.batch_prompts * env.workload.cfg.group_size * PLAN_WINDOW
     cluster = planner_cluster(env)
     model = env.model if env.model is not None else env.truth.model.name
     tps = restrict.pop("allowed_tp", (1, 2, 4, 8))
     if not homogeneous:
-        return solve(cluster, model, history, PlannerConfig(global_batch=gb, allowed_tp=tuple(tps), **restrict))
+        return solve(cluster, model, history, planner_config(env, allowed_tp=tuple(tps), **restrict))
     best = None
     for tp in tps:
         try:
-            p = solve(cluster, model, history, PlannerConfig(global_batch=gb, allowed_tp=(tp,), **restrict))
+            p = solve(cluster, model, history, planner_config(env, allowed_tp=(tp,), **restrict))
         except PlanError:
             continue
         if best is None or p.makespan_s < best.makespan_s:
@@ -298,10 +323,8 @@ class LibraController(Controller):
         try:
             from areal_libra.planner.evaluate import price
 
-            gb = self.env.workload.cfg.batch_prompts * self.env.workload.cfg.group_size * PLAN_WINDOW
-            solve, PlannerConfig, _ = _planner()
             t_cur_pred = price(self.plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name,
-                               hist, PlannerConfig(global_batch=gb)).makespan_s
+                               hist, planner_config(self.env)).makespan_s
         except (ImportError, PlanError, SimError, ValueError):
             t_cur_pred = self.plan.makespan_s
         measured = _mean(self.intervals)
@@ -392,7 +415,7 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
            else make_policy("cmlfq", limits, backend=TREE_BACKEND, **CMLFQ_SWITCHES))
     if tree is None and fit:
         pol.fit(fit)  # the live system starts from the prefix tree of its profiling traces
-    return PolicyRouter(pol)
+    return PolicyRouter(pol, spill_cfg=_spill_cfg())
 
 
 def libra_system(name: str, env: Env) -> SystemSpec:

@@ -52,12 +52,35 @@ class SystemSpec:
 class PolicyRouter(Router):
     """Feeds the simulator's requests to an areal_libra.scheduler routing policy."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, spill_cfg=None):
         self.policy = policy
         self.n_buckets = len(policy.buckets)
         from areal_libra.scheduler import RequestInfo
 
         self._info = RequestInfo
+        # Load-aware spill-over (areal_libra.scheduler.spill, as the live Dispatcher's `spill` switch):
+        # placements go to a neighbouring bucket when the chosen one is much more loaded per GPU.
+        self.spill_cfg = spill_cfg
+        self.sim = None
+
+    def bind(self, sim) -> None:
+        self.sim = sim
+
+    def _loads(self) -> list[float]:
+        n = self.n_buckets
+        load, gpus = [0.0] * n, [0.0] * n
+        for s in self.sim.servers if self.sim is not None else ():
+            if s.bucket < n and not s.retired:
+                load[s.bucket] += s.load()
+                gpus[s.bucket] += s.tp
+        return [x / g if g else float("inf") for x, g in zip(load, gpus)]
+
+    def _spill(self, bucket: int, current: int | None = None) -> int:
+        if self.spill_cfg is None or self.sim is None or bucket == current:
+            return bucket
+        from areal_libra.scheduler.spill import spill
+
+        return spill(bucket, self._loads(), self.spill_cfg)
 
     def _req(self, req: SimRequest, context: int):
         tr = req.traj
@@ -66,12 +89,13 @@ class PolicyRouter(Router):
                           step=req.start_version)
 
     def start(self, req: SimRequest) -> int:
-        return self.policy.start(self._req(req, req.traj.prompt_tokens))
+        return self._spill(self.policy.start(self._req(req, req.traj.prompt_tokens)))
 
     def tool_return(self, req: SimRequest) -> int:
         payload = req.tool_state[-1].payload_tokens if req.tool_state else 0
         # After a re-plan with fewer buckets, a request may still sit on a bucket index that is gone.
-        return self.policy.tool_return(self._req(req, req.ctx + payload), min(req.bucket, self.n_buckets - 1))
+        cur = min(req.bucket, self.n_buckets - 1)
+        return self._spill(self.policy.tool_return(self._req(req, req.ctx + payload), cur), cur)
 
     def finish(self, req: SimRequest) -> None:
         self.policy.finish(req.traj)
