@@ -1,5 +1,6 @@
 """End to end: `python -m areal_libra.launch experiment=dapo_math cluster=cpu_hetero` runs GRPO with two
-embedded server groups and C-MLFQ dispatch, migrates trajectories, and survives losing a server."""
+embedded server groups and C-MLFQ dispatch and survives losing a server mid-run: the short group's only
+server is SIGKILLed, its requests move to the long group, and every step still trains on a full batch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a 4-step training run: ~3 minutes on 2 shared cores
+pytestmark = pytest.mark.slow  # a 3-step training run: ~1.5 minutes on 2 shared cores
 
 
 def _server_pid(port: str) -> int:
@@ -23,8 +24,8 @@ def _server_pid(port: str) -> int:
     return pids[0]
 
 
-def test_cpu_hetero_run_migrates_and_finishes_after_losing_a_server(tmp_path: Path) -> None:
-    steps, kill_after = 4, 2
+def test_cpu_hetero_run_finishes_after_losing_a_server(tmp_path: Path) -> None:
+    steps, kill_after = 3, 1
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_libra.launch", "experiment=dapo_math", "cluster=cpu_hetero",
          f"total_train_steps={steps}", f"cluster.fileroot={tmp_path}", "trial_name=hetero"],
@@ -38,7 +39,7 @@ def test_cpu_hetero_run_migrates_and_finishes_after_losing_a_server(tmp_path: Pa
             if killed is None and mpath is not None and len(mpath.read_text().splitlines()) >= kill_after:
                 run = mpath.parent
                 groups = json.loads((run / "rollout_groups.json").read_text())["groups"]
-                killed = groups[1]["addresses"][0]  # the long group's only server
+                killed = groups[0]["addresses"][0]  # the short group's only server: most requests go there
                 os.kill(_server_pid(killed.rsplit(":", 1)[1]), signal.SIGKILL)
             time.sleep(0.5)
         out = proc.communicate(timeout=60)[0]
@@ -49,13 +50,11 @@ def test_cpu_hetero_run_migrates_and_finishes_after_losing_a_server(tmp_path: Pa
     assert killed is not None, "the run ended before the server could be killed"
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
-    # C-MLFQ moved trajectories to the long group while it was there
-    assert sum(r["cmlfq/migrations"] for r in recs[:kill_after]) >= 1
-    assert sum(r["cmlfq/requests/long"] for r in recs[:kill_after]) >= 1
-    # after the loss every step still trained on a full batch and nothing went to the dead server
+    assert recs[0]["cmlfq/requests/short"] > 0  # before the loss the short group served
+    # after it every step still trained on a full batch, served by the long group (fall-through)
     assert all(r["trajectories"] >= 128 for r in recs)
     assert sum(r["cmlfq/health_down"] for r in recs) == 1 and recs[-1]["cmlfq/unhealthy_servers"] == 1
-    assert recs[-1]["cmlfq/requests/long"] == 0
+    assert recs[-1]["cmlfq/requests/short"] == 0 and recs[-1]["cmlfq/requests/long"] > 0
     events = [json.loads(x) for x in (run / "dispatch_health.jsonl").read_text().splitlines()]
     assert [(e["addr"], e["up"]) for e in events] == [(killed, False)]
     # the live tree was saved in the run directory
