@@ -10,9 +10,13 @@ import random
 
 from areal_libra.sim.hardware import HardwareTruth
 
+# Also time training steps in the profiling pass and fit the training cost model's efficiency to them.
+CALIBRATE_TRAIN = False
 
-def profile_samples(truth: HardwareTruth, seed: int = 0, tps=(1, 2, 4, 8)) -> list[tuple]:
-    """Measured samples: ('decode', tp, batch, kv_tokens, s) and ('prefill', tp, tokens, s)."""
+
+def profile_samples(truth: HardwareTruth, seed: int = 0, tps=(1, 2, 4, 8), train: bool = False) -> list[tuple]:
+    """Measured samples: ('decode', tp, batch, kv_tokens, s), ('prefill', tp, tokens, s) and, with `train`,
+    ('train', (tp, pp, dp), seq_lens, s)."""
     rng = random.Random(seed)
     out: list[tuple] = []
     sig = truth.c.noise_sigma
@@ -29,6 +33,18 @@ def profile_samples(truth: HardwareTruth, seed: int = 0, tps=(1, 2, 4, 8)) -> li
                 out.append(("decode", tp, batch, kv, t))
         for n in (512, 2048, 8192):
             out.append(("prefill", tp, n, truth.prefill_s(tp, n) * math.exp(rng.gauss(0, sig))))
+    if train:
+        # One timed training step per single-node layout that fits (what a user measures with the trainer
+        # before a run), on a fixed profiling batch of mixed lengths.
+        lens = tuple([1024, 2048, 4096, 8192] * 16)
+        gpn = truth.gpu.gpus_per_node
+        for tp in (1, 2, 4, 8):
+            for pp in (1, 2, 4):
+                dp = gpn // (tp * pp)
+                if dp < 1 or tp * pp * dp != gpn or not truth.train_memory_ok(tp, pp, dp):
+                    continue
+                t = truth.train_step_s(lens, tp, pp, dp) * math.exp(rng.gauss(0, sig))
+                out.append(("train", (tp, pp, dp), lens, t))
     return out
 
 
@@ -36,11 +52,15 @@ def calibrated_hardware(truth: HardwareTruth, hw, model, seed: int = 0):
     """Fit `hw` (a cost.presets.HardwareSpec) to the profiling samples with the Cost Evaluator's own
     calibration; returns (calibrated HardwareSpec, relative errors after the fit)."""
     from areal_libra.cost.calibrate import Calibration
+    from areal_libra.cost.training import TrainParallel
 
     cal = Calibration(hw, model)
-    for s in profile_samples(truth, seed):
+    for s in profile_samples(truth, seed, train=CALIBRATE_TRAIN):
         if s[0] == "decode":
             cal.add_decode(s[1], s[2], s[3], s[4])
+        elif s[0] == "train":
+            tp, pp, dp = s[1]
+            cal.add_train(TrainParallel(tp, pp, dp), s[2], s[3])
         else:
             cal.add_prefill(s[1], s[2], s[3])
     fit = cal.fit()
