@@ -58,7 +58,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen3-14b")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--planner-mode", choices=("window", "async"), default=sim_libra.PLANNER_MODE,
+                    help="the planner's rollout objective (sim.libra.PLANNER_MODE)")
     args = ap.parse_args(argv)
+    sim_libra.PLANNER_MODE = args.planner_mode
     try:
         env = make_env(args.workload, args.cluster, args.model, args.seed)
         _cost_vs_truth(env)
