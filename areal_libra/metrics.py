@@ -15,7 +15,9 @@ from pathlib import Path
 from areal_libra.trace import Trajectory
 from areal_libra.utils import append_jsonl
 
-REWARD_KEYS = ("rollout/reward", "reward", "task_reward")
+# The task reward of the batch this step trained on (always present when a step trains); then the
+# rollout-side mean of episodes that finished since the last step.
+REWARD_KEYS = ("ppo_actor/task_reward/avg", "rollout/reward")
 
 
 class StepMetrics:
