@@ -9,6 +9,7 @@ trajectories, measured step/rollout/training times and server pressure.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ TREE_BACKEND = "auto"  # the scheduler's C++ prefix tree when built, else its Py
 CMLFQ_SWITCHES: dict = {"overrun": True}
 # Load-aware spill-over between neighbouring buckets on C-MLFQ's placements (areal_libra.scheduler.spill;
 # the live Dispatcher's `spill` switch); None turns it off.
-SPILL_RATIO: float | None = 1.2
+SPILL_RATIO: float | None = None if os.environ.get("LIBRA_SIM_SPILL") == "off" else 1.2
 
 
 def _spill_cfg():
@@ -70,7 +71,7 @@ PLAN_WINDOW = AREAL_STALENESS + 1
 # window) for one batch per step. "window": a synchronous plan for PLAN_WINDOW batches at once. "window" is
 # the default: with "async" the first plan measures better on R2E (diagnose: 1,696 vs 1,117 tokens/s over 8
 # steps) but the full Libra run (re-planning, elastic pool) does worse on all three workloads (README sim).
-PLANNER_MODE = "window"
+PLANNER_MODE = os.environ.get("LIBRA_SIM_PLANNER_MODE", "window")
 
 
 def planner_config(env: Env, **fields):
