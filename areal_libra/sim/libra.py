@@ -223,13 +223,19 @@ def carve_hybrid(layout: Layout, max_units: int, keep_frac: float = 0.5) -> tupl
     return Layout(layout.train, core, layout.bucket_limits), units
 
 
+# At most (dp - 1) // HYBRID_DP_DIV training replicas are elastic: with 2 (the default) the core keeps more
+# than half of the replicas, so one release never halves the trainer (which made the pool swing between
+# release and join every few steps when the plan had DP 2).
+HYBRID_DP_DIV = int(os.environ.get("LIBRA_SIM_HYBRID_DP_DIV", "2"))
+
+
 def hybrid_from_train(layout: Layout, max_units: int) -> tuple[Layout, list[HybridUnit]]:
     """Designate up to `max_units` of the plan's training data-parallel replicas (never the last one) as
     Elastic Hybrid Pool workers; they start training and, when released, serve the bucket that holds the
     most rollout GPUs with servers of its TP."""
     t = layout.train
     unit = t.tp * t.pp
-    n = min(max_units, t.dp - 1)
+    n = min(max_units, (t.dp - 1) // HYBRID_DP_DIV)
     if n <= 0 or not layout.servers:
         return layout, []
     per_bucket: dict[int, int] = {}
