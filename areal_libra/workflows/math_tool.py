@@ -93,6 +93,7 @@ class MathToolWorkflow(RolloutWorkflow):
             reward_fn = import_from_string(reward_fn)
         self.async_reward_fn = AsyncRewardWrapper(reward_fn)
         self.tool = get_calculator_pool(size=tool_workers, timeout_s=tool_timeout_s)
+        self.tool.start()  # before the reward process pool forks its workers
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
         tok = self.tokenizer

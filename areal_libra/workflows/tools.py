@@ -50,9 +50,14 @@ class CalculatorTool:
 
     def _start(self) -> subprocess.Popen:
         # -I -S: no site-packages, no user env — the worker needs only the standard library.
+        # close_fds=False lets subprocess use posix_spawn: with fork+exec, the parent waits on an error
+        # pipe until exec, and a process forked meanwhile by another thread (AReaL's reward process pool)
+        # inherits that pipe and holds the parent forever (seen as a hang in the rollout thread). Python's
+        # own descriptors are close-on-exec, so nothing leaks into the worker.
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-S", str(WORKER_SCRIPT)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+            close_fds=False,
         )
         self._buf = b""
         return self._proc
@@ -63,6 +68,12 @@ class CalculatorTool:
             self._proc.wait()
             self._proc = None
             self.respawns += 1
+
+    def start(self) -> None:
+        """Start the worker now (it is otherwise started by the first call)."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
 
     def close(self) -> None:
         with self._lock:
@@ -126,6 +137,10 @@ class CalculatorPool:
             return tool.call(expr)
         finally:
             self._free.put(tool)
+
+    def start(self) -> None:
+        for t in self._tools:
+            t.start()
 
     async def acall(self, expr: str) -> ToolResult:
         return await asyncio.to_thread(self.call, expr)
