@@ -52,7 +52,8 @@ def test_cpu_hetero_run_finishes_after_losing_a_server(tmp_path: Path) -> None:
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
     assert recs[0]["cmlfq/requests/short"] > 0  # before the loss the short group served
     # after it every step still trained on a full batch, served by the long group (fall-through)
-    assert all(r["trajectories"] >= 128 for r in recs)
+    # (`trajectories` counts episodes that finished during the step, which asynchrony shifts between steps)
+    assert all(r["ppo_actor/n_seqs"] == 128 for r in recs)
     assert sum(r["cmlfq/health_down"] for r in recs) == 1 and recs[-1]["cmlfq/unhealthy_servers"] == 1
     assert recs[-1]["cmlfq/requests/short"] == 0 and recs[-1]["cmlfq/requests/long"] > 0
     events = [json.loads(x) for x in (run / "dispatch_health.jsonl").read_text().splitlines()]
