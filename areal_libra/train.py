@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     from areal.api.cli_args import GRPOConfig, load_expr_config
 
     from areal_libra.metrics import StepMetrics
+
+    # AReaL's logging set-up (dictConfig) disables loggers created before it: keep ours.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("areal_libra"):
+            logging.getLogger(name).disabled = False
 
     config, _ = load_expr_config(["--config", str(run_dir / "areal_config.yaml")], GRPOConfig)
     libra = OmegaConf.load(run_dir / "libra_config.yaml")

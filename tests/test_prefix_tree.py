@@ -157,6 +157,8 @@ def test_damaged_file_gives_clear_error(tmp_path, damage, message):
 def test_live_path_falls_back_to_empty_tree_with_warning(tmp_path, caplog):
     path = _saved(tmp_path)
     path.write_bytes(path.read_bytes()[:100])
+    # Importing AReaL (other tests) runs logging.config.dictConfig, which disables existing loggers.
+    logging.getLogger("areal_libra.scheduler.tree").disabled = False
     with caplog.at_level(logging.WARNING):
         policy = CMLFQPolicy([100, 1000], tree_path=str(path))
     assert "empty tree" in caplog.text and "truncated" in caplog.text
