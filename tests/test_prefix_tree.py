@@ -154,14 +154,30 @@ def test_damaged_file_gives_clear_error(tmp_path, damage, message):
     assert str(path) in str(e.value)
 
 
-def test_live_path_falls_back_to_empty_tree_with_warning(tmp_path, caplog):
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_live_path_falls_back_to_empty_tree_with_warning(tmp_path):
     path = _saved(tmp_path)
     path.write_bytes(path.read_bytes()[:100])
-    # Importing AReaL (other tests) runs logging.config.dictConfig, which disables existing loggers.
-    logging.getLogger("areal_libra.scheduler.tree").disabled = False
-    with caplog.at_level(logging.WARNING):
+    # AReaL re-runs logging.config.dictConfig on every getLogger (disabling other loggers and replacing the
+    # root's handlers, so pytest's caplog can miss records): listen on the tree's own logger.
+    tree_log = logging.getLogger("areal_libra.scheduler.tree")
+    tree_log.disabled = False
+    handler = _Records()
+    tree_log.addHandler(handler)
+    try:
         policy = CMLFQPolicy([100, 1000], tree_path=str(path))
-    assert "empty tree" in caplog.text and "truncated" in caplog.text
+    finally:
+        tree_log.removeHandler(handler)
+    text = "\n".join(handler.lines)
+    assert "empty tree" in text and "truncated" in text
     assert policy.tree.node_count() == 1
     from areal_libra.scheduler import RequestInfo
     req = RequestInfo("t", "p", 10, 50, 40, (ToolReturn("search", 10),), decision_contexts=(10, 50))
