@@ -1,8 +1,9 @@
 """Causal prefix tree: statistics against a brute-force recomputation, persistence, bad files, eviction."""
 
 import json
-import logging
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -154,29 +155,21 @@ def test_damaged_file_gives_clear_error(tmp_path, damage, message):
     assert str(path) in str(e.value)
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_live_path_falls_back_to_empty_tree_with_warning(tmp_path):
     path = _saved(tmp_path)
     path.write_bytes(path.read_bytes()[:100])
-    # AReaL re-runs logging.config.dictConfig on every getLogger (disabling other loggers and replacing the
-    # root's handlers, so pytest's caplog can miss records): listen on the tree's own logger.
-    tree_log = logging.getLogger("areal_libra.scheduler.tree")
-    tree_log.disabled = False
-    handler = _Records()
-    tree_log.addHandler(handler)
-    try:
-        policy = CMLFQPolicy([100, 1000], tree_path=str(path))
-    finally:
-        tree_log.removeHandler(handler)
-    text = "\n".join(handler.lines)
+    # The warning is checked in a fresh interpreter: other tests import AReaL, whose getLogger re-runs
+    # logging.config.dictConfig and reshapes logging for the whole test process.
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+        "from areal_libra.scheduler.policy import CMLFQPolicy\n"
+        f"CMLFQPolicy([100, 1000], tree_path={str(path)!r})\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    policy = CMLFQPolicy([100, 1000], tree_path=str(path))
     assert "empty tree" in text and "truncated" in text
     assert policy.tree.node_count() == 1
     from areal_libra.scheduler import RequestInfo
