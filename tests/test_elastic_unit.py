@@ -132,7 +132,7 @@ def test_snapshot_refuses_truncated_and_wrong_version(tmp_path):
 def _member(i: int, port: int, weights, values, q) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
     names = [f"m{k}" for k in range(len(weights))]
-    d = GradientDomain(store, position=0, me=names[i], timeout_s=10, chunk_elems=3)  # 7 elements: 3 chunks
+    d = GradientDomain(store, position=0, me=names[i], timeout_s=60, chunk_elems=3)  # 7 elements: 3 chunks
     d.rebuild(1, names)
     t = [torch.full((2, 2), values[i]), torch.full((2,), 10 * values[i])]
     total = d.reduce(t, weights[i])
