@@ -483,20 +483,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
     """Servers run in their own session (so they can be killed as a group); without this, a launcher that
     crashes would leave them running forever."""
-    while _alive(pid) and os.getppid() != 1:
+    from areal_libra.utils import pid_alive
+
+    while pid_alive(pid) and os.getppid() != 1:
         await asyncio.sleep(1.0)
     logger.warning("parent process %d is gone; shutting down", pid)
     stop.set()

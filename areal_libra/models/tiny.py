@@ -171,21 +171,13 @@ def _warmup_with_progress(model, tokenizer, cfg: WarmupConfig, quiet: bool) -> l
                                  progress=lambda step, loss: prog.update(task, completed=step, loss=loss))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_orphans(target: Path) -> None:
     """Temporary build dirs of builders that were killed (their pid is in the name) are removed."""
+    from areal_libra.utils import pid_alive
+
     for p in target.parent.glob(f".{target.name}.*"):
         parts = p.name[len(target.name) + 2 :].split(".")
-        if parts and parts[0].isdigit() and not _pid_alive(int(parts[0])):
+        if parts and parts[0].isdigit() and not pid_alive(int(parts[0])):
             shutil.rmtree(p, ignore_errors=True)
         elif parts and not parts[0].isdigit() and time.time() - p.stat().st_mtime > 3600:
             shutil.rmtree(p, ignore_errors=True)  # an older builder's dir without a pid: stale after an hour
