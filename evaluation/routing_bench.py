@@ -21,25 +21,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from areal_libra.scheduler import CMLFQPolicy, RequestInfo, cpp_available, tool_state  # noqa: E402
+from areal_libra.scheduler.replay import decision_points  # noqa: E402
 from areal_libra.trace import TraceError, read_traces  # noqa: E402
 
 BUCKETS = [1536, 3072, 7168]
 
 
 def decision_requests(trajs, limit: int) -> list[RequestInfo]:
-    out = []
-    for t in trajs:
-        ctx, model, tools, ctxs = t.prompt_tokens, 0, [], [t.prompt_tokens]
-        for seg in t.segments:
-            ctx += seg.gen_tokens
-            model += seg.gen_tokens
-            if seg.tool is None:
-                continue
-            ctx += seg.tool.payload_tokens
-            tools.append(seg.tool)
-            ctxs.append(ctx)
-            out.append(RequestInfo(t.trajectory_id, t.prompt_id, t.prompt_tokens, ctx, model, tuple(tools), t.step,
-                                   None, tuple(ctxs)))
+    out = [r for t in trajs for r in decision_points(t)[1:]]  # tool returns only
     step = max(1, len(out) // limit)
     return out[::step][:limit]
 

@@ -3,7 +3,7 @@
 import pytest
 
 from areal_libra.scheduler import POLICIES, RequestInfo, make_policy
-from areal_libra.scheduler.replay import replay
+from areal_libra.scheduler.replay import decision_points, replay
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 
 B = [100, 200, 400]
@@ -145,20 +145,7 @@ def test_baselines():
 
 
 def _requests(t, with_contexts):
-    ctx, model, tools, ctxs = t.prompt_tokens, 0, [], [t.prompt_tokens]
-    out = [RequestInfo(t.trajectory_id, t.prompt_id, t.prompt_tokens, ctx, 0, (), t.step, None,
-                       (ctx,) if with_contexts else ())]
-    for seg in t.segments:
-        ctx += seg.gen_tokens
-        model += seg.gen_tokens
-        if seg.tool is None:
-            continue
-        ctx += seg.tool.payload_tokens
-        tools.append(seg.tool)
-        ctxs.append(ctx)
-        out.append(RequestInfo(t.trajectory_id, t.prompt_id, t.prompt_tokens, ctx, model, tuple(tools), t.step,
-                               None, tuple(ctxs) if with_contexts else ()))
-    return out
+    return decision_points(t, with_contexts)
 
 
 def _decisions(pol, trajs, with_contexts):

@@ -8,7 +8,7 @@ without seeing each other's outcomes; only after the whole step is scored do the
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from areal_libra.scheduler.policy import RequestInfo
 from areal_libra.trace import Trajectory
@@ -25,6 +25,24 @@ class RoutingMetrics:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def decision_points(traj: Trajectory, with_contexts: bool = True) -> list[RequestInfo]:
+    """What a policy sees at each decision point of a trajectory: its start, then each tool return."""
+    ctx, model, tools, ctxs = traj.prompt_tokens, 0, [], [traj.prompt_tokens]
+    out = [RequestInfo(traj.trajectory_id, traj.prompt_id, traj.prompt_tokens, ctx, 0, (), traj.step, None,
+                       (ctx,))]
+    for seg in traj.segments:
+        ctx += seg.gen_tokens
+        model += seg.gen_tokens
+        if seg.tool is None:
+            continue
+        ctx += seg.tool.payload_tokens
+        tools.append(seg.tool)
+        ctxs.append(ctx)
+        out.append(RequestInfo(traj.trajectory_id, traj.prompt_id, traj.prompt_tokens, ctx, model, tuple(tools),
+                               traj.step, None, tuple(ctxs)))
+    return out if with_contexts else [replace(r, decision_contexts=()) for r in out]
 
 
 @dataclass
