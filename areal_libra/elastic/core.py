@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from areal_libra.elastic.domain import DomainError, GradientDomain
-from areal_libra.elastic.kv import KV
+from areal_libra.elastic.kv import KV, connect
 from areal_libra.elastic.snapshot import SnapshotStore
 from areal_libra.elastic.state import CATCHING_UP, IN_DOMAIN, HybridReplica, Pool, ReplicaState
 
@@ -75,7 +76,7 @@ class ElasticCore:
         self.snapshots = SnapshotStore(snapshot_root, keep=cfg.snapshot_keep)
         self.domain = GradientDomain(store, position=core_rank, me=CORE, timeout_s=cfg.domain_timeout_s,
                                      chunk_elems=cfg.chunk_elems, backend=cfg.backend,
-                                     namespace=f"{cfg.namespace}/dom")
+                                     namespace=f"{cfg.namespace}/dom", store_factory=_store_factory(store, cfg))
         self.pool = Pool(1, core_rollout_servers, [HybridReplica(rid, n) for rid, n in (hybrids or [])])
         for rid in initially_training:  # static members (reference runs): trained from the start
             h = self.pool.hybrid[rid]
@@ -95,6 +96,7 @@ class ElasticCore:
         self.last_step: int | None = None
         self.logging_grads = False
         self._early: dict[str, Any] | None = None
+        self._begin_s = 0.0
 
     # -- leader: requests ------------------------------------------------------------------------
     def request_join(self, rid: str) -> bool:
@@ -259,12 +261,14 @@ class ElasticCore:
         return bool(flag.item())
 
     def begin_step(self, step: int) -> dict[str, Any]:
-        """The plan of `step` (who is in the domain, in which state). Optional: callers that must know
-        the trainers before computing (to split the batch among replicas) call it before forward;
-        otherwise reduce_gradients calls it. Publishes the step's snapshot when the plan asks for one
-        (the state is still version `step` at either point)."""
+        """The plan of `step` (who is in the domain, in which state). Callers should call it before
+        forward (the AReaL hook does, to split the batch among replicas; so does the test bed): then the
+        snapshot clone and the rendezvous of a changed domain run beside forward/backward instead of
+        after it. Otherwise reduce_gradients calls it. The state is still version `step` at either point;
+        the clone is fenced before reduce_gradients returns, i.e. before the optimizer step."""
         if self._early is not None and self._early["step"] == step:
             return self._early
+        t0 = time.perf_counter()
         if self.is_leader:
             plan = self._write_plan(step, 0, self._advance_pool(step))
         else:
@@ -272,26 +276,39 @@ class ElasticCore:
         if plan["snapshot"] == step:
             self.snapshots.publish_async(step, self.rank, self.state_fn(), self.corrupt.pop(0) if self.corrupt else None)
             self.published.append(step)
+        if plan["epoch"] != self.domain.epoch:
+            self.domain.prepare(plan["epoch"], plan["members"])
         self._early = plan
+        self._begin_s = time.perf_counter() - t0
         return plan
 
     def reduce_gradients(self, step: int, tensors: list[torch.Tensor], weight: float) -> dict[str, float]:
-        """Reduce `tensors` in place over the domain for `step`; retries with the survivors on failure."""
+        """Reduce `tensors` in place over the domain for `step`; retries with the survivors on failure.
+
+        On the training thread only: the plan (one batched store read), waiting for the domain's
+        rendezvous if it is not ready yet, the all-reduce, and handing the reduced gradient to the
+        background gradient log (no copy). Inputs stay untouched until every core rank agreed to commit,
+        so a retry needs no saved copy."""
         t0 = time.perf_counter()
         self.last_step = step
-        saved = [t.detach().clone() for t in tensors]
         attempt = 0
         plan = self.begin_step(step)
+        begin_s, self._begin_s = self._begin_s, 0.0
         self._early = None
+        rebuild_s = 0.0
         while True:
             ok, err = True, ""
+            flat = None
             try:
                 if plan["epoch"] != self.domain.epoch or self.domain.group is None:
                     self.domain.rebuild(plan["epoch"], plan["members"])
-                self.domain.reduce(tensors, weight)
+                    rebuild_s += self.domain.last_rebuild_wait_s
+                flat, _ = self.domain.reduce_flat(tensors, weight)
             except DomainError as e:
                 ok, err = False, str(e)
             if self._all_ok(ok):
+                assert flat is not None
+                GradientDomain.scatter(flat, tensors)
                 if self.is_leader:
                     self.kv.set(f"result/{step}/{attempt}", "commit")
                     self._on_commit(step, plan)
@@ -304,20 +321,20 @@ class ElasticCore:
                 self.kv.set(f"result/{step}/{attempt}", "retry")
             else:
                 plan = self._get_plan(step, attempt + 1)
-            for t, s in zip(tensors, saved):
-                t.copy_(s)
             attempt += 1
         if plan["log_grads"]:
-            self.snapshots.publish_grad_async(step, self.rank, torch.cat([t.reshape(-1) for t in tensors]))
-            vs = self.snapshots.versions(self.rank)
-            if vs:
-                self.snapshots.gc_grads(self.rank, below=vs[0])
+            # The domain's output buffer is fresh per step: the log takes it over without a copy.
+            self.snapshots.publish_grad_async(step, self.rank, flat, owned=True)
+            self.snapshots.gc_grads_async(self.rank)
             self.logging_grads = True
         elif self.logging_grads:
-            self.snapshots.wait(30)
-            self.snapshots.gc_grads(self.rank)
+            self.snapshots.gc_grads_async(self.rank, below_oldest_snapshot=False)
             self.logging_grads = False
-        self.last.update(reduce_s=time.perf_counter() - t0, attempts=float(attempt + 1))
+        t_fence = time.perf_counter()
+        self.snapshots.fence()  # the optimizer step follows: the snapshot clone must have read the state
+        now = time.perf_counter()
+        self.last.update(reduce_s=now - t0, attempts=float(attempt + 1), begin_s=begin_s, rebuild_s=rebuild_s,
+                         allreduce_s=self.domain.last_reduce_s, fence_s=now - t_fence)
         self.members = tuple(plan["members"])
         return self.metrics()
 
@@ -347,6 +364,14 @@ class ElasticCore:
             if self.last_step is not None:
                 # Hybrids block on the next plan: give them one that tells them to stop.
                 self.kv.set(f"plan/{self.last_step + 1}", {"shutdown": True})
+
+
+def _store_factory(store: Any, cfg: RuntimeConfig) -> Callable[[], Any] | None:
+    """New client connections to the same TCPStore, for helper threads (None for other store types)."""
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if not isinstance(store, dist.TCPStore) or host is None or port is None:
+        return None
+    return lambda: connect(host, port, timeout_s=max(30.0, cfg.domain_timeout_s))
 
 
 def _min_opts(op: Any) -> Any:

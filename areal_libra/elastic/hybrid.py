@@ -25,6 +25,7 @@ import torch
 from areal_libra.elastic.core import RuntimeConfig
 from areal_libra.elastic.domain import DomainError, GradientDomain
 from areal_libra.elastic.kv import KV, connect
+from areal_libra.elastic.priority import enter_background
 from areal_libra.elastic.replica import ReplicaAdapter
 from areal_libra.elastic.snapshot import SnapshotError, SnapshotStore
 
@@ -41,21 +42,55 @@ class RolloutSide(Protocol):
         ...
 
 
-class _Fetcher(threading.Thread):
-    """Finds, verifies and decodes the snapshot off the main thread (the main thread keeps beating and
-    watching for cancellation)."""
+class _CatchUp(threading.Thread):
+    """A joiner's background work, at low priority (`priority.enter_background`): find, verify and decode
+    the snapshot, load it, replay the core's logged reduced gradients, then keep applying the live ones
+    the main thread receives in zero-sync until the replica holds the live version ("activating").
+
+    The main thread stays free for what the core waits on: heartbeats, the plan, the domain's
+    collectives. Replica state is changed only under `worker.lock`."""
 
     def __init__(self, worker: HybridWorker, min_version: int, gen: int) -> None:
-        super().__init__(name=f"fetch-{worker.rid}-{worker.rank}", daemon=True)
+        super().__init__(name=f"catchup-{worker.rid}-{worker.rank}", daemon=True)
         self.w, self.min_version, self.gen = worker, min_version, gen
-        self.result: tuple[int, dict[str, Any]] | None = None
+        self.loaded = threading.Event()
         self.error: str | None = None
         self.refused: list[str] = []
         self.cancel = threading.Event()
 
     def run(self) -> None:
+        enter_background()
         w = self.w
         kv = KV(connect(w.host, w.port), w.cfg.namespace)
+        try:
+            fetched = self._fetch(kv)
+            if fetched is None:
+                return
+            version, state = fetched
+            with w.lock:
+                w.replica.load_state(state)
+                w.version = version
+                w.catch_up()
+            del state
+            w.report("loaded", kv=kv, gen=self.gen, version=w.version, snapshot=version, refused=len(self.refused))
+            w.log(f"loaded snapshot v{version} ({len(self.refused)} refused), replayed to v{w.version}")
+            self.loaded.set()
+            reported = False
+            while not self.cancel.is_set():
+                with w.lock:
+                    w.catch_up()
+                    aligned = w.in_domain and w.version == w.next_step
+                if aligned and not reported:
+                    w.report("activating", kv=kv, gen=self.gen, version=w.version)
+                    w.log(f"aligned at v{w.version}")
+                    reported = True
+                w.live_event.wait(0.02)  # a live gradient arrived, or look for a logged one again
+                w.live_event.clear()
+        except Exception as e:  # noqa: BLE001 - the main thread reports the failure
+            self.error = f"catch-up failed: {e}"
+
+    def _fetch(self, kv: KV) -> tuple[int, dict[str, Any]] | None:
+        w = self.w
         minv = self.min_version
         deadline = time.monotonic() + w.cfg.plan_timeout_s
         while not self.cancel.is_set():
@@ -63,22 +98,22 @@ class _Fetcher(threading.Thread):
             if v is None:
                 if time.monotonic() > deadline:
                     self.error = f"no snapshot >= v{minv} appeared"
-                    return
-                time.sleep(0.01)
+                    return None
+                self.cancel.wait(0.01)
                 continue
             if w.cfg.fetch_delay_s and self.cancel.wait(w.cfg.fetch_delay_s):
-                return
+                return None
             try:
-                self.result = (v, w.snapshots.fetch(v, w.rank))
-                return
+                return v, w.snapshots.fetch(v, w.rank)
             except SnapshotError as e:
                 self.refused.append(str(e))
                 w.log(f"snapshot refused, retrying: {e}")
                 if len(self.refused) > w.cfg.fetch_retries:
                     self.error = f"gave up after {len(self.refused)} refused snapshots; last: {e}"
-                    return
+                    return None
                 kv.add(f"snapreq/{w.rid}/{self.gen}")  # ask the leader for a fresh version
                 minv = v + 1
+        return None
 
 
 class HybridWorker:
@@ -105,6 +140,11 @@ class HybridWorker:
         self.in_domain = False
         self.version: int | None = None  # next step whose reduced gradient this replica must apply
         self.live: dict[int, torch.Tensor] = {}  # reduced gradients received in the domain, not applied yet
+        self.live_event = threading.Event()
+        self.next_step: int | None = None  # the next domain step of the main thread (catch-up target)
+        self.lock = threading.Lock()  # replica state: the catch-up thread and the main thread
+        self.catchup: _CatchUp | None = None
+        self.numel = sum(g.numel() for g in replica.grad_tensors())
         self.steps_trained = 0
         self.grads_for: int | None = None
         self.cur_weight = 0.0
@@ -120,14 +160,26 @@ class HybridWorker:
             kv.set(f"hb/{self.rid}/{self.rank}", time.time())
             self._stop.wait(self.cfg.heartbeat_interval_s)
 
-    def _report(self, state: str, **kw: Any) -> None:
-        self.kv.set(f"prog/{self.rid}/{self.rank}", {"gen": self.gen, "state": state, "t": time.time(), **kw})
+    def report(self, state: str, kv: KV | None = None, gen: int | None = None, **kw: Any) -> None:
+        """Progress for the leader; threads other than the main one pass their own store connection."""
+        (kv or self.kv).set(f"prog/{self.rid}/{self.rank}",
+                            {"gen": self.gen if gen is None else gen, "state": state, "t": time.time(), **kw})
+
+    _report = report
 
     def _shutdown(self) -> bool:
         return self.kv.has("shutdown")
 
     # -- mode switches ---------------------------------------------------------------------------
+    def _stop_catchup(self) -> None:
+        c, self.catchup = self.catchup, None
+        if c is not None:
+            c.cancel.set()
+            self.live_event.set()
+            c.join()
+
     def _to_rollout(self, why: str) -> None:
+        self._stop_catchup()
         self.domain.close()
         self.domain.epoch = None
         self.in_domain = False
@@ -158,9 +210,9 @@ class HybridWorker:
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
 
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
         """Apply, in step order, every reduced gradient this replica lacks: live ones received in the
-        domain first, else the core's log on disk; stop at the first gap (not logged yet)."""
+        domain first, else the core's log on disk; stop at the first gap (not logged yet). Hold `lock`."""
         while self.version is not None:
             g = self.live.pop(self.version, None)
             if g is None:
@@ -172,24 +224,17 @@ class HybridWorker:
             self.version += 1
 
     def _fetch_and_load(self, s0: int) -> bool:
-        """FETCHING: returns False when the join was cancelled, failed or shut down."""
-        f = _Fetcher(self, min_version=s0, gen=self.gen)
-        f.start()
-        while f.is_alive():
-            f.join(0.05)
-            if self._cancelled() or self._shutdown():
-                f.cancel.set()
+        """FETCHING: start the catch-up thread; True once it loaded the snapshot, False when the join was
+        cancelled, failed or shut down."""
+        c = self.catchup = _CatchUp(self, min_version=s0, gen=self.gen)
+        c.start()
+        while not c.loaded.wait(0.05):
+            if not c.is_alive() or self._cancelled() or self._shutdown():
+                self._stop_catchup()
+                if not (self._cancelled() or self._shutdown()):
+                    self._report("failed", error=c.error or "fetch cancelled")
+                    self.log(f"fetch failed: {c.error}")
                 return False
-        if f.error is not None or f.result is None:
-            self._report("failed", error=f.error or "fetch cancelled")
-            self.log(f"fetch failed: {f.error}")
-            return False
-        version, state = f.result
-        self.replica.load_state(state)
-        self.version = version
-        self._catch_up()
-        self._report("loaded", version=self.version, snapshot=version, refused=len(f.refused))
-        self.log(f"loaded snapshot v{version} ({len(f.refused)} refused), replayed to v{self.version}")
         return True
 
     def _cancelled(self) -> bool:
@@ -233,23 +278,32 @@ class HybridWorker:
                     continue
                 if self._shutdown():
                     return
-                time.sleep(0.005)
+                # The leader reads acks at step boundaries, so 20 ms of latency here costs nothing, and
+                # an idle pool does not keep a CPU busy polling the store.
+                time.sleep(0.02)
+                continue
+            if self.catchup is not None and not self.catchup.is_alive() and self.catchup.error:
+                self._report("failed", error=self.catchup.error)
+                self.log(self.catchup.error)
+                self._to_rollout("catch-up failed")
+                s = None
                 continue
             if not self.in_domain:
-                # Loaded, waiting to be admitted: keep replaying the log, look for our name in the plan.
-                self._catch_up()
-                plan = self.kv.get(f"plan/{s}")
+                # Loaded (the catch-up thread keeps replaying the log): wait for our name in a plan.
+                plan = self.kv.wait(f"plan/{s}", self.cfg.plan_timeout_s, poll_s=1.0,
+                                    abort=lambda: self._cancelled() or self._shutdown())
                 if plan is None:
-                    if self._cancelled():
-                        self._to_rollout("join cancelled")
-                        s = None
-                    time.sleep(0.002)
+                    if self._shutdown():
+                        return
+                    self._to_rollout("join cancelled")
+                    s = None
                     continue
                 if plan.get("shutdown"):
                     return
                 if plan["gens"].get(self.rid) != self.gen:
                     s += 1
                     continue
+                self.next_step = s
                 self.in_domain = True
                 self.log(f"entered domain at step {s} (replayed to v{self.version})")
             plan = self.kv.wait(f"plan/{s}", self.cfg.plan_timeout_s, abort=self._shutdown)
@@ -263,31 +317,40 @@ class HybridWorker:
                 s = None
                 continue
             s += 1
-            if self.version is not None and self.version < s:
-                self._catch_up()
-                if self.version == s:
-                    self._report("activating", version=self.version)
-                    self.log(f"aligned at v{self.version}")
+            self.next_step = s
+            if self.catchup is not None:
+                self.live_event.set()
+            elif self.version is not None and self.version < s:
+                with self.lock:
+                    self.catch_up()
 
     def _step(self, s: int, plan: dict[str, Any]) -> bool:
-        """One domain step (with retries); False when this replica left the domain."""
+        """One domain step (with retries); False when this replica left the domain.
+
+        Zero-sync reduces into a fresh buffer (no replica state touched, so the catch-up thread may be
+        applying older steps meanwhile); a training step first takes over the catch-up at normal
+        priority, so that it computes at exactly version s."""
         while True:
             training = plan["states"][self.rid] == "training"
             weight = 0.0
             if training:
+                if self.catchup is not None:
+                    self._stop_catchup()
+                    with self.lock:
+                        self.catch_up()
                 if self.grads_for != s:
                     self.cur_weight = self.replica.compute_gradients(s)
                     self.grads_for = s
                 weight = self.cur_weight
-            else:
-                for g in self.replica.grad_tensors():
-                    g.zero_()
-            saved = self._flat() if training else None
             ok = True
+            flat = None
             try:
                 if plan["epoch"] != self.domain.epoch or self.domain.group is None:
                     self.domain.rebuild(plan["epoch"], plan["members"])
-                self.domain.reduce(self.replica.grad_tensors(), weight)
+                if training:
+                    flat, _ = self.domain.reduce_flat(self.replica.grad_tensors(), weight)
+                else:
+                    flat, _ = self.domain.reduce_flat([], 0.0, numel=self.numel)
             except DomainError as e:
                 ok = False
                 self.log(f"step {s} attempt {plan['attempt']} failed: {e}")
@@ -300,16 +363,18 @@ class HybridWorker:
                     self._report("failed", error=f"missed commit of step {s}")
                     self._to_rollout("missed a committed step")
                     return False
+                assert flat is not None
                 if training:
                     if self.version is not None and self.version != s:
                         raise RuntimeError(f"{self.rid}: training step {s} at version {self.version}")
+                    GradientDomain.scatter(flat, self.replica.grad_tensors())
                     self.replica.apply_update()
                     self.steps_trained += 1
                     self.grads_for = None
                     if self.version is not None:
                         self.version = s + 1
                 else:
-                    self.live[s] = self._flat()
+                    self.live[s] = flat
                 return True
             failed_attempt = plan["attempt"]
             plan = self.kv.get(f"plan/{s}")
@@ -319,6 +384,3 @@ class HybridWorker:
             if plan["gens"].get(self.rid) != self.gen:
                 self._to_rollout("dropped from the domain after a failed step")
                 return False
-            if saved is not None:
-                self._set_flat(saved)
-                self.grads_for = s

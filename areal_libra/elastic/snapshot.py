@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import pickle
+import queue
 import re
 import struct
 import threading
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from areal_libra.elastic.priority import enter_background
 
 _NAME = re.compile(r"^v(\d{8})_p(\d+)\.json$")
 
@@ -93,8 +96,13 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_snapshot(path: str, version: int, position: int, state: Any) -> tuple[int, str]:
-    """Atomic write; returns (bytes, sha256)."""
+def _write_snapshot(path: str, version: int, position: int, state: Any, digest: bool = True,
+                    sync: bool = True) -> tuple[int, str]:
+    """Atomic write; returns (bytes, sha256 or "" when digest=False).
+
+    digest/sync=False for the gradient log: it lives only while a replica catches up, readers never
+    see a partial file (os.replace) and a crash loses the join, not data; hashing and fsync would only
+    burn the CPU time the training step needs."""
     tensors: list[torch.Tensor] = []
     meta = _split(state, tensors)
     specs, off = [], 0
@@ -105,21 +113,24 @@ def _write_snapshot(path: str, version: int, position: int, state: Any) -> tuple
         off += nb
     header = json.dumps({"version": version, "position": position, "tensors": specs,
                          "meta": base64.b64encode(pickle.dumps(meta)).decode()}).encode()
-    h = hashlib.sha256()
+    h = hashlib.sha256() if digest else None
     tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
     with open(tmp, "wb") as f:
         for chunk in (_MAGIC, struct.pack("<Q", len(header)), header):
             f.write(chunk)
-            h.update(chunk)
+            if h is not None:
+                h.update(chunk)
         for t in tensors:
             buf = _raw(t)
             f.write(buf)  # releases the GIL
-            h.update(buf)  # hashlib releases the GIL for large buffers
+            if h is not None:
+                h.update(buf)  # hashlib releases the GIL for large buffers
         size = f.tell()
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    return size, h.hexdigest()
+    return size, h.hexdigest() if h is not None else ""
 
 
 def _read_snapshot(data: bytearray) -> tuple[dict[str, Any], Any]:
@@ -148,6 +159,41 @@ class SnapshotInfo:
     manifest: str
 
 
+class _Background:
+    """One low-priority FIFO worker per store: snapshot writes, gradient-log writes and their garbage
+    collection run in submission order (a gc never overtakes the write it follows), off the training
+    thread and, with `priority.configure(cpus=...)`, off its CPU."""
+
+    def __init__(self, name: str) -> None:
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.pending = 0
+        self.cv = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        enter_background()
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            try:
+                job()
+            finally:
+                with self.cv:
+                    self.pending -= 1
+                    self.cv.notify_all()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self.cv:
+            self.pending += 1
+        self.q.put(job)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        with self.cv:
+            return self.cv.wait_for(lambda: self.pending == 0, timeout)
+
+
 class SnapshotStore:
     def __init__(self, root: str, keep: int = 2) -> None:
         if keep < 1:
@@ -155,12 +201,18 @@ class SnapshotStore:
         self.root = root
         self.keep = keep
         os.makedirs(root, exist_ok=True)
-        self._threads: list[threading.Thread] = []
+        self._clones: list[threading.Thread] = []
+        self._bg: _Background | None = None
         self.errors: list[str] = []
 
     def _paths(self, version: int, position: int) -> tuple[str, str]:
         base = os.path.join(self.root, f"v{version:08d}_p{position}")
         return base + ".pt", base + ".json"
+
+    def _background(self) -> _Background:
+        if self._bg is None:
+            self._bg = _Background(f"snapshots-{os.path.basename(self.root)}")
+        return self._bg
 
     # -- publish ---------------------------------------------------------------------------------
     def write(self, version: int, position: int, state: Any, corrupt: str | None = None) -> SnapshotInfo:
@@ -182,25 +234,47 @@ class SnapshotStore:
         self, version: int, position: int, state: Any, corrupt: str | None = None,
         on_done: Callable[[SnapshotInfo], None] | None = None,
     ) -> threading.Thread:
-        """Clone now (cheap, on the training thread), serialise and write on a background thread."""
-        cloned = clone_state(state)
+        """Clone on a helper thread, serialise and write on the low-priority background worker.
 
-        def run() -> None:
+        The clone reads the live tensors, so the caller must call `fence()` before it next changes them
+        (the optimizer step); forward/backward may run meanwhile. The clone keeps normal priority: the
+        fence waits for it, and a starved clone would stall training (priority inversion)."""
+
+        def write() -> None:
             try:
-                info = self.write(version, position, cloned, corrupt)
+                info = self.write(version, position, cloned[0], corrupt)
                 if on_done is not None:
                     on_done(info)
             except Exception as e:  # noqa: BLE001 - reported through .errors, training must go on
                 self.errors.append(f"publish v{version} p{position}: {e}")
 
-        t = threading.Thread(target=run, name=f"snapshot-v{version}-p{position}", daemon=True)
+        cloned: list[Any] = []
+
+        def clone() -> None:
+            enter_background(lower=False)
+            try:
+                cloned.append(clone_state(state))
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(f"publish v{version} p{position}: clone failed: {e}")
+                return
+            self._background().submit(write)
+
+        t = threading.Thread(target=clone, name=f"snapshot-clone-v{version}-p{position}", daemon=True)
         t.start()
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        self._clones = [x for x in self._clones if x.is_alive()] + [t]
         return t
 
-    def wait(self, timeout: float | None = None) -> None:
-        for t in list(self._threads):
+    def fence(self, timeout: float | None = None) -> None:
+        """Wait until every snapshot clone has read the live state (call before mutating it)."""
+        for t in list(self._clones):
             t.join(timeout)
+        self._clones = [x for x in self._clones if x.is_alive()]
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every clone and every background write/gc submitted so far."""
+        self.fence(timeout)
+        if self._bg is not None:
+            self._bg.drain(timeout)
 
     # -- discover / fetch ------------------------------------------------------------------------
     def versions(self, position: int) -> list[int]:
@@ -249,26 +323,38 @@ class SnapshotStore:
     def _grad_path(self, step: int, position: int) -> str:
         return os.path.join(self.root, f"g{step:08d}_p{position}.bin")
 
-    def publish_grad_async(self, step: int, position: int, flat: torch.Tensor) -> threading.Thread:
-        """Log the committed reduced gradient of `step` (flat fp32) for replicas replaying to the present."""
-        cloned = flat.detach().clone()
+    def publish_grad_async(self, step: int, position: int, flat: torch.Tensor, owned: bool = False) -> None:
+        """Log the committed reduced gradient of `step` (flat fp32) for replicas replaying to the present.
+        owned=True: the caller hands the tensor over (never touches it again), so no copy is made."""
+        data = flat if owned else flat.detach().clone()
+        path = self._grad_path(step, position)
 
-        def run() -> None:
+        def write() -> None:
             try:
-                _write_snapshot(self._grad_path(step, position), step, position, {"grad": cloned})
+                _write_snapshot(path, step, position, {"grad": data}, digest=False, sync=False)
             except Exception as e:  # noqa: BLE001 - reported through .errors
                 self.errors.append(f"grad log {step} p{position}: {e}")
 
-        t = threading.Thread(target=run, name=f"gradlog-{step}-p{position}", daemon=True)
-        t.start()
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        return t
+        self._background().submit(write)
+
+    def gc_grads_async(self, position: int, below_oldest_snapshot: bool = True) -> None:
+        """In the background, after the writes before it: drop logged gradients older than the oldest
+        kept snapshot (a joiner starts from a snapshot), or all of them."""
+
+        def gc() -> None:
+            vs = self.versions(position) if below_oldest_snapshot else []
+            if below_oldest_snapshot and not vs:
+                return
+            self.gc_grads(position, below=vs[0] if vs else None)
+
+        self._background().submit(gc)
 
     def read_grad(self, step: int, position: int) -> torch.Tensor | None:
         """The logged gradient of `step`, or None while it is not (yet) on disk."""
         try:
             with open(self._grad_path(step, position), "rb") as f:
-                data = bytearray(f.read())
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                del data[f.readinto(data):]
         except FileNotFoundError:
             return None
         header, state = _read_snapshot(data)

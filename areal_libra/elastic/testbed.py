@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from areal_libra.elastic import priority
 from areal_libra.elastic.core import CORE, ElasticCore, RuntimeConfig
 from areal_libra.elastic.hybrid import HybridWorker
 from areal_libra.elastic.kv import KV, connect
@@ -55,6 +56,7 @@ class TestbedConfig:
     kill: dict[str, Any] | None = None  # {"rid", "state": "fetching"|"training"}: SIGKILL the replica then
     rollout_requests: int = 0  # size of the rollout workload served by hybrids while in rollout mode
     pin_cpus: bool = False  # core ranks on CPU 0, hybrid ranks on the other CPUs (stand-in for own devices)
+    background_nice: int = 19  # nice value of background threads (snapshot writer, joiner's catch-up); 0 = off
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     timeout_s: float = 180.0
 
@@ -107,11 +109,19 @@ def build_replica(cfg: TestbedConfig, slot: str, rank: int, group: Any) -> Modul
 
 
 def _setup_proc(cfg: TestbedConfig | None = None, core: bool = True) -> None:
+    # One intra-op thread per process: a core and a hybrid process with two each would oversubscribe
+    # the cores the bed runs on, and the slowdown would be the bed's, not the protocol's.
     torch.set_num_threads(1)
-    if cfg is not None and cfg.pin_cpus and hasattr(os, "sched_setaffinity"):
-        cpus = sorted(os.sched_getaffinity(0))
-        if len(cpus) > 1:
-            os.sched_setaffinity(0, {cpus[0]} if core else set(cpus[1:]))
+    if cfg is None:
+        return
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    background = None
+    if cfg.pin_cpus and len(cpus) > 1:
+        # The core's training thread gets CPU 0 alone; its background threads and the hybrids share the
+        # rest (a stand-in for the hybrids' own devices).
+        os.sched_setaffinity(0, {cpus[0]} if core else set(cpus[1:]))
+        background = set(cpus[1:])
+    priority.configure(nice=cfg.background_nice, cpus=background)
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -153,6 +163,7 @@ def _core_main(cfg: TestbedConfig, rank: int, host: str, port: int, outdir: str)
             if not cont:
                 break
             t0 = time.perf_counter()
+            core.begin_step(step)  # before forward, as the AReaL hook does: the plan is known early
             weight = rep.compute_gradients(step)
             if cfg.step_sleep_s:
                 time.sleep(cfg.step_sleep_s)
@@ -265,7 +276,7 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
                 raise TimeoutError(f"test bed run did not finish within {cfg.timeout_s}s")
             if cfg.kill and killed is None:
                 killed = _maybe_kill(cfg, kv, procs)
-            time.sleep(0.005)
+            time.sleep(0.005 if cfg.kill else 0.05)  # fast only when it must catch a state to kill in
         kv.set("shutdown", 1)
         for p in procs.values():
             p.join(20)
