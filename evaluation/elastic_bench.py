@@ -1,7 +1,7 @@
 """Elastic Hybrid Pool benchmark on loopback gloo (pinned --json keys, issue 6).
 
     python evaluation/elastic_bench.py [--model qwen2|mlp] [--hidden N] [--batch N] [--repeats R]
-        [--join-at S] [--release-after K] [--fetch-delay SEC] [--pin-cpus] [--json]
+        [--join-at S] [--release-after K] [--fetch-delay SEC] [--pin-cpus] [--background-nice N] [--json]
 
 Per repeat, three runs of the same deterministic training (areal_libra.elastic.testbed):
   joined  one core replica; hybrid h0 is asked to join at --join-at and released --release-after steps
@@ -16,18 +16,24 @@ Reported:
                             gradient: requested, fetching, zero-sync, activating);
   join_latency_s            request -> first committed step with the replica's real gradients (median);
   release_latency_s         request -> its rollout server serving again with current weights (median).
+Without --json it also prints, per repeat, the during-join median over (a) the same steps of ref_a and
+(b) the steps before the request in the same run (same ambient load), their spread over repeats, and
+where the training thread spent its protocol time in each join step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# c10d logs a warning for every store wait slice that runs out (long steps); keep the output readable.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from areal_libra.elastic.core import RuntimeConfig  # noqa: E402
 from areal_libra.elastic.testbed import TestbedConfig, run  # noqa: E402
@@ -48,7 +54,7 @@ def _maxdiff(a, b) -> float:
 def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, object]:
     rt = RuntimeConfig(fetch_delay_s=args.fetch_delay)
     base = dict(model=args.model, hidden=args.hidden, batch_per_rank=args.batch, seed=seed, runtime=rt,
-                lr=args.lr, pin_cpus=args.pin_cpus)
+                lr=args.lr, pin_cpus=args.pin_cpus, background_nice=args.background_nice)
     joined = run(TestbedConfig(max_steps=args.max_steps, join_at={"h0": args.join_at},
                                release_after={"h0": args.release_after}, tail_steps=args.tail, **base),
                  f"{workdir}/joined")["core"][0]
@@ -62,25 +68,46 @@ def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, o
     ref_b = run(TestbedConfig(max_steps=r, start_step=a, static=("h0",),
                               init_state=f"{workdir}/ref_a/state_v{a}_p{{rank}}.pt", **base),
                 f"{workdir}/ref_b")["core"][0]
+    ref_by_step = {m["step"]: m for m in ref_a["metrics"]}
     diff = max([_maxdiff(joined["params"][k], ref_a["params"][k]) for k in range(a + 1)]
                + [_maxdiff(joined["params"][k], ref_b["params"][k]) for k in range(a, r + 1)])
+    # "During join" = from the step at which the join is requested up to, not including, the first
+    # step with the replica's real gradients: requested, fetching, zero_sync (activating flips to
+    # training at a step boundary, so it never lasts a step).
     join_steps = [m["step"] for m in joined["metrics"] if any(m.get(k, 0) > 0 for k in JOINING)]
+    # Same-run baseline: the steps before the request (step 0 excluded: first-step warm-up), measured
+    # seconds before the join under the same ambient load.
+    before = [s for s in joined["step_s"] if 0 < s < args.join_at]
     ev = {e["event"]: e for e in joined["events"]}
     by_step = {m["step"]: m for m in joined["metrics"]}
-    ref_by_step = {m["step"]: m for m in ref_a["metrics"]}
-    phases = [(next((k[10:] for k in JOINING if by_step[s].get(k, 0) > 0), "?"),
-               joined["step_s"][s] / ref_a["step_s"][s],
-               by_step[s]["elastic/reduce_s"], ref_by_step[s]["elastic/reduce_s"]) for s in join_steps]
+    phases = []
+    for s in join_steps:
+        m = by_step[s]
+        phases.append({"phase": next((k[10:] for k in JOINING if m.get(k, 0) > 0), "?"),
+                       "x_ref": joined["step_s"][s] / ref_a["step_s"][s],
+                       "protocol_ms": 1e3 * (m["elastic/begin_s"] + m["elastic/reduce_s"]),
+                       "ref_protocol_ms": 1e3 * (ref_by_step[s]["elastic/begin_s"] + ref_by_step[s]["elastic/reduce_s"]),
+                       **{k: 1e3 * m[f"elastic/{k}"] for k in ("begin_s", "rebuild_s", "allreduce_s", "fence_s")}})
+    during = [joined["step_s"][s] for s in join_steps]
+    no_join = [ref_a["step_s"][s] for s in join_steps]
     return {
         "phases": phases,
         "diff": diff,
-        "during": [joined["step_s"][s] for s in join_steps],
-        "no_join": [ref_a["step_s"][s] for s in join_steps],
+        "during": during,
+        "no_join": no_join,
+        "x_ref": statistics.median(during) / statistics.median(no_join),
+        "x_before": statistics.median(during) / statistics.median(joined["step_s"][s] for s in before)
+        if before else float("nan"),
         "join_latency_s": ev["first_real_gradient"]["latency_s"],
         "release_latency_s": ev["released"]["latency_s"] if "released" in ev else float("nan"),
         "activation_step": a, "release_step": r, "join_steps": join_steps,
         "all_no_join_median": statistics.median(ref_a["step_s"].values()),
     }
+
+
+def _spread(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return f"median {statistics.median(xs):.3f} (min {xs[0]:.3f}, max {xs[-1]:.3f}, n {len(xs)})"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -89,19 +116,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--join-at", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--join-at", type=int, default=6)
     p.add_argument("--release-after", type=int, default=3)
     p.add_argument("--tail", type=int, default=2)
-    p.add_argument("--max-steps", type=int, default=80)
+    p.add_argument("--max-steps", type=int, default=300)
     p.add_argument("--fetch-delay", type=float, default=0.0, help="extra seconds per snapshot fetch (emulates a big model)")
     p.add_argument("--pin-cpus", action="store_true",
                    help="core on CPU 0, hybrid on the others (a stand-in for separate devices)")
+    p.add_argument("--background-nice", type=int, default=19,
+                   help="nice value of the background threads (0: same priority as training, for comparison)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     for name in ("hidden", "batch", "repeats", "max_steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.background_nice <= 19:
+        raise UsageError("--background-nice must be in 0..19")
     if args.join_at < 0 or args.release_after < 1 or args.fetch_delay < 0 or args.lr <= 0:
         raise UsageError("--join-at >= 0, --release-after >= 1, --fetch-delay >= 0 and --lr > 0 are required")
     if args.model == "qwen2" and args.hidden % 4:
@@ -136,15 +167,22 @@ def main(argv: list[str] | None = None) -> int:
         for k in KEYS:
             print(f"{k:28s} {out[k]:.6g}")
         ratio = out["core_step_s_during_join"] / out["core_step_s_no_join"]
-        print(f"{'during/no-join step time':28s} {ratio:.3f}  (steps during joins: {len(during)}, "
-              f"repeats: {args.repeats}, model: {args.model} hidden {args.hidden})")
+        print(f"{'during/no-join step time':28s} {ratio:.3f}  (pooled medians; steps during joins: {len(during)}, "
+              f"repeats: {args.repeats}, model: {args.model} hidden {args.hidden}, batch {args.batch})")
+        print(f"per repeat, during-join median / same steps of the no-join run: {_spread([r['x_ref'] for r in reps])}")
+        print(f"per repeat, during-join median / steps 1..{args.join_at - 1} of the same run: "
+              f"{_spread([r['x_before'] for r in reps])}")
+        print(f"join latency s: {_spread([r['join_latency_s'] for r in reps])}; "
+              f"release latency s: {_spread([r['release_latency_s'] for r in reps])}")
         for i, r in enumerate(reps):
             print(f"repeat {i}: activation step {r['activation_step']}, release step {r['release_step']}, "
-                  f"join steps {r['join_steps']}, median no-join step (all) {r['all_no_join_median']:.4f}s")
-            for phase, ratio, proto, proto_ref in r["phases"]:
-                # protocol = time inside reduce_gradients (plan, snapshot clone, domain rebuild, all-reduce)
-                print(f"  {phase:10s} step time x{ratio:.2f} of no-join; protocol {proto * 1e3:.1f} ms "
-                      f"(no-join {proto_ref * 1e3:.1f} ms)")
+                  f"join steps {r['join_steps']}, median no-join step (all) {r['all_no_join_median']:.4f}s, "
+                  f"x_ref {r['x_ref']:.3f}, x_before {r['x_before']:.3f}")
+            for p in r["phases"]:
+                # protocol = time in begin_step + reduce_gradients on the training thread
+                print(f"  {p['phase']:10s} step x{p['x_ref']:.2f} of no-join; protocol {p['protocol_ms']:.1f} ms "
+                      f"(no-join {p['ref_protocol_ms']:.1f}): begin {p['begin_s']:.1f}, rendezvous wait "
+                      f"{p['rebuild_s']:.1f}, all-reduce {p['allreduce_s']:.1f}, clone fence {p['fence_s']:.1f}")
     return 0
 
 

@@ -10,16 +10,28 @@ the step and writes it as `plan/<step>`. Protocol keys (under the namespace):
     prog/<rid>/<rank>      hybrid -> leader  {"gen", "state", "version", "t"}
     hb/<rid>/<rank>        hybrid heartbeat  wall time, every heartbeat_interval_s
     snapreq/<rid>/<g>      hybrid -> leader  count of refused snapshots: publish a fresh one
-    plan/<step>            leader -> all     {"attempt", "epoch", "members", "states", "gens", "snapshot"}
+    plan/<step>            leader -> all     {"attempt", "epoch", "members", "side", "states", "gens", "snapshot"}
     result/<step>/<a>      leader -> hybrids "commit" | "retry"
+    sidego/<step>/<rid>/p<pos>  core -> joiner  the committed step's gradient goes out on <rid>'s side channel
     cur_step, shutdown
 
 The core's own process groups are never touched: the only core-group collective here is a MIN of a
 success flag, so that all core ranks retry or commit a step together.
+
+Per shard position: the domain (`members`: the core and the training hybrids), rebuilt only on
+membership changes, whose all-reduce is on the training thread's critical path; and one side channel
+per zero-sync joiner (`side`: a two-member group, core and joiner, per joiner generation). A joiner never
+enters the core's all-reduce: after each committed step a background thread of the core all-reduces
+the step's result with weight 1 over each joiner's side channel while the joiner sends zeros with weight
+0, so it receives exactly the committed gradient and the core never waits for it. A joiner that is
+slow, descheduled or dead in zero-sync costs the core nothing (nor the other joiners: separate groups);
+it enters the domain once it reported that it holds the live version.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +42,7 @@ import torch.distributed as dist
 
 from areal_libra.elastic.domain import DomainError, GradientDomain
 from areal_libra.elastic.kv import KV, connect
+from areal_libra.elastic.priority import enter_background
 from areal_libra.elastic.snapshot import SnapshotStore
 from areal_libra.elastic.state import CATCHING_UP, IN_DOMAIN, HybridReplica, Pool, ReplicaState
 
@@ -88,6 +101,7 @@ class ElasticCore:
         self.corrupt = list(corrupt_snapshots or [])  # fault injection: applied to successive publishes
         self.epoch = 0
         self.members: tuple[str, ...] = ()
+        self.side = _SideSender(store, core_rank, cfg, self.kv.ns)
         self.snapreq_seen: dict[str, int] = {}
         self.t_request: dict[str, float] = {}
         self.last: dict[str, float] = {}
@@ -207,7 +221,9 @@ class ElasticCore:
         dead: list[HybridReplica] = []
         while suspects and not dead and time.time() < deadline:
             now = time.time()
-            dead = [h for h in suspects if self._stale(h, now)]
+            # Dead (silent), or alive but gone: it reported failure or rollout for this generation.
+            dead = [h for h in suspects if self._stale(h, now)
+                    or any(r["state"] in ("failed", "rollout") for r in self._reports(h))]
             if not dead:
                 time.sleep(self.cfg.heartbeat_interval_s)
         if not dead and attempt + 1 >= self.cfg.max_attempts - 1:
@@ -226,11 +242,12 @@ class ElasticCore:
     def _write_plan(self, step: int, attempt: int, publish: bool) -> dict[str, Any]:
         in_dom = sorted((h for h in self.pool.hybrid.values() if h.alive and h.state in IN_DOMAIN),
                         key=lambda h: h.rid)
-        members = (CORE, *(h.rid for h in in_dom))
+        members = (CORE, *(h.rid for h in in_dom if h.state == ReplicaState.TRAINING))
+        joiners = [h.rid for h in in_dom if h.state != ReplicaState.TRAINING]
         if members != self.members or attempt > 0:
             self.epoch += 1  # a failed group is never reused, even with the same members
         plan = {
-            "step": step, "attempt": attempt, "epoch": self.epoch, "members": list(members),
+            "step": step, "attempt": attempt, "epoch": self.epoch, "members": list(members), "side": joiners,
             "states": {h.rid: h.state.value for h in in_dom},
             "gens": {h.rid: h.generation for h in in_dom},
             "snapshot": step if publish else None,
@@ -322,6 +339,9 @@ class ElasticCore:
             else:
                 plan = self._get_plan(step, attempt + 1)
             attempt += 1
+        if plan.get("side"):
+            # Zero-sync joiners get the committed gradient off the critical path (background thread).
+            self.side.submit(step, [(rid, plan["gens"][rid]) for rid in plan["side"]], flat)
         if plan["log_grads"]:
             # The domain's output buffer is fresh per step: the log takes it over without a copy.
             self.snapshots.publish_grad_async(step, self.rank, flat, owned=True)
@@ -358,12 +378,71 @@ class ElasticCore:
         return out
 
     def shutdown(self) -> None:
+        self.side.close(10.0)
         self.snapshots.wait(30)
         if self.is_leader:
             self.kv.set("shutdown", 1)
             if self.last_step is not None:
                 # Hybrids block on the next plan: give them one that tells them to stop.
                 self.kv.set(f"plan/{self.last_step + 1}", {"shutdown": True})
+
+
+class _SideSender:
+    """The core's end of the side channels: a background thread that, for each committed step and each
+    zero-sync joiner, announces the step (`sidego/<step>/<rid>/p<pos>`, so that a joiner never sits in
+    a gloo wait that could time out during a long step) and all-reduces the step's reduced gradient with
+    weight 1 against the joiner's zeros: g*1 + 0 = g and /1 is exact, the joiner receives the core's bits.
+    A side group is (core, joiner) for one joiner generation; a failed one is not retried (the joiner
+    gives up and the leader rolls it back)."""
+
+    def __init__(self, store: Any, position: int, cfg: RuntimeConfig, ns: str) -> None:
+        self.store, self.position, self.cfg, self.ns = store, position, cfg, ns
+        self.q: queue.Queue[tuple[int, list[tuple[str, int]], torch.Tensor] | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.errors: list[str] = []
+        self.sent = 0
+
+    def submit(self, step: int, joiners: list[tuple[str, int]], flat: torch.Tensor) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name=f"side-p{self.position}", daemon=True)
+            self.thread.start()
+        self.q.put((step, joiners, flat))
+
+    def _run(self) -> None:
+        enter_background()
+        factory = _store_factory(self.store, self.cfg)
+        store = factory() if factory is not None else self.store
+        kv = KV(store, self.ns)
+        groups: dict[str, GradientDomain] = {}
+        bad: set[tuple[str, int]] = set()
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            step, joiners, flat = item
+            for rid, gen in joiners:
+                if (rid, gen) in bad:
+                    continue  # that side channel failed (joiner died or left): never wait on it again
+                dom = groups.get(rid)
+                if dom is None:
+                    dom = groups[rid] = GradientDomain(
+                        store, position=self.position, me=CORE, timeout_s=self.cfg.domain_timeout_s,
+                        chunk_elems=self.cfg.chunk_elems, backend=self.cfg.backend, namespace=f"{self.ns}side/{rid}")
+                try:
+                    kv.set(f"sidego/{step}/{rid}/p{self.position}", gen)
+                    if dom.epoch != gen or dom.group is None:
+                        dom.rebuild(gen, (CORE, rid))
+                    dom.reduce_flat([flat], 1.0)
+                    self.sent += 1
+                except DomainError as e:
+                    bad.add((rid, gen))
+                    dom.close()
+                    self.errors.append(f"side channel {rid} gen {gen} step {step}: {e}")
+
+    def close(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.q.put(None)
+            self.thread.join(timeout)
 
 
 def _store_factory(store: Any, cfg: RuntimeConfig) -> Callable[[], Any] | None:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from areal_libra.elastic.core import RuntimeConfig
+from areal_libra.elastic.core import CORE, RuntimeConfig
 from areal_libra.elastic.domain import DomainError, GradientDomain
 from areal_libra.elastic.kv import KV, connect
 from areal_libra.elastic.priority import enter_background
@@ -131,6 +131,10 @@ class HybridWorker:
         self.domain = GradientDomain(self.kv.store, position=rank, me=rid, timeout_s=cfg.domain_timeout_s,
                                      chunk_elems=cfg.chunk_elems, backend=cfg.backend,
                                      namespace=f"{cfg.namespace}/dom")
+        # Zero-sync: the side channel to the core's background sender (see core.py), never the domain.
+        self.side = GradientDomain(self.kv.store, position=rank, me=rid, timeout_s=cfg.domain_timeout_s,
+                                   chunk_elems=cfg.chunk_elems, backend=cfg.backend,
+                                   namespace=f"{cfg.namespace}/side/{rid}")
         self.start_active = start_active  # (step, generation): static member from `step` (reference runs)
         self.verbose = verbose
         self.events: list[dict[str, Any]] = []
@@ -182,6 +186,8 @@ class HybridWorker:
         self._stop_catchup()
         self.domain.close()
         self.domain.epoch = None
+        self.side.close()
+        self.side.epoch = None
         self.in_domain = False
         self.version = None
         self.live.clear()
@@ -324,12 +330,36 @@ class HybridWorker:
                 with self.lock:
                     self.catch_up()
 
+    def _side_step(self, s: int, plan: dict[str, Any]) -> bool:
+        """Zero-sync step s: send zeros with weight 0 on the side channel once the core announces the
+        committed step; receive its reduced gradient into a fresh buffer (no replica state touched, so
+        the catch-up thread may be applying older steps meanwhile). False when this replica left."""
+        go = self.kv.wait(f"sidego/{s}/{self.rid}/p{self.rank}", self.cfg.plan_timeout_s, poll_s=1.0,
+                          abort=lambda: self._shutdown() or self._cancelled())
+        if go is None:
+            if self._shutdown():
+                self._stop.set()
+            else:
+                self._to_rollout("join cancelled in zero-sync")
+            return False
+        try:
+            if self.side.epoch != self.gen or self.side.group is None:
+                self.side.rebuild(self.gen, (CORE, self.rid))
+            flat, _ = self.side.reduce_flat([], 0.0, numel=self.numel)
+        except DomainError as e:
+            self._report("failed", error=f"side channel at step {s}: {e}")
+            self._to_rollout("side channel failed")
+            return False
+        self.live[s] = flat
+        return True
+
     def _step(self, s: int, plan: dict[str, Any]) -> bool:
         """One domain step (with retries); False when this replica left the domain.
 
-        Zero-sync reduces into a fresh buffer (no replica state touched, so the catch-up thread may be
-        applying older steps meanwhile); a training step first takes over the catch-up at normal
-        priority, so that it computes at exactly version s."""
+        A training step first takes over the catch-up at normal priority, so that it computes at
+        exactly version s."""
+        if self.rid in plan.get("side", ()):
+            return self._side_step(s, plan)
         while True:
             training = plan["states"][self.rid] == "training"
             weight = 0.0

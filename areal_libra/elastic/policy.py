@@ -64,8 +64,18 @@ class ElasticPolicy:
         n_active: int,
         n_idle: int,
         steps_since_change: int | None = None,
+        *,
+        train_replicas: int | None = None,
+        rollout_gpus: int | None = None,
+        unit_gpus: int | None = None,
     ) -> Decision:
-        """n_active: hybrid replicas training now; n_idle: hybrid replicas serving rollout (joinable)."""
+        """n_active: hybrid replicas training now; n_idle: hybrid replicas serving rollout (joinable).
+
+        With `train_replicas` (data-parallel replicas training now, core + active hybrid), `rollout_gpus`
+        and `unit_gpus` (GPUs of one hybrid replica) given, a move is made only if it does not overshoot:
+        the ratio projected after it (training time scales with 1/replicas, rollout time with
+        1/rollout GPUs) must not land beyond the opposite threshold, where the next decision would undo
+        it. Without them the thresholds alone decide."""
         c = self.cfg
         if n_active < 0 or n_idle < 0:
             raise ValueError(f"replica counts must be >= 0, got n_active={n_active} n_idle={n_idle}")
@@ -85,11 +95,19 @@ class ElasticPolicy:
         if ratio >= c.join_ratio:
             if n_idle > 0:
                 n = min(n_idle, c.max_join_per_decision)
+                after = _projected(ratio, train_replicas, rollout_gpus, unit_gpus, n)
+                if after is not None and after <= c.release_ratio:
+                    return Decision("hold", 0, f"T_train/T_rollout {ratio:.2f} high, but {after:.2f} after joining "
+                                    f"{n} would be <= {c.release_ratio:.2f}")
                 return Decision("join", n, f"T_train/T_rollout {ratio:.2f} >= {c.join_ratio:.2f}")
             return Decision("hold", 0, f"T_train/T_rollout {ratio:.2f} high, no idle hybrid replica")
         if ratio <= c.release_ratio:
             if n_active > 0:
                 n = min(n_active, c.max_release_per_decision)
+                after = _projected(ratio, train_replicas, rollout_gpus, unit_gpus, -n)
+                if after is not None and after >= c.join_ratio:
+                    return Decision("hold", 0, f"T_train/T_rollout {ratio:.2f} low, but {after:.2f} after releasing "
+                                    f"{n} would be >= {c.join_ratio:.2f}")
                 return Decision("release", n, f"T_train/T_rollout {ratio:.2f} <= {c.release_ratio:.2f}")
             return Decision("hold", 0, f"T_train/T_rollout {ratio:.2f} low, no active hybrid replica")
         return Decision("hold", 0, f"T_train/T_rollout {ratio:.2f} inside hysteresis band")
@@ -122,3 +140,16 @@ class ElasticPolicy:
         if target < n_active:
             return Decision("release", n_active - target, f"plan wants {target} hybrid replicas, {n_active} active")
         return Decision("hold", 0, f"plan satisfied ({target} hybrid replicas)")
+
+
+def _projected(ratio: float, replicas: int | None, rollout_gpus: int | None, unit_gpus: int | None,
+               delta: int) -> float | None:
+    """T_train/T_rollout after `delta` replicas join (> 0) or leave (< 0) training, assuming training time
+    scales with 1/replicas and rollout time with 1/rollout GPUs; None when the sizes are not known or the
+    move would empty a side."""
+    if replicas is None or rollout_gpus is None or unit_gpus is None:
+        return None
+    new_rep, new_roll = replicas + delta, rollout_gpus - delta * unit_gpus
+    if new_rep < 1 or new_roll < 1 or replicas < 1 or rollout_gpus < 1:
+        return None
+    return ratio * (replicas / new_rep) * (new_roll / rollout_gpus)
