@@ -7,6 +7,7 @@ Per repeat, three runs of the same deterministic training (areal_libra.elastic.t
   joined  one core replica; hybrid h0 is asked to join at --join-at and released --release-after steps
           after its first real gradient;
   ref_a   the same steps with no hybrid (also the step-time baseline);
+  ref_a2  the same as ref_a again (A/A: the noise the machine alone puts into a step-time ratio);
   ref_b   from ref_a's state at h0's activation step, h0 a static member, up to the release.
 Reported:
   equivalence_max_abs_diff  max |joined - ref_a| over steps up to activation and |joined - ref_b| from
@@ -65,6 +66,9 @@ def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, o
     released = [m["step"] for m in joined["metrics"] if "h0" not in m["members"] and m["step"] > a]
     r = released[0] if released else n  # first step without h0: params[r] is the last one it shaped
     ref_a = run(TestbedConfig(max_steps=n, hybrids=(), save_state_at=a, **base), f"{workdir}/ref_a")["core"][0]
+    # A/A: a second no-join run, compared with ref_a exactly as `joined` is: the spread that ambient load
+    # alone (other processes on the machine) puts into the ratio.
+    ref_a2 = run(TestbedConfig(max_steps=n, hybrids=(), **base), f"{workdir}/ref_a2")["core"][0]
     ref_b = run(TestbedConfig(max_steps=r, start_step=a, static=("h0",),
                               init_state=f"{workdir}/ref_a/state_v{a}_p{{rank}}.pt", **base),
                 f"{workdir}/ref_b")["core"][0]
@@ -96,6 +100,15 @@ def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, o
         "during": during,
         "no_join": no_join,
         "x_ref": statistics.median(during) / statistics.median(no_join),
+        "x_ref_mean": statistics.fmean(during) / statistics.fmean(no_join),
+        "x_aa": statistics.median(ref_a2["step_s"][s] for s in join_steps) / statistics.median(no_join),
+        # CPU time of the training thread itself: the protocol's own work on it (and cache effects),
+        # without the time it waited for a CPU.
+        "x_cpu": statistics.median(joined["cpu_s"][s] for s in join_steps)
+        / statistics.median(ref_a["cpu_s"][s] for s in join_steps),
+        # The first step with the replica's real gradients: a training step of two replicas (the core
+        # waits for the slower one and all-reduces with it), reported apart from the join.
+        "x_first": joined["step_s"][a] / ref_a["step_s"][a],
         "x_before": statistics.median(during) / statistics.median(joined["step_s"][s] for s in before)
         if before else float("nan"),
         "join_latency_s": ev["first_real_gradient"]["latency_s"],
@@ -124,7 +137,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fetch-delay", type=float, default=0.0, help="extra seconds per snapshot fetch (emulates a big model)")
     p.add_argument("--pin-cpus", action="store_true",
                    help="core on CPU 0, hybrid on the others (a stand-in for separate devices)")
-    p.add_argument("--background-nice", type=int, default=19,
+    p.add_argument("--background-nice", type=int, default=10,
                    help="nice value of the background threads (0: same priority as training, for comparison)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -170,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'during/no-join step time':28s} {ratio:.3f}  (pooled medians; steps during joins: {len(during)}, "
               f"repeats: {args.repeats}, model: {args.model} hidden {args.hidden}, batch {args.batch})")
         print(f"per repeat, during-join median / same steps of the no-join run: {_spread([r['x_ref'] for r in reps])}")
+        print(f"per repeat, during-join mean / same steps of the no-join run: {_spread([r['x_ref_mean'] for r in reps])}")
+        print(f"per repeat, A/A: a second no-join run / the no-join run, same steps: {_spread([r['x_aa'] for r in reps])}")
+        print(f"per repeat, training-thread CPU time, during-join / no-join: {_spread([r['x_cpu'] for r in reps])}")
+        print(f"per repeat, first training step / same step of the no-join run: {_spread([r['x_first'] for r in reps])}")
         print(f"per repeat, during-join median / steps 1..{args.join_at - 1} of the same run: "
               f"{_spread([r['x_before'] for r in reps])}")
         print(f"join latency s: {_spread([r['join_latency_s'] for r in reps])}; "
@@ -177,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, r in enumerate(reps):
             print(f"repeat {i}: activation step {r['activation_step']}, release step {r['release_step']}, "
                   f"join steps {r['join_steps']}, median no-join step (all) {r['all_no_join_median']:.4f}s, "
-                  f"x_ref {r['x_ref']:.3f}, x_before {r['x_before']:.3f}")
+                  f"x_ref {r['x_ref']:.3f}, x_aa {r['x_aa']:.3f}, x_cpu {r['x_cpu']:.3f}, x_before {r['x_before']:.3f}")
             for p in r["phases"]:
                 # protocol = time in begin_step + reduce_gradients on the training thread
                 print(f"  {p['phase']:10s} step x{p['x_ref']:.2f} of no-join; protocol {p['protocol_ms']:.1f} ms "

@@ -320,12 +320,15 @@ class ElasticCore:
                 if plan["epoch"] != self.domain.epoch or self.domain.group is None:
                     self.domain.rebuild(plan["epoch"], plan["members"])
                     rebuild_s += self.domain.last_rebuild_wait_s
-                flat, _ = self.domain.reduce_flat(tensors, weight)
+                if len(plan["members"]) > 1:
+                    flat, _ = self.domain.reduce_flat(tensors, weight)
+                # Alone in the domain the result is the core's own gradient, bit for bit: no arithmetic
+                # (sum_r w_r g_r / sum_r w_r would round), so the hook is exactly inert without hybrids.
             except DomainError as e:
                 ok, err = False, str(e)
             if self._all_ok(ok):
-                assert flat is not None
-                GradientDomain.scatter(flat, tensors)
+                if flat is not None:
+                    GradientDomain.scatter(flat, tensors)
                 if self.is_leader:
                     self.kv.set(f"result/{step}/{attempt}", "commit")
                     self._on_commit(step, plan)
@@ -339,6 +342,8 @@ class ElasticCore:
             else:
                 plan = self._get_plan(step, attempt + 1)
             attempt += 1
+        if flat is None and (plan.get("side") or plan["log_grads"]):
+            flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])  # one copy, for the joiners
         if plan.get("side"):
             # Zero-sync joiners get the committed gradient off the critical path (background thread).
             self.side.submit(step, [(rid, plan["gens"][rid]) for rid in plan["side"]], flat)
@@ -354,7 +359,8 @@ class ElasticCore:
         self.snapshots.fence()  # the optimizer step follows: the snapshot clone must have read the state
         now = time.perf_counter()
         self.last.update(reduce_s=now - t0, attempts=float(attempt + 1), begin_s=begin_s, rebuild_s=rebuild_s,
-                         allreduce_s=self.domain.last_reduce_s, fence_s=now - t_fence)
+                         allreduce_s=self.domain.last_reduce_s if len(plan["members"]) > 1 else 0.0,
+                         fence_s=now - t_fence)
         self.members = tuple(plan["members"])
         return self.metrics()
 

@@ -56,7 +56,7 @@ class TestbedConfig:
     kill: dict[str, Any] | None = None  # {"rid", "state": "fetching"|"training"}: SIGKILL the replica then
     rollout_requests: int = 0  # size of the rollout workload served by hybrids while in rollout mode
     pin_cpus: bool = False  # core ranks on CPU 0, hybrid ranks on the other CPUs (stand-in for own devices)
-    background_nice: int = 19  # nice value of background threads (snapshot writer, joiner's catch-up); 0 = off
+    background_nice: int = 10  # nice value of background threads (snapshot writer, joiner catch-up, side sender)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     timeout_s: float = 180.0
 
@@ -127,7 +127,7 @@ def _setup_proc(cfg: TestbedConfig | None = None, core: bool = True) -> None:
 # -- processes -------------------------------------------------------------------------------------
 def _core_main(cfg: TestbedConfig, rank: int, host: str, port: int, outdir: str) -> None:
     _setup_proc(cfg, core=True)
-    out: dict[str, Any] = {"params": {}, "step_s": {}, "metrics": [], "error": None}
+    out: dict[str, Any] = {"params": {}, "step_s": {}, "cpu_s": {}, "metrics": [], "error": None}
     core = None
     try:
         store = connect(host, port, timeout_s=cfg.runtime.domain_timeout_s)
@@ -162,7 +162,7 @@ def _core_main(cfg: TestbedConfig, rank: int, host: str, port: int, outdir: str)
                 cont = kv.wait(f"tb/continue/{step}", 300.0)
             if not cont:
                 break
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             core.begin_step(step)  # before forward, as the AReaL hook does: the plan is known early
             weight = rep.compute_gradients(step)
             if cfg.step_sleep_s:
@@ -170,6 +170,7 @@ def _core_main(cfg: TestbedConfig, rank: int, host: str, port: int, outdir: str)
             m = core.reduce_gradients(step, rep.grad_tensors(), weight)
             rep.apply_update()
             out["step_s"][step] = time.perf_counter() - t0
+            out["cpu_s"][step] = time.thread_time() - c0  # the training thread's own CPU time
             step += 1
             out["params"][step] = rep.flat_params()
             if core.is_leader:
@@ -179,6 +180,8 @@ def _core_main(cfg: TestbedConfig, rank: int, host: str, port: int, outdir: str)
             if cfg.save_state_at is not None and step == cfg.save_state_at:
                 torch.save(rep.state(), os.path.join(outdir, f"state_v{step}_p{rank}.pt"))
         out["final_step"] = step
+        out["process_cpu_s"] = time.process_time()  # all threads: training + background
+        out["train_cpu_s"] = time.thread_time()
         if core.is_leader:
             out["first_real"] = first_real
             out["events"] = core.events
@@ -240,6 +243,7 @@ def _hybrid_main(cfg: TestbedConfig, rid: str, rank: int, host: str, port: int, 
         out.update(res)
         out["final_params"] = rep.flat_params()
         out["served"] = rollout.served if rollout else 0
+        out["process_cpu_s"] = time.process_time()
     except Exception:  # noqa: BLE001
         out["error"] = traceback.format_exc()
     torch.save(out, os.path.join(outdir, f"hyb_{rid}_{rank}.pt"))
