@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_libra.elastic.core import RuntimeConfig
 from areal_libra.elastic.testbed import TestbedConfig, run
 
 TOL = 1e-6
@@ -24,8 +25,10 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_join_equivalence(tmp_path, replica_size):
     # 10 ms of emulated compute per step: a joiner replays one optimizer step per core step and must
     # outpace the core to catch up (true of real steps; not of a bare 1 ms MLP step at low priority).
+    # Nothing is killed here: timeouts no loaded machine reaches, so a slow replica is never dropped.
+    patient = RuntimeConfig(heartbeat_timeout_s=30.0, domain_timeout_s=60.0)
     join = TestbedConfig(max_steps=60, replica_size=replica_size, join_at={"h0": 1}, tail_steps=3,
-                         step_sleep_s=0.01)
+                         step_sleep_s=0.01, runtime=patient)
     joined = run(join, str(tmp_path / "joined"))
     core = joined["core"][0]
     a = core["first_real"]["h0"]  # first step with real gradients from h0 (its activation step)
@@ -33,6 +36,11 @@ def test_join_equivalence(tmp_path, replica_size):
     assert 1 < a < n - 1, (a, n)
     states = [m["elastic/n_fetching"] + m["elastic/n_zero_sync"] for m in core["metrics"]]
     assert sum(states) >= 1, "the join never went through fetching/zero-sync"
+    # Zero-sync happened, over the side channel: the joiner was never in the core's all-reduce before
+    # its activation step, and was from then on.
+    assert any(m["elastic/n_zero_sync"] for m in core["metrics"])
+    assert all(m["members"] == ["core"] for m in core["metrics"] if m["step"] < a)
+    assert next(m for m in core["metrics"] if m["step"] == a)["members"] == ["core", "h0"]
 
     # Reference A: the same steps with no hybrid at all; save its state at version a.
     ref_a = run(TestbedConfig(max_steps=n, replica_size=replica_size, hybrids=(), save_state_at=a),

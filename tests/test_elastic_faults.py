@@ -8,6 +8,9 @@ from areal_libra.elastic.core import RuntimeConfig
 from areal_libra.elastic.testbed import TestbedConfig, run
 
 FAST = RuntimeConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, domain_timeout_s=5.0)
+# Tests that kill nothing: timeouts far above any stall a loaded machine causes, so a live replica is
+# never declared dead (they only matter on failure, so they cost no time).
+PATIENT = RuntimeConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=30.0, domain_timeout_s=60.0)
 
 
 def _maxdiff(a, b) -> float:
@@ -48,7 +51,7 @@ def test_kill_joining_worker_mid_fetch(tmp_path):
 def test_bad_snapshots_are_refused_and_the_join_retries(tmp_path):
     res = run(
         TestbedConfig(
-            max_steps=80, join_at={"h0": 1}, tail_steps=2, runtime=FAST, corrupt=["truncate", "wrong_version"],
+            max_steps=80, join_at={"h0": 1}, tail_steps=2, runtime=PATIENT, corrupt=["truncate", "wrong_version"],
             step_sleep_s=0.01,  # emulated compute: a joiner must replay faster than the core steps
         ),
         str(tmp_path / "bad"),
@@ -100,7 +103,7 @@ def test_rollout_requests_survive_join_and_release(tmp_path):
             release_after={"h0": 3},
             tail_steps=6,
             step_sleep_s=0.02,
-            runtime=FAST,
+            runtime=PATIENT,
             rollout_requests=400,
         ),
         str(tmp_path / "mode"),
@@ -120,3 +123,32 @@ def test_rollout_requests_survive_join_and_release(tmp_path):
     # It served both before the join and after the release, with different weights.
     fingerprints = {d["weights"] for d in res["rollout_done"].values() if d is not None}
     assert len(fingerprints) >= 2
+
+
+def test_hung_joiner_in_zero_sync_never_stalls_the_core(tmp_path):
+    # SIGSTOP (hung, not dead) while it is in zero-sync: a joiner exchanges with the core only over its
+    # side channel (a background thread of the core), so no core step waits for it or is retried; the
+    # lost heartbeat drops it at a step boundary and the core's parameters are those of a run without it.
+    res = run(
+        TestbedConfig(
+            max_steps=200,
+            join_at={"h0": 1},
+            tail_steps=4,
+            runtime=FAST,
+            step_sleep_s=0.05,
+            kill={"rid": "h0", "state": "zero_sync", "signal": "SIGSTOP"},
+        ),
+        str(tmp_path / "hung"),
+    )
+    core = res["core"][0]
+    assert res["killed"] is not None, core["events"]
+    assert "h0" not in core["first_real"]
+    assert not core["pool"]["h0"]["alive"] and core["pool"]["h0"]["state"] == "rollout"
+    assert any(e["event"] == "failed" and e["rid"] == "h0" for e in core["events"])
+    assert all(m["elastic/attempts"] == 1 for m in core["metrics"])
+    assert all(m["members"] == ["core"] for m in core["metrics"])  # never in the core's all-reduce
+    # No step waited for the hung joiner (a collective with it would have lasted domain_timeout_s).
+    assert max(core["step_s"].values()) < FAST.domain_timeout_s / 2
+    n = core["final_step"]
+    ref = run(TestbedConfig(max_steps=n, hybrids=()), str(tmp_path / "ref"))["core"][0]
+    assert max(_maxdiff(core["params"][k], ref["params"][k]) for k in range(n + 1)) <= 1e-6

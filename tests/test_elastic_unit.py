@@ -205,3 +205,36 @@ def test_live_config_from_libra_or_environment(monkeypatch):
     assert load_config(OmegaConf.create({})).join_at_step == 3
     with pytest.raises(ValueError, match="unknown libra.elastic keys"):
         load_config(OmegaConf.create({"elastic": {"enabled": True, "hybirds": 1}}))
+
+
+# -- background placement ----------------------------------------------------------------------------
+def test_background_threads_lower_only_themselves():
+    import os
+    import threading
+
+    from areal_libra.elastic import priority
+
+    saved = priority.placement()
+    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        priority.configure(nice=7, cpus={cpus[-1]})
+        main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen: dict[str, object] = {}
+
+        def bg(lower: bool) -> None:
+            priority.enter_background(lower=lower)
+            tid = threading.get_native_id()
+            seen[f"nice{lower}"] = os.getpriority(os.PRIO_PROCESS, tid)
+            seen[f"cpus{lower}"] = os.sched_getaffinity(tid)
+
+        for lower in (True, False):
+            t = threading.Thread(target=bg, args=(lower,))
+            t.start()
+            t.join()
+        assert seen["niceTrue"] == max(7, main_nice) and seen["niceFalse"] == main_nice
+        assert seen["cpusTrue"] == {cpus[-1]} and seen["cpusFalse"] == {cpus[-1]}
+        # The calling (training) thread keeps its priority and CPUs.
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
+        assert sorted(os.sched_getaffinity(0)) == cpus
+    finally:
+        priority.set_placement(saved)

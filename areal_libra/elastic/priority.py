@@ -42,6 +42,11 @@ def placement() -> BackgroundPlacement:
     return _placement
 
 
+def set_placement(p: BackgroundPlacement) -> None:
+    global _placement
+    _placement = p
+
+
 def place_thread(cpus: frozenset[int] | None) -> None:
     """Pin the calling thread (only it) to `cpus`; a no-op where unsupported or when cpus is None/empty."""
     if cpus and hasattr(os, "sched_setaffinity"):

@@ -53,7 +53,9 @@ class TestbedConfig:
     lr: float = 1e-2
     step_sleep_s: float = 0.0  # emulated extra compute per core step (benchmarks)
     corrupt: list[str] = field(default_factory=list)  # successive publishes: "truncate" | "wrong_version"
-    kill: dict[str, Any] | None = None  # {"rid", "state": "fetching"|"training"}: SIGKILL the replica then
+    # {"rid", "state": "fetching"|"zero_sync"|"training", "signal": "SIGKILL" (default) | "SIGSTOP"}:
+    # signal the replica's processes once the plan shows it in that state (SIGSTOP: hung, not dead)
+    kill: dict[str, Any] | None = None
     rollout_requests: int = 0  # size of the rollout workload served by hybrids while in rollout mode
     pin_cpus: bool = False  # core ranks on CPU 0, hybrid ranks on the other CPUs (stand-in for own devices)
     background_nice: int = 10  # nice value of background threads (snapshot writer, joiner catch-up, side sender)
@@ -282,7 +284,9 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
                 killed = _maybe_kill(cfg, kv, procs)
             time.sleep(0.005 if cfg.kill else 0.05)  # fast only when it must catch a state to kill in
         kv.set("shutdown", 1)
-        for p in procs.values():
+        for (who, _r), p in procs.items():
+            if killed is not None and who == killed["rid"] and p.is_alive():
+                p.kill()  # a stopped (hung) replica never exits by itself
             p.join(20)
     finally:
         for p in procs.values():
@@ -318,9 +322,10 @@ def _maybe_kill(cfg: TestbedConfig, kv: KV, procs: dict[tuple[str, int], Any]) -
     plan = kv.get(f"plan/{step}")
     if not plan or plan.get("pool", {}).get(cfg.kill["rid"]) != cfg.kill["state"]:
         return None
+    sig = getattr(signal, cfg.kill.get("signal", "SIGKILL"))
     for (who, _r), p in procs.items():
         if who == cfg.kill["rid"] and p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            os.kill(p.pid, sig)
     return {"rid": cfg.kill["rid"], "state": cfg.kill["state"], "step": step, "t": time.time()}
 
 
