@@ -70,6 +70,11 @@ class SynthConfig:
     calls_drift: float = 0.03
     max_turns: int = 30
     max_context: int = 32768
+    # Per-sample persistence: a sample's verbosity and the size of what its calls return are shared by its
+    # turns (0: every turn independent given the prompt, the first version of this generator). Calibrated
+    # so that persistence() matches PolyTrace Search-R1 steps 0-2 (gen 0.27, payload 0.34).
+    sample_gen_sigma: float = 0.27
+    sample_payload_sigma: float = 0.55
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,9 @@ def make_trajectory(cfg: SynthConfig, p: _Prompt, step: int, tid: str, rng: rand
     u = rng.random()
     noise = -1 if u < cfg.sample_noise / 2 else (1 if u < cfg.sample_noise else 0)
     needed = max(0, round(p.calls * (1 + cfg.calls_drift) ** step) + noise)
+    # Drawn only when on, so that sigma 0 reproduces the first version's traces exactly.
+    verbose = math.exp(rng.gauss(0.0, cfg.sample_gen_sigma)) if cfg.sample_gen_sigma > 0 else 1.0
+    heavy = math.exp(rng.gauss(0.0, cfg.sample_payload_sigma)) if cfg.sample_payload_sigma > 0 else 1.0
     others = [t for t in cfg.tool_payload if t != p.tool] or [p.tool]
     ctx = p.tokens
     segments: list[Segment] = []
@@ -111,7 +119,8 @@ def make_trajectory(cfg: SynthConfig, p: _Prompt, step: int, tid: str, rng: rand
     for _turn in range(cfg.max_turns - 1):
         if needed <= 0 or fails_in_row >= cfg.give_up:
             break
-        median = cfg.gen_median * math.sqrt(p.difficulty) * gen_scale * (1 + prev_payload / cfg.payload_gain)
+        median = (cfg.gen_median * verbose * math.sqrt(p.difficulty) * gen_scale
+                  * (1 + prev_payload / cfg.payload_gain))
         if prev_failed:
             median *= cfg.retry_gen
         gen = _lognormal(rng, median, cfg.gen_sigma)
@@ -126,7 +135,7 @@ def make_trajectory(cfg: SynthConfig, p: _Prompt, step: int, tid: str, rng: rand
             status, payload = "timeout", cfg.timeout_payload
         else:
             status = "success"
-            payload = _lognormal(rng, cfg.tool_payload[tool] * p.difficulty ** 0.3, cfg.payload_sigma)
+            payload = _lognormal(rng, cfg.tool_payload[tool] * heavy * p.difficulty ** 0.3, cfg.payload_sigma)
         payload = min(payload, max(0, cfg.max_context - ctx - 1))
         ctx += payload
         segments.append(Segment(gen, ToolReturn(tool, payload, status, round(rng.uniform(0.05, 2.0), 3))))
@@ -140,7 +149,7 @@ def make_trajectory(cfg: SynthConfig, p: _Prompt, step: int, tid: str, rng: rand
             needed += 1
         if payload > cfg.large_payload and rng.random() < cfg.large_cont:
             needed += 1
-    answer = _lognormal(rng, cfg.answer_median * math.sqrt(p.difficulty) * gen_scale
+    answer = _lognormal(rng, cfg.answer_median * verbose * math.sqrt(p.difficulty) * gen_scale
                         * (1 + prev_payload / cfg.payload_gain), cfg.gen_sigma)
     if ctx + answer >= cfg.max_context:
         answer, finish = max(0, cfg.max_context - ctx), "length"
@@ -168,6 +177,50 @@ def generate(cfg: SynthConfig, steps: int, seed: int = 0) -> list[list[Trajector
     return out
 
 
+def _corr(xs: list[float], ys: list[float]) -> float:
+    n = len(xs)
+    if n < 3:
+        return float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+
+
+def persistence(trajs: list[Trajectory]) -> dict:
+    """Per-sample persistence inside a GRPO group (same prompt, same step), the statistic the
+    sample_*_sigma defaults are calibrated on against PolyTrace Search-R1. Over trajectories with >= 3
+    segments, log values centred on their group's mean:
+    gen: corr(first generation, mean of the later generations);
+    payload: corr(first payload, second payload), both calls successful and of the same tool."""
+    groups: dict[tuple[str, int], list[Trajectory]] = {}
+    for t in trajs:
+        if len(t.segments) >= 3 and t.segments[0].tool is not None and t.segments[1].tool is not None:
+            groups.setdefault((t.prompt_id, t.step), []).append(t)
+    g1: list[float] = []
+    g2: list[float] = []
+    p1: list[float] = []
+    p2: list[float] = []
+
+    def centred(vals: list[float]) -> list[float]:
+        m = sum(vals) / len(vals)
+        return [v - m for v in vals]
+
+    for ts in groups.values():
+        if len(ts) < 3:
+            continue
+        g1 += centred([math.log1p(t.segments[0].gen_tokens) for t in ts])
+        g2 += centred([math.log1p(sum(s.gen_tokens for s in t.segments[1:]) / (len(t.segments) - 1)) for t in ts])
+        ok = [t for t in ts if t.segments[0].tool.status == t.segments[1].tool.status == "success"
+              and t.segments[0].tool.name == t.segments[1].tool.name]
+        if len(ok) >= 3:
+            p1 += centred([math.log1p(t.segments[0].tool.payload_tokens) for t in ok])
+            p2 += centred([math.log1p(t.segments[1].tool.payload_tokens) for t in ok])
+    return {"gen_corr": _corr(g1, g2), "payload_corr": _corr(p1, p2), "gen_pairs": len(g1),
+            "payload_pairs": len(p1)}
+
+
 def _set(cfg: SynthConfig, item: str) -> None:
     key, eq, val = item.partition("=")
     names = {f.name: f for f in fields(SynthConfig)}
@@ -182,12 +235,26 @@ def _set(cfg: SynthConfig, item: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="write synthetic agentic traces (canonical format)")
-    ap.add_argument("--out", required=True, help="output folder (step_{i}.jsonl.gz)")
+    ap.add_argument("--out", help="output folder (step_{i}.jsonl.gz)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="SynthConfig field=value")
+    ap.add_argument("--measure", nargs="+", metavar="FILE",
+                    help="print the per-sample persistence statistic of these trace files and exit")
     args = ap.parse_args(argv)
     cfg = SynthConfig()
+    if args.measure:
+        from areal_libra.trace import TraceError, read_traces
+
+        try:
+            print(persistence(read_traces(args.measure)))
+        except (TraceError, OSError) as e:
+            print(f"synth_trace: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if not args.out:
+        print("synth_trace: --out is required (or --measure FILES)", file=sys.stderr)
+        return 2
     try:
         if args.steps < 1:
             raise ValueError("--steps must be >= 1")

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
+from areal_libra.scheduler.drift import GrowthTable, LengthDrift, growth_factor
 from areal_libra.scheduler.states import SizeClasses, ToolState
-from areal_libra.scheduler.tree import PrefixTree
+from areal_libra.scheduler.tree import PrefixTree, decision_contexts
 from areal_libra.trace import ToolReturn, Trajectory
 
 
@@ -253,6 +254,15 @@ class CMLFQConfig:
     prompt_first: bool = True
     # Which parts of a tool-return state key the tree: any of "tool", "size", "status" (paper: all three).
     state_key: str = "tool,size,status"
+    # Correct the tree for length drift across training steps (scheduler/drift.py): remaining lengths are
+    # stored divided by their step's length level and read times the level extrapolated to the routed
+    # step, fitted on the newest `drift_steps` visible steps. With drift on, the tree is rebuilt from the
+    # last `rebuild_window` trajectories at every step boundary (the levels are re-estimated there).
+    drift: bool = False
+    drift_steps: int = 8
+    # At a tool return, scale the node's remaining lengths by (this request's growth past its prompt /
+    # the prompt's typical growth at the same depth) ** growth (0: off). Per-sample persistence.
+    growth: float = 0.0
     backend: str = "auto"
     tree_path: str | None = None  # load this tree file (empty tree + warning if it is missing or broken)
 
@@ -280,6 +290,10 @@ class CMLFQPolicy(_Base):
         if not parts <= {"tool", "size", "status"}:
             raise ValueError(f"state_key must list tool, size and/or status, got {cfg.state_key!r}")
         self._mask = None if len(parts) == 3 else ("tool" in parts, "size" in parts, "status" in parts)
+        self.drift = LengthDrift(cfg.drift_steps) if cfg.drift else None
+        self.growth = GrowthTable() if cfg.growth else None
+        self._scale = 1.0  # the length level the installed rule is expressed in
+        self._drift_dirty = False
         if tree is not None:
             self.tree = tree
         elif cfg.tree_path:
@@ -303,25 +317,59 @@ class CMLFQPolicy(_Base):
     def tree(self, tree: PrefixTree) -> None:
         """Install a tree (also a rebuilt or reloaded one): the state coarsening and the bucket rule go
         with it, so a swapped-in tree decides exactly like the one it replaces."""
-        cfg = self.config
         if self._mask is not None:
             tree.state_map = self._masked
-        tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
-                      float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
         self._tree = tree
+        self._install_rule(self._scale)
+
+    def _install_rule(self, scale: float) -> None:
+        # The tree holds lengths in units of the reference level; the rule compares them against the
+        # thresholds in the same units (every other part of the rule is scale-free).
+        cfg = self.config
+        th = self.buckets if scale == 1.0 else [t / scale for t in self.buckets]
+        self._tree.set_rule(th, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
+                            float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
+        self._scale = scale
 
     # --- learning ---
+    def _level_of(self, traj: Trajectory) -> float:
+        return self.drift.level(traj.step) if self.drift is not None else 1.0
+
     def _insert(self, traj: Trajectory) -> None:
         self._recent.append(traj)
-        self.tree.insert(traj)
+        if self.drift is not None:
+            self.drift.add(traj)
+            self._drift_dirty = True
+        level = self._level_of(traj)
+        self.tree.insert(traj, level)
+        if self.growth is not None:
+            self.growth.add(traj.prompt_id, traj.prompt_tokens, decision_contexts(traj), level)
         self._since_rebuild += 1
         if self.config.rebuild_every and self._since_rebuild >= self.config.rebuild_every:
-            self.tree.rebuild(self._recent)
-            self._since_rebuild = 0
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Rebuild the tree (and the growth table) from the recent window, at the current levels."""
+        self.tree.rebuild(self._recent, self._level_of if self.drift is not None else None)
+        if self.growth is not None:
+            self.growth.clear()
+            for t in self._recent:
+                self.growth.add(t.prompt_id, t.prompt_tokens, decision_contexts(t), self._level_of(t))
+        self._since_rebuild = 0
+
+    def _refit_drift(self) -> None:
+        """At a step boundary: re-estimate the levels from the visible steps and re-express the tree in
+        the new reference level (a rebuild from the recent window)."""
+        if self.drift is None or not self._drift_dirty:
+            return
+        self._drift_dirty = False
+        self.drift.refit()
+        self._rebuild()
 
     def fit(self, trajs: Iterable[Trajectory]) -> None:
         for t in trajs:
             self._insert(t)
+        self._refit_drift()
 
     def finish(self, traj: Trajectory) -> None:
         self._contexts.pop(traj.trajectory_id, None)
@@ -338,6 +386,7 @@ class CMLFQPolicy(_Base):
         for t in self._pending:
             self._insert(t)
         self._pending = []
+        self._refit_drift()
 
     # --- decisions ---
     def _decide(self, req: RequestInfo, current: int, ids: list[int], placing: bool = False) -> int:
@@ -345,8 +394,22 @@ class CMLFQPolicy(_Base):
         predicted final = context at that node's decision point + its remaining length (centre and P90);
         migrate when both land in the same bucket and it differs from the current one (with the
         overrun and move-cost switches); a first placement takes the centre's bucket."""
-        bucket, from_global = self.tree.decide(req.prompt_id, ids, req.context_tokens, req.decision_contexts,
-                                               current, placing)
+        ctx, dctx = req.context_tokens, req.decision_contexts
+        scale = self._scale
+        if self.drift is not None or self.growth is not None:
+            # A multiplier on the remaining lengths the tree predicts for this request; the rule runs
+            # unchanged in the tree's units (contexts and thresholds divided by it).
+            scale = 1.0 if self.drift is None else self.drift.level(self.drift.routed_step(req.step))
+            if self.growth is not None and req.tool_returns:
+                typical = self.growth.typical(req.prompt_id, len(req.tool_returns))
+                scale *= growth_factor((req.context_tokens - req.prompt_tokens) / scale, typical,
+                                       self.config.growth)
+            if scale != 1.0:  # express the request in the tree's units
+                ctx = int(round(ctx / scale))
+                dctx = tuple(int(round(c / scale)) for c in dctx)
+        if scale != self._scale:
+            self._install_rule(scale)
+        bucket, from_global = self.tree.decide(req.prompt_id, ids, ctx, dctx, current, placing)
         self.decisions += 1
         self.lookups_from_global += from_global
         return bucket

@@ -120,12 +120,16 @@ class PrefixTree:
         return out
 
     # --- hot path ---
-    def insert(self, traj: Trajectory) -> None:
+    def insert(self, traj: Trajectory, scale: float = 1.0) -> None:
+        """Insert a finished trajectory. scale != 1 stores remaining lengths divided by it (rounded): the
+        policy's drift switch keeps the tree in units of a reference length level."""
         sm = self.state_map
         ids = [self.state_id(tool_state(t, self.sizes) if sm is None else sm(tool_state(t, self.sizes)))
                for t in traj.tool_returns()]
         final = traj.final_length
         remaining = [max(0, final - c) for c in decision_contexts(traj)]
+        if scale != 1.0:
+            remaining = [int(round(r / scale)) for r in remaining]
         self._core.insert(traj.prompt_id, ids, remaining)
 
     def lookup(self, prompt_id: str, states: Sequence[ToolState], q: float = 0.5,
@@ -151,14 +155,15 @@ class PrefixTree:
         """One C-MLFQ decision in the core: (bucket, whether the global subtree answered)."""
         return self._core.decide(prompt_id, ids, ctx, dctx, current, placing)
 
-    def rebuild(self, trajs: Iterable[Trajectory]) -> None:
-        """Forget everything and re-insert `trajs` in order (the caller bounds the window)."""
+    def rebuild(self, trajs: Iterable[Trajectory], scale_of: Callable[[Trajectory], float] | None = None) -> None:
+        """Forget everything and re-insert `trajs` in order (the caller bounds the window); scale_of(traj)
+        gives each one's insert scale (default 1)."""
         self._core.clear()
         self._ids.clear()
         self._states.clear()
         self._rcache.clear()
         for t in trajs:
-            self.insert(t)
+            self.insert(t, 1.0 if scale_of is None else scale_of(t))
 
     def clear(self) -> None:
         self._core.clear()
