@@ -30,9 +30,10 @@ def test_async_cost_scales_the_critical_path_and_keeps_sync_default():
     assert float(rc.group_makespan_s(1.0, 500.0, 20000.0, 20000.0, 20500.0, window=1.0)) == sync
     a5 = float(rc.group_makespan_s(1.0, 500.0, 20000.0, 20000.0, 20500.0, window=5.0))
     assert a5 < sync / 2
-    # Many short requests: throughput decides, and async (more in flight, no up-front reservation) is no slower.
+    # Many short requests: throughput decides, and async (more in flight, no up-front reservation) is no slower
+    # before the re-prefill after each weight update (priced separately, see the test below).
     s = float(rc.group_makespan_s(400.0, 500.0, 1500.0, 3000.0, 3500.0))
-    a = float(rc.group_makespan_s(400.0, 500.0, 1500.0, 3000.0, 3500.0, window=5.0))
+    a = float(rc.group_makespan_s(400.0, 500.0, 1500.0, 3000.0, 3500.0, window=5.0, reprefill=False))
     assert a <= s
 
 
@@ -66,3 +67,27 @@ def test_buckets_never_repeat_a_threshold():
             RolloutInstance(8, 1, 9000)]
     plan = Plan(TrainParallel(1, 1, 8), 24, inst, 1.0, 1.0, 1.0, 0.0)
     assert plan.buckets() == [(2000, 2), (9000, 8)]
+
+
+def test_async_reprefill_after_weight_update_is_priced_and_moves_gpus_to_rollout():
+    c = load_cluster("a800x8")
+    rc = RolloutCost(c.hardware, load_model("qwen3-14b"), 1, 256)
+    args = (40.0, 600.0, 8000.0, 16000.0, 16600.0)
+    on = float(rc.group_makespan_s(*args, window=5.0))
+    off = float(rc.group_makespan_s(*args, window=5.0, reprefill=False))
+    # Every resident request (here all 5 x 40 = 200 in flight fit: 200 < max_running, KV at the average
+    # context) prefills its average context once per batch.
+    avg_kv = 600.0 + 8000.0 / 2
+    conc = min(200.0, 256.0, rc.kv_capacity_tokens() / avg_kv)
+    ovh = c.hardware.prefill_overhead_s
+    assert on - off == pytest.approx(conc * (float(rc.prefill_s(avg_kv)) - ovh) + ovh, rel=1e-9)
+    # Synchronous mode has no requests in flight across a weight update: nothing added.
+    assert float(rc.group_makespan_s(*args)) == float(rc.group_makespan_s(*args, reprefill=False))
+    # The planner gives rollout at least as many GPUs when it knows about the re-prefill.
+    h = [(600, 600 + (20000 if i % 20 == 0 else 6000)) for i in range(200)]
+    base = PlannerConfig(global_batch=128, mode="async", staleness=4)
+    with_rp = solve("a800x48", "qwen3-14b", h, base)
+    without = solve("a800x48", "qwen3-14b", h, PlannerConfig(global_batch=128, mode="async", staleness=4,
+                                                            reprefill_on_sync=False))
+    assert with_rp.rollout_gpus >= without.rollout_gpus
+    assert with_rp.t_rollout_s >= without.t_rollout_s * 0.999

@@ -179,7 +179,8 @@ class RolloutCost:
             total = lin(comp0, comp_s, 0, split) + lin(mem0, mem_s, split, k)
         return total + k * const
 
-    def group_makespan_s(self, n_req, mean_prompt, mean_output, max_output, max_final, window: float = 1.0):
+    def group_makespan_s(self, n_req, mean_prompt, mean_output, max_output, max_final, window: float = 1.0,
+                         reprefill: bool = True):
         """Fluid estimate of the makespan of `n_req` requests (possibly fractional: an even share of an
         interval over several servers) with the given length statistics, on one server. Concurrency is
         limited by max_running and by KV capacity with final lengths reserved. Decode takes the longer of
@@ -192,7 +193,12 @@ class RolloutCost:
         so the sustained concurrency is that of window * n_req requests, the KV pool holds requests at their
         average resident size (nothing is reserved up front; the server preempts when it fills), and the
         longest request only has to finish within the window, i.e. its critical path counts 1/window per
-        step. The result is still the time per batch of n_req requests."""
+        step. The result is still the time per batch of n_req requests.
+
+        `reprefill` (asynchronous mode only): every training step ends with a weight update that interrupts
+        generation and flushes the server's KV cache (AReaL's interruptible generation on SGLang), so the
+        requests resident at that moment prefill their context again, once per batch: concurrency x one
+        prefill of the average resident context."""
         cap = float(self.kv_capacity_tokens())
         mean_final = mean_prompt + mean_output
         avg_kv = mean_prompt + mean_output / 2.0
@@ -206,4 +212,7 @@ class RolloutCost:
         t_crit = t_crit / max(window, 1.0)
         ovh = self.hw.prefill_overhead_s
         prefill = n_req * (self.prefill_s(mean_prompt) - ovh) + ovh * np.maximum(n_req / conc, 1.0)
+        if window > 1.0 and reprefill:
+            resident = np.minimum(conc, in_flight)
+            prefill = prefill + resident * (self.prefill_s(avg_kv) - ovh) + ovh
         return prefill + np.maximum(t_work, t_crit)

@@ -59,7 +59,8 @@ class RolloutDP:
     """
 
     def __init__(self, costs: dict[int, RolloutCost], prompts: Sequence[float], outputs: Sequence[float],
-                 weights: Sequence[float], max_gpus: int, native: bool = True, window: float = 1.0) -> None:
+                 weights: Sequence[float], max_gpus: int, native: bool = True, window: float = 1.0,
+                 reprefill: bool = True) -> None:
         self.native = native
         self.window = window  # RolloutCost.group_makespan_s: > 1 prices asynchronous, staleness-bounded rollout
         self.costs = dict(sorted(costs.items()))
@@ -109,7 +110,7 @@ class RolloutDP:
             ks = grid.astype(float)[:, None]
             n_req = np.maximum(W[None, :] / ks, np.minimum(1.0, W)[None, :])
             tab = rc.group_makespan_s(n_req, self.mean_p[None, :], self.mean_o[None, :], self.max_o[None, :],
-                                      self.max_f[None, :], window=window)
+                                      self.max_f[None, :], window=window, reprefill=reprefill)
             tab = np.where(ok[None, :], tab, np.inf)
             tab = np.minimum.accumulate(tab, axis=0)  # guard monotonicity in k against float noise
             self.tables[tp] = np.ascontiguousarray(tab)

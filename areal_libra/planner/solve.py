@@ -193,7 +193,8 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     frontier = _train_frontier(tcost, st, n, cfg, tree_cfg)
     pareto = _pareto(frontier)
     max_roll = n - pareto[0][0]
-    dp = RolloutDP(costs, prompts, outputs, weights, max_roll, window=cfg.rollout_window)
+    dp = RolloutDP(costs, prompts, outputs, weights, max_roll, window=cfg.rollout_window,
+                   reprefill=cfg.reprefill_on_sync)
     rng = dp.value_range()
     if rng is None or dp.min_gpus(rng[1])[0] > max_roll:
         need = dp.min_gpus(rng[1])[0] if rng else math.inf

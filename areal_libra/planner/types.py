@@ -40,6 +40,9 @@ class PlannerConfig:
     # sustained throughput, the longest request only needing to finish within the window.
     mode: str = "sync"
     staleness: int = 0
+    # async mode: each weight update flushes the servers' KV and the resident requests prefill again
+    # (RolloutCost.group_makespan_s `reprefill`)
+    reprefill_on_sync: bool = True
 
     @property
     def rollout_window(self) -> float:

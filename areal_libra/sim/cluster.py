@@ -32,6 +32,15 @@ class TrainLayout:
     tp: int
     pp: int
     dp: int
+    # Sequences per micro-batch as the job was configured (Megatron's micro_batch_size); 0 = the trainer's
+    # own default (see HardwareTruth.train_step_s).
+    micro_batch: int = 0
+
+    def micro_batches(self, n_seqs: int) -> int | None:
+        """Micro-batches per DP rank for a step of `n_seqs` sequences, or None for the trainer's default."""
+        if self.micro_batch <= 0:
+            return None
+        return max(1, n_seqs // (self.dp * self.micro_batch))
 
     @property
     def gpus(self) -> int:
@@ -215,7 +224,7 @@ class Simulation:
     def set_train_dp(self, dp: int, available_at: float | None = None) -> None:
         """Elastic join/release of whole data-parallel replicas (core TP/PP untouched)."""
         lay = self.train_layout
-        self.train_layout = TrainLayout(lay.tp, lay.pp, dp)
+        self.train_layout = TrainLayout(lay.tp, lay.pp, dp, lay.micro_batch)
         self.layout = Layout(self.train_layout, self.layout.servers, self.layout.bucket_limits)
         if available_at is not None:
             self.trainer_available_at = max(self.trainer_available_at, available_at)
@@ -353,7 +362,7 @@ class Simulation:
         self.pending = deque(g for g in self.pending if id(g) not in chosen)
         lens = [tr.final_length for g in batch for tr in g.trajs]
         lay = self.train_layout
-        dur = self.truth.train_step_s(lens, lay.tp, lay.pp, lay.dp)
+        dur = self.truth.train_step_s(lens, lay.tp, lay.pp, lay.dp, lay.micro_batches(len(lens)))
         if self.cfg.train_noise:
             dur *= math.exp(self.rng.gauss(0.0, self.truth.c.train_noise_sigma))
         if self.cfg.colocated:

@@ -34,7 +34,7 @@ TREE_BACKEND = "auto"  # the scheduler's C++ prefix tree when built, else its Py
 CMLFQ_SWITCHES: dict = {"overrun": True}
 # Load-aware spill-over between neighbouring buckets on C-MLFQ's placements (areal_libra.scheduler.spill;
 # the live Dispatcher's `spill` switch); None turns it off.
-SPILL_RATIO: float | None = None if os.environ.get("LIBRA_SIM_SPILL") == "off" else 1.2
+SPILL_RATIO: float | None = None if os.environ.get("LIBRA_SIM_SPILL") == "off" else float(os.environ.get("LIBRA_SIM_SPILL", "1.2"))
 
 
 def _spill_cfg():
@@ -68,10 +68,11 @@ CALIBRATE = True
 PLAN_WINDOW = AREAL_STALENESS + 1
 # "async": the planner prices rollout as AReaL's staleness-bounded loop does it (PlannerConfig mode="async",
 # staleness=eta: sustained throughput of eta+1 batches in flight, the tail only has to finish within the
-# window) for one batch per step. "window": a synchronous plan for PLAN_WINDOW batches at once. "window" is
-# the default: with "async" the first plan measures better on R2E (diagnose: 1,696 vs 1,117 tokens/s over 8
-# steps) but the full Libra run (re-planning, elastic pool) does worse on all three workloads (README sim).
-PLANNER_MODE = os.environ.get("LIBRA_SIM_PLANNER_MODE", "window")
+# window, each weight update re-prefilling the resident requests) for one batch per step. "window": a
+# synchronous plan for PLAN_WINDOW batches at once (the previous default; it sizes training for 5 batches,
+# so its micro-batch and bubble figures are not the step's). "async" is the default since the planner models
+# the re-prefill after each weight update (README sim section).
+PLANNER_MODE = os.environ.get("LIBRA_SIM_PLANNER_MODE", "async")
 
 
 def planner_config(env: Env, **fields):
@@ -127,6 +128,10 @@ def plan_for(env: Env, history, homogeneous: bool, **restrict):
     return best
 
 
+# Run training with the plan's micro-batch size (off: the simulated trainer's default of at most 4·PP
+# micro-batches, which the planner does not know).
+TRAIN_MICRO_BATCH = os.environ.get("LIBRA_SIM_TRAIN_MB", "plan") == "plan"
+
 # Give the planner (prompt, final, model_tokens) triples (tool payloads prefilled, only model tokens
 # decoded) or plain (prompt, final) pairs.
 HISTORY_TRIPLES = False
@@ -154,7 +159,8 @@ def layout_from_plan(plan, max_len: int) -> Layout:
         b = next((i for i, lim in enumerate(limits) if inst.max_len <= lim), len(limits) - 1)
         servers += [(inst.tp, b)] * inst.count
     t = plan.train
-    return Layout(TrainLayout(t.tp, t.pp, t.dp), servers, limits)
+    # The trainer runs the planner's micro-batch size, as Libra configures Megatron with it.
+    return Layout(TrainLayout(t.tp, t.pp, t.dp, t.micro_batch if TRAIN_MICRO_BATCH else 0), servers, limits)
 
 
 class BucketLoadRouter(PolicyRouter):
@@ -259,6 +265,18 @@ def make_hybrid(layout: Layout, max_units: int) -> tuple[Layout, list[HybridUnit
     return carve_hybrid(layout, max_units)
 
 
+# Elastic decisions wait COOLDOWN steps after any change and act only on a verdict that persisted PERSIST
+# consecutive steps. The measured T_train/T_rollout swings with the buffer of finished groups (after a
+# release the backlog fills and rollout looks up to 2x slower than it is, after a join it drains), which made
+# the pool join and release every few steps; PERSIST = 6 was chosen on seed 1 from {3, 6, 10}.
+ELASTIC_COOLDOWN = 4
+ELASTIC_PERSIST = int(os.environ.get("LIBRA_SIM_ELASTIC_PERSIST", "6"))
+
+
+# Give the elastic policy the pool sizes so it skips moves that would overshoot the hysteresis band.
+ELASTIC_PROJECT = os.environ.get("LIBRA_SIM_ELASTIC_PROJECT", "on") == "on"
+
+
 class LibraController(Controller):
     def __init__(self, env: Env, opts: LibraOptions, plan, units: list[HybridUnit]):
         self.env, self.opts, self.plan = env, opts, plan
@@ -274,12 +292,14 @@ class LibraController(Controller):
             from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 
             # Decisions wait 4 steps after any change so its effect shows in the measured times.
-            self.elastic = ElasticPolicy(ElasticConfig(cooldown_steps=4))
+            self.elastic = ElasticPolicy(ElasticConfig(cooldown_steps=ELASTIC_COOLDOWN))
         self.intervals: deque[float] = deque(maxlen=opts.every_k)
         self.t_train: deque[float] = deque(maxlen=4)
         self.t_roll: deque[float] = deque(maxlen=4)
         self.units = units
+        self.verdicts: deque[str] = deque(maxlen=ELASTIC_PERSIST)
         self.last_change = -10
+        self.last_replan = -opts.every_k
         self.log: list[str] = []
 
     def attach(self, sim: Simulation) -> None:
@@ -301,7 +321,10 @@ class LibraController(Controller):
         self.intervals.append(rec["interval_s"])
         self.t_train.append(rec["train_s"])
         self.t_roll.append(rec["t_rollout_s"])
-        if self.replan is not None and step >= 2:  # steps 0-1 fill the asynchronous pipeline
+        # Steps 0-1 fill the asynchronous pipeline; after a re-plan, wait a full period so the gate's
+        # measured step time is the new layout's in steady state, not the reconfiguration's disruption.
+        settled = step >= 2 and step - self.last_replan >= self.opts.every_k
+        if self.replan is not None and settled:
             qp = rec["queued"] / max(1, rec["queued"] + rec["running"])
             if self.replan.should_replan(step, qp, rec["pressure"], _mean(self.t_roll), _mean(self.t_train)):
                 if self._replan(sim, step):
@@ -350,13 +373,25 @@ class LibraController(Controller):
         self._bind_units(sim)
         sim.set_router(_router_for(sim.layout, self.opts, sim.router))
         self.intervals.clear()
-        self.last_change = step
+        self.last_change = self.last_replan = step
         return True
 
     def _elastic(self, sim: Simulation, step: int, rec: dict) -> None:
         n_active = sum(u.training for u in self.units)
+        # Sizes for the policy's overshoot check (a move the next decision would undo is not made).
+        sizes = {}
+        if ELASTIC_PROJECT:
+            lay = sim.train_layout
+            sizes = {"train_replicas": lay.dp, "rollout_gpus": sum(s.tp for s in sim.servers if not s.retired),
+                     "unit_gpus": lay.tp * lay.pp}
         d = self.elastic.decide(_mean(self.t_train), _mean(self.t_roll), rec["pressure"], n_active,
-                                len(self.units) - n_active, step - self.last_change)
+                                len(self.units) - n_active, step - self.last_change, **sizes)
+        # Act only on a verdict that persisted ELASTIC_PERSIST consecutive steps (a pressure release at once):
+        # one step's ratio moves with the buffer of finished groups, a real imbalance stays.
+        self.verdicts.append(d.action)
+        protect = d.action == "release" and rec["pressure"] >= self.elastic.cfg.protect_pressure
+        if not protect and (len(self.verdicts) < ELASTIC_PERSIST or len(set(self.verdicts)) > 1):
+            return
         if d.action == "join":
             for u in [u for u in self.units if not u.training][: d.n]:
                 self._join(sim, u)
@@ -369,6 +404,7 @@ class LibraController(Controller):
         self.log.append(f"step {step}: elastic {d.action} {d.n}: {d.reason}")
         self.t_train.clear()
         self.t_roll.clear()
+        self.verdicts.clear()
 
     def _release(self, sim: Simulation, u: HybridUnit) -> None:
         """The replica leaves training (core TP/PP untouched) and its GPUs start rollout servers again."""
