@@ -56,9 +56,11 @@ def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, o
     rt = RuntimeConfig(fetch_delay_s=args.fetch_delay)
     base = dict(model=args.model, hidden=args.hidden, batch_per_rank=args.batch, seed=seed, runtime=rt,
                 lr=args.lr, pin_cpus=args.pin_cpus, background_nice=args.background_nice)
-    joined = run(TestbedConfig(max_steps=args.max_steps, join_at={"h0": args.join_at},
-                               release_after={"h0": args.release_after}, tail_steps=args.tail, **base),
-                 f"{workdir}/joined")["core"][0]
+    joined_res = run(TestbedConfig(max_steps=args.max_steps, join_at={"h0": args.join_at},
+                                   release_after={"h0": args.release_after}, tail_steps=args.tail, **base),
+                     f"{workdir}/joined")
+    joined = joined_res["core"][0]
+    hyb = joined_res["hybrids"]["h0"][0] or {}
     if "h0" not in joined["first_real"]:
         raise RuntimeError(f"h0 never activated within {args.max_steps} steps; events: {joined['events']}")
     a = joined["first_real"]["h0"]
@@ -114,6 +116,11 @@ def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, o
         "join_latency_s": ev["first_real_gradient"]["latency_s"],
         "release_latency_s": ev["released"]["latency_s"] if "released" in ev else float("nan"),
         "activation_step": a, "release_step": r, "join_steps": join_steps,
+        # CPU the join cost outside the training thread: the core's background threads (joined minus
+        # ref_a, whole run) and the joiner process from the join command to its first training step.
+        "core_bg_cpu_s": (joined["process_cpu_s"] - joined["train_cpu_s"]) - (ref_a["process_cpu_s"] - ref_a["train_cpu_s"]),
+        "joiner_cpu_s": (hyb.get("join_cpu_s") or [float("nan")])[0],
+        "params": int(joined["params"][0].numel()),
         "all_no_join_median": statistics.median(ref_a["step_s"].values()),
     }
 
@@ -191,6 +198,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{_spread([r['x_before'] for r in reps])}")
         print(f"join latency s: {_spread([r['join_latency_s'] for r in reps])}; "
               f"release latency s: {_spread([r['release_latency_s'] for r in reps])}")
+        print(f"join CPU outside the training thread, s: core background threads {_spread([r['core_bg_cpu_s'] for r in reps])}; "
+              f"joiner process {_spread([r['joiner_cpu_s'] for r in reps])}; model parameters {reps[0]['params']}")
+        by_phase: dict[str, list[dict[str, float]]] = {}
+        for r in reps:
+            for p in r["phases"]:
+                by_phase.setdefault(p["phase"], []).append(p)
+        for phase, ps in by_phase.items():
+            med = {k: statistics.median(p[k] for p in ps) for k in ("x_ref", "protocol_ms", "ref_protocol_ms",
+                                                                  "begin_s", "rebuild_s", "allreduce_s", "fence_s")}
+            print(f"phase {phase:10s} n {len(ps):3d}: step x{med['x_ref']:.2f} (median); training-thread protocol "
+                  f"{med['protocol_ms']:.1f} ms (no-join {med['ref_protocol_ms']:.1f}): begin {med['begin_s']:.2f}, "
+                  f"rendezvous wait {med['rebuild_s']:.2f}, all-reduce {med['allreduce_s']:.2f}, clone fence "
+                  f"{med['fence_s']:.2f} ms (medians)")
         for i, r in enumerate(reps):
             print(f"repeat {i}: activation step {r['activation_step']}, release step {r['release_step']}, "
                   f"join steps {r['join_steps']}, median no-join step (all) {r['all_no_join_median']:.4f}s, "

@@ -150,6 +150,8 @@ class HybridWorker:
         self.catchup: _CatchUp | None = None
         self.numel = sum(g.numel() for g in replica.grad_tensors())
         self.steps_trained = 0
+        self.join_cpu_s: list[float] = []
+        self._join_cpu0 = 0.0
         self.grads_for: int | None = None
         self.cur_weight = 0.0
 
@@ -204,6 +206,7 @@ class HybridWorker:
         self.gen = self.handled_gen = gen
         self.kv.set(f"handback/{self.rid}/{gen}/{self.rank}", handed)
         self.kv.add(f"ack/{self.rid}/{gen}")
+        self._join_cpu0 = time.process_time()
         self.log(f"join gen {gen}: drained rollout, handed back {len(handed)} requests")
 
     # -- catching up -----------------------------------------------------------------------------
@@ -259,7 +262,7 @@ class HybridWorker:
             self._stop.set()
             if self.rollout is not None and not self.in_domain:
                 self.rollout.drain()  # hand unfinished requests back rather than dropping them
-        return {"events": self.events, "steps_trained": self.steps_trained}
+        return {"events": self.events, "steps_trained": self.steps_trained, "join_cpu_s": self.join_cpu_s}
 
     def _loop(self) -> None:
         s: int | None = None
@@ -368,6 +371,8 @@ class HybridWorker:
                     self._stop_catchup()
                     with self.lock:
                         self.catch_up()
+                    # CPU this process spent on the join (all threads: fetch, verify, replay, side channel).
+                    self.join_cpu_s.append(time.process_time() - self._join_cpu0)
                 if self.grads_for != s:
                     self.cur_weight = self.replica.compute_gradients(s)
                     self.grads_for = s
