@@ -45,7 +45,9 @@ def test_backends_agree_on_real_traces(trajs, max_nodes, window, tmp_path):
     assert (tmp_path / "py.tree").read_bytes() == (tmp_path / "cc.tree").read_bytes()
 
 
-@pytest.mark.parametrize("switches", [{}, {"center": None, "move_cost": 0.0, "overrun": True, "state_key": "status"}])
+@pytest.mark.parametrize("switches", [{}, {"center": None, "move_cost": 0.0, "overrun": True, "state_key": "status"},
+                                      {"center": 0.5, "move_cost": 0.5, "overrun": True, "state_key": "",
+                                       "drift": True, "growth": 0.5}])
 def test_policy_decisions_agree_between_backends(trajs, switches):
     from areal_libra.scheduler import make_policy
     from areal_libra.scheduler.replay import _Acc, route_trajectory

@@ -115,3 +115,46 @@ def test_routing_bench_runs(tmp_path):
     assert "python" in rows and rows["python"]["decision_median_us"] > 0
     r = run("routing_bench.py", "--data", tmp_path)
     assert r.returncode == 2 and "no step_" in r.stderr
+
+
+# The README's synthetic-trace switches (chosen on seed 1; README section "cmlfq").
+SYNTH_SWITCHES = "center=0.5,move_cost=0.5,growth=0.5,drift=true,overrun=true,state_key="
+
+
+def test_synth_must_show_on_the_tuning_seed(tmp_path):
+    """The issue's synthetic claim, full size, on seed 1 (the seed the switches were chosen on; the
+    README reports seeds 0-5, where it does not hold everywhere): C-MLFQ leads MLFQ and the predictor by
+    >= 5 points of decision accuracy with a migrated token ratio <= 0.10; drift and growth each add."""
+    r = run("synth_trace.py", "--out", tmp_path, "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    files = [tmp_path / f"step_{i}.jsonl.gz" for i in range(10)]
+    off = SYNTH_SWITCHES.replace("drift=true,", "")
+    r = run("routing.py", "--train", *files[:6], "--eval", *files[6:], "--buckets", "4096,12288,32768",
+            "--policies", "cmlfq,mlfq,predictor", "--cmlfq", SYNTH_SWITCHES, "--json",
+            "--variant", f"no_drift:{off}", "--variant", f"no_growth:{SYNTH_SWITCHES.replace('growth=0.5,', '')}")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)["policies"]
+    acc = {k: v["decision_accuracy"] for k, v in p.items()}
+    assert acc["cmlfq"] >= max(acc["mlfq"], acc["predictor"]) + 0.05
+    assert p["cmlfq"]["migrated_token_ratio"] <= 0.10
+    assert acc["cmlfq"] > acc["no_drift"] and acc["cmlfq"] > acc["no_growth"]
+
+
+def test_synth_persistence_statistic(tmp_path):
+    """The generator's per-sample persistence (calibrated on PolyTrace Search-R1) shows in the statistic;
+    switched off, it is gone."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("synth_trace", ROOT / "evaluation" / "synth_trace.py")
+    st = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("synth_trace", st)  # dataclasses look their module up there
+    spec.loader.exec_module(st)
+    on = st.persistence([t for s in st.generate(st.SynthConfig(), 4, 0) for t in s])
+    off = st.persistence([t for s in st.generate(st.SynthConfig(sample_gen_sigma=0, sample_payload_sigma=0), 4, 0)
+                          for t in s])
+    assert on["gen_corr"] > 0.15 and on["payload_corr"] > 0.2 and on["gen_pairs"] > 500
+    assert abs(off["gen_corr"]) < 0.08 and off["payload_corr"] < on["payload_corr"] - 0.1
+    r = run("synth_trace.py", "--measure", tmp_path / "missing.jsonl")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    r = run("synth_trace.py")
+    assert r.returncode == 2 and "--out" in r.stderr
