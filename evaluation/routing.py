@@ -101,6 +101,46 @@ def depth_context_reference(train, evals, buckets: list[int], ctx_bin: int = 128
     return ok / n if n else 0.0
 
 
+def start_references(train, evals, buckets: list[int]) -> tuple[float, float]:
+    """Accuracy of start placements by the majority bucket of the prompt's other samples: (a) in the same
+    step, leave-one-out — not causal, what perfectly fresh per-prompt history could give; (b) in earlier
+    steps (training files and already-scored evaluation steps) — what a causal policy can use. Starts of
+    prompts without such samples fall back to the overall majority bucket."""
+    import bisect
+    from collections import Counter, defaultdict
+
+    last = len(buckets) - 1
+
+    def bucket(t) -> int:
+        return min(bisect.bisect_left(buckets, t.final_length), last)
+
+    overall = Counter(bucket(t) for t in train).most_common(1)
+    default = overall[0][0] if overall else 0
+    same: dict = defaultdict(Counter)
+    for t in evals:
+        same[(t.prompt_id, t.step)][bucket(t)] += 1
+    earlier: dict = defaultdict(Counter)
+    for t in train:
+        earlier[t.prompt_id][bucket(t)] += 1
+    by_step: dict = defaultdict(list)
+    for t in evals:
+        by_step[t.step].append(t)
+    fresh = causal = 0
+    for step in sorted(by_step):
+        for t in by_step[step]:
+            o = bucket(t)
+            loo = same[(t.prompt_id, step)].copy()
+            loo[o] -= 1
+            loo = +loo  # drop the emptied count
+            fresh += (loo.most_common(1)[0][0] if loo else default) == o
+            hist = earlier.get(t.prompt_id)
+            causal += (hist.most_common(1)[0][0] if hist else default) == o
+        for t in by_step[step]:
+            earlier[t.prompt_id][bucket(t)] += 1
+    n = len(evals)
+    return (fresh / n, causal / n) if n else (0.0, 0.0)
+
+
 def evaluate(train, evals, buckets: list[int], policies: list[tuple[str, str, dict]]) -> dict:
     out = {}
     for label, name, switches in policies:
@@ -122,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-bad", action="store_true", help="skip malformed trace lines (counted on stderr)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--reference", action="store_true",
-                    help="also print the (depth, context) majority-table reference accuracy (text output only)")
+                    help="also print reference accuracies: the (depth, context) majority table and start placements by "
+                         "the prompt's sibling majority (text output only)")
     args = ap.parse_args(argv)
     try:
         buckets = parse_buckets(args.buckets)
@@ -155,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         ref = depth_context_reference(train, evals, buckets)
         print(f"reference: a (tool returns so far, context/128) -> majority bucket table from --train scores "
               f"decision_accuracy {ref:.4f}")
+        fresh, causal = start_references(train, evals, buckets)
+        print(f"reference: start placements by the majority bucket of the prompt's other samples: same step "
+              f"(leave-one-out, not causal) {fresh:.4f}, earlier steps {causal:.4f}")
     return 0
 
 

@@ -158,3 +158,22 @@ def test_synth_persistence_statistic(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     r = run("synth_trace.py")
     assert r.returncode == 2 and "--out" in r.stderr
+
+
+def test_start_references_by_hand():
+    import importlib.util
+
+    from areal_libra.trace import Segment, Trajectory
+
+    spec = importlib.util.spec_from_file_location("routing_cli", ROOT / "evaluation" / "routing.py")
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+
+    def t(tid, step, length):
+        return Trajectory(tid, "p", step, 10, (Segment(length - 10, None),))
+
+    train = [t("h1", 0, 150), t("h2", 0, 160)]  # bucket 1 of [100, 200]
+    evals = [t("a", 1, 50), t("b", 1, 60), t("c", 1, 70), t("d", 1, 150)]  # buckets 0, 0, 0, 1
+    fresh, causal = rt.start_references(train, evals, [100, 200])
+    assert fresh == 3 / 4  # each 0 sees two 0s and a 1; the 1 sees three 0s
+    assert causal == 1 / 4  # earlier steps say bucket 1
