@@ -1,6 +1,6 @@
 """Per-decision latency of C-MLFQ (tree lookup + policy), C++ and Python tree cores.
 
-    python evaluation/routing_bench.py [--data DIR] [--decisions N] [--json]
+    python evaluation/routing_bench.py [--data DIR] [--decisions N] [--cmlfq key=value,...] [--json]
 
 Builds the tree from every PolyTrace Search-R1 step (steps 0-5), then times C-MLFQ decisions at the
 real decision points of those trajectories:
@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from routing import UsageError, parse_variant  # noqa: E402
 
 from areal_libra.scheduler import CMLFQPolicy, RequestInfo, cpp_available, tool_state  # noqa: E402
 from areal_libra.scheduler.replay import decision_points  # noqa: E402
@@ -38,8 +41,8 @@ def _quantiles(ns: list[int]) -> tuple[float, float]:
     return ns[len(ns) // 2] / 1000.0, ns[int(0.9 * (len(ns) - 1))] / 1000.0
 
 
-def bench(backend: str, trajs, reqs: list[RequestInfo], repeat: int = 3) -> dict:
-    pol = CMLFQPolicy(BUCKETS, backend=backend)
+def bench(backend: str, trajs, reqs: list[RequestInfo], repeat: int = 3, switches: dict | None = None) -> dict:
+    pol = CMLFQPolicy(BUCKETS, backend=backend, **(switches or {}))
     pol.fit(trajs)
     clock = time.perf_counter_ns
     dec: list[int] = []
@@ -73,20 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="C-MLFQ per-decision latency, C++ vs Python tree core")
     ap.add_argument("--data", default="/work/shared/data/polytrace/search_r1", help="folder with step_*.jsonl.gz")
     ap.add_argument("--decisions", type=int, default=5000, help="decision points to time per pass")
+    ap.add_argument("--cmlfq", default="", help="C-MLFQ switches to time, key=value,... (default: the defaults)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     files = sorted(Path(args.data).glob("step_*.jsonl.gz"))
     try:
+        switches = parse_variant(f"cmlfq:{args.cmlfq}")[1]
         if not files:
             raise TraceError(f"{args.data}: no step_*.jsonl.gz files")
         if args.decisions < 1:
             raise TraceError("--decisions must be >= 1")
         trajs = read_traces(files)
-    except TraceError as e:
+    except (TraceError, UsageError) as e:
         print(f"routing_bench: {e}", file=sys.stderr)
         return 2
     reqs = decision_requests(trajs, args.decisions)
-    rows = [bench(b, trajs, reqs) for b in (["cpp"] if cpp_available() else []) + ["python"]]
+    rows = [bench(b, trajs, reqs, switches=switches) for b in (["cpp"] if cpp_available() else []) + ["python"]]
     if args.json:
         print(json.dumps({"trajectories": len(trajs), "rows": rows}))
         return 0

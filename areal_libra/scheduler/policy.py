@@ -294,6 +294,7 @@ class CMLFQPolicy(_Base):
         self.growth = GrowthTable() if cfg.growth else None
         self._scale = 1.0  # the length level the installed rule is expressed in
         self._drift_dirty = False
+        self._levels: dict[int, float] = {}  # drift level per routed step, until the next refit
         if tree is not None:
             self.tree = tree
         elif cfg.tree_path:
@@ -326,9 +327,10 @@ class CMLFQPolicy(_Base):
         # The tree holds lengths in units of the reference level; the rule compares them against the
         # thresholds in the same units (every other part of the rule is scale-free).
         cfg = self.config
-        th = self.buckets if scale == 1.0 else [t / scale for t in self.buckets]
-        self._tree.set_rule(th, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
+        self._tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
                             float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
+        if scale != 1.0:
+            self._tree.scale_rule(scale)
         self._scale = scale
 
     # --- learning ---
@@ -363,6 +365,7 @@ class CMLFQPolicy(_Base):
         if self.drift is None or not self._drift_dirty:
             return
         self._drift_dirty = False
+        self._levels.clear()
         self.drift.refit()
         self._rebuild()
 
@@ -399,16 +402,21 @@ class CMLFQPolicy(_Base):
         if self.drift is not None or self.growth is not None:
             # A multiplier on the remaining lengths the tree predicts for this request; the rule runs
             # unchanged in the tree's units (contexts and thresholds divided by it).
-            scale = 1.0 if self.drift is None else self.drift.level(self.drift.routed_step(req.step))
+            scale = 1.0
+            if self.drift is not None:
+                scale = self._levels.get(req.step, 0.0)
+                if not scale:  # cached per step until the next refit
+                    scale = self._levels[req.step] = self.drift.level(self.drift.routed_step(req.step))
             if self.growth is not None and req.tool_returns:
                 typical = self.growth.typical(req.prompt_id, len(req.tool_returns))
                 scale *= growth_factor((req.context_tokens - req.prompt_tokens) / scale, typical,
                                        self.config.growth)
             if scale != 1.0:  # express the request in the tree's units
-                ctx = int(round(ctx / scale))
-                dctx = tuple(int(round(c / scale)) for c in dctx)
-        if scale != self._scale:
-            self._install_rule(scale)
+                ctx = round(ctx / scale)
+                dctx = [round(c / scale) for c in dctx]
+            if scale != self._scale:
+                self._scale = scale
+                self.tree.scale_rule(scale)
         bucket, from_global = self.tree.decide(req.prompt_id, ids, ctx, dctx, current, placing)
         self.decisions += 1
         self.lookups_from_global += from_global

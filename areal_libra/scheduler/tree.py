@@ -150,6 +150,12 @@ class PrefixTree:
         self._rule = (list(map(float, thresholds)), use_mean, q, move_cost, overrun, condition, prompt_first)
         self._core.set_rule(*self._rule)
 
+    def scale_rule(self, scale: float) -> None:
+        """Re-install the rule with its thresholds divided by `scale`: the tree's units when the policy
+        scales a request's remaining lengths by `scale` (its drift and growth switches)."""
+        th, *rest = self._rule
+        self._core.set_rule([t / scale for t in th], *rest)
+
     def decide(self, prompt_id: str, ids: list[int], ctx: int, dctx: Sequence[int], current: int,
                placing: bool = False) -> tuple[int, bool]:
         """One C-MLFQ decision in the core: (bucket, whether the global subtree answered)."""
