@@ -2,7 +2,7 @@
 
     python evaluation/synth_trace.py --out DIR [--steps 10] [--seed 0] [--set key=value ...]
 
-writes DIR/step_{i}.jsonl.gz. The generative model (every knob is a SynthConfig field, settable with
+writes DIR/step_{i}.jsonl.gz;  python evaluation/synth_trace.py --measure FILE... prints persistence(). The generative model (every knob is a SynthConfig field, settable with
 --set) is a task model of a tool-using agent, written without reference to any routing policy:
 
 - prompts: a pool of `n_prompts`; each has a prompt length, a difficulty d ~ LogNormal(0, difficulty_sigma),
@@ -23,6 +23,11 @@ writes DIR/step_{i}.jsonl.gz. The generative model (every knob is a SynthConfig 
   times out with timeout_rate; a success returns LogNormal(tool median * d^0.3, payload_sigma) tokens, a
   failure an error of LogNormal(fail_payload, 0.5), a timeout `timeout_payload` tokens.
 - drift over steps: generation lengths grow by gen_drift and the needed calls by calls_drift per step.
+- per-sample persistence: each sample draws a verbosity LogNormal(0, sample_gen_sigma) that multiplies all
+  its generation medians, and a payload factor LogNormal(0, sample_payload_sigma) that multiplies its
+  successful payload medians (a verbose sample stays verbose; a search that returns long passages keeps
+  doing so). The defaults make `persistence()` (also `--measure FILES`) match PolyTrace Search-R1 steps
+  0-2; 0 and 0 give the first version of this generator, byte for byte.
 - a trajectory stops at max_turns or when its context reaches max_context (finish_reason "length").
 """
 
