@@ -2,8 +2,9 @@
 
     python evaluation/synth_trace.py --out DIR [--steps 10] [--seed 0] [--set key=value ...]
 
-writes DIR/step_{i}.jsonl.gz;  python evaluation/synth_trace.py --measure FILE... prints persistence(). The generative model (every knob is a SynthConfig field, settable with
---set) is a task model of a tool-using agent, written without reference to any routing policy:
+writes DIR/step_{i}.jsonl.gz (`--measure FILE...` instead prints the persistence() statistic of traces).
+The generative model (every knob is a SynthConfig field, settable with --set) is a task model of a
+tool-using agent, written without reference to any routing policy:
 
 - prompts: a pool of `n_prompts`; each has a prompt length, a difficulty d ~ LogNormal(0, difficulty_sigma),
   a main tool (search / python / bash by `tool_weights`), a failure rate base_fail * d^0.5 and a number
