@@ -11,6 +11,7 @@ learns from; end_step() marks a training-step boundary (what "earlier steps" mea
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -21,6 +22,8 @@ from areal_libra.scheduler.drift import GrowthTable, LengthDrift, growth_factor
 from areal_libra.scheduler.states import SizeClasses, ToolState
 from areal_libra.scheduler.tree import PrefixTree, decision_contexts
 from areal_libra.trace import ToolReturn, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,10 @@ class CMLFQPolicy(_Base):
         self._scale = 1.0  # the length level the installed rule is expressed in
         self._drift_dirty = False
         self._levels: dict[int, float] = {}  # drift level per routed step, until the next refit
+        if self.drift is not None and (tree is not None or cfg.tree_path):
+            # The given tree's samples are in some other policy's units and cannot be re-expressed.
+            log.warning("cmlfq drift: the tree is rebuilt from this policy's own trajectories at each step "
+                        "boundary; the samples of the given tree are dropped at the first one")
         if tree is not None:
             self.tree = tree
         elif cfg.tree_path:
