@@ -51,7 +51,7 @@ def test_kill_joining_worker_mid_fetch(tmp_path):
 def test_bad_snapshots_are_refused_and_the_join_retries(tmp_path):
     res = run(
         TestbedConfig(
-            max_steps=80, join_at={"h0": 1}, tail_steps=2, runtime=PATIENT, corrupt=["truncate", "wrong_version"],
+            max_steps=300, join_at={"h0": 1}, tail_steps=2, runtime=PATIENT, corrupt=["truncate", "wrong_version"],
             step_sleep_s=0.01,  # emulated compute: a joiner must replay faster than the core steps
         ),
         str(tmp_path / "bad"),
@@ -72,7 +72,7 @@ def test_bad_snapshots_are_refused_and_the_join_retries(tmp_path):
 def test_killed_active_replica_is_removed_and_training_continues(tmp_path):
     res = run(
         TestbedConfig(
-            max_steps=80,
+            max_steps=300,
             hybrids=("h0", "h1"),
             join_at={"h0": 1, "h1": 1},
             tail_steps=4,
@@ -98,7 +98,7 @@ def test_killed_active_replica_is_removed_and_training_continues(tmp_path):
 def test_rollout_requests_survive_join_and_release(tmp_path):
     res = run(
         TestbedConfig(
-            max_steps=60,
+            max_steps=300,
             join_at={"h0": 3},
             release_after={"h0": 3},
             tail_steps=6,

@@ -252,7 +252,11 @@ class ElasticCore:
             "gens": {h.rid: h.generation for h in in_dom},
             "snapshot": step if publish else None,
             "pool": {h.rid: h.state.value for h in self.pool.hybrid.values()},
-            "log_grads": any(h.alive and h.state in CATCHING_UP for h in self.pool.hybrid.values()),
+            # The log serves replicas replaying from a snapshot (fetching); from zero-sync on they get each
+            # step on their side channel, but may still be reading older entries: keep those until no
+            # replica is catching up.
+            "log_grads": any(h.alive and h.state == ReplicaState.FETCHING for h in self.pool.hybrid.values()),
+            "catching_up": any(h.alive and h.state in CATCHING_UP for h in self.pool.hybrid.values()),
         }
         self.kv.set(f"plan/{step}", plan)
         self.kv.set("cur_step", step)
@@ -352,7 +356,7 @@ class ElasticCore:
             self.snapshots.publish_grad_async(step, self.rank, flat, owned=True)
             self.snapshots.gc_grads_async(self.rank)
             self.logging_grads = True
-        elif self.logging_grads:
+        elif self.logging_grads and not plan.get("catching_up"):
             self.snapshots.gc_grads_async(self.rank, below_oldest_snapshot=False)
             self.logging_grads = False
         t_fence = time.perf_counter()
@@ -415,7 +419,10 @@ class _SideSender:
         self.q.put((step, joiners, flat))
 
     def _run(self) -> None:
-        enter_background()
+        # Normal priority (placed off the training CPUs when configured): a joiner at the live step
+        # needs one delivery per step, so starving this thread would stall the join forever on a busy
+        # machine; its work per step is bounded (one copy and one send of the gradient).
+        enter_background(lower=False)
         factory = _store_factory(self.store, self.cfg)
         store = factory() if factory is not None else self.store
         kv = KV(store, self.ns)

@@ -3,13 +3,14 @@
 Join, as this rank sees it (protocol keys in core.py):
  1. `cmd/<rid>` says join at generation g: drain the rollout server (in-flight requests are handed
     back, none lost) and ack.
- 2. FETCHING (outside the domain: the core never waits for it): `fetch/<rid>/<g>` names the step s0
-    whose snapshot the core publishes; fetch and verify it (refused files: ask for a fresh one and
-    retry), load it, then replay the core's logged reduced gradients of steps >= its version.
- 3. ZERO_SYNC: admitted to the domain; send zeros (weight 0) each step and keep the live reduced
-    gradients, while replaying the rest of the log; once every step up to the live one is applied the
-    replica is bitwise where the core is ("activating").
- 4. TRAINING: the leader flips it; real gradients from that step on.
+ 2. FETCHING (the core never waits for it): `fetch/<rid>/<g>` names the step s0 whose snapshot the core
+    publishes; the catch-up thread (low priority, see priority.py) fetches and verifies it (refused
+    files: ask for a fresh one and retry), loads it, then replays the core's logged reduced gradients.
+ 3. ZERO_SYNC: on its side channel (a group of the core and this replica only) the main thread sends
+    zeros with weight 0 after each committed step and receives the step's reduced gradient; the
+    catch-up thread applies them in order; once every step up to the live one is applied the replica
+    is bitwise where the core is ("activating"). It is never in the core's all-reduce before that.
+ 4. TRAINING: the leader puts it in the domain; real gradients from that step on.
 Release: the replica disappears from the plan; it leaves the domain and starts a rollout server with
 its (current) weights.
 """
@@ -43,12 +44,11 @@ class RolloutSide(Protocol):
 
 
 class _CatchUp(threading.Thread):
-    """A joiner's background work, at low priority (`priority.enter_background`): find, verify and decode
-    the snapshot, load it, replay the core's logged reduced gradients, then keep applying the live ones
-    the main thread receives in zero-sync until the replica holds the live version ("activating").
-
-    The main thread stays free for what the core waits on: heartbeats, the plan, the domain's
-    collectives. Replica state is changed only under `worker.lock`."""
+    """A joiner's bulk work, at low priority (`priority.enter_background`): find, verify and decode the
+    snapshot, load it and replay the core's logged reduced gradients up to the step that was current
+    when it loaded (a bounded amount of work: a starved thread never chases a moving log head). The
+    main thread, idle until then, waits; from "loaded" on it applies the remaining steps itself, at
+    normal priority, one optimizer step per core step like the training it is about to join."""
 
     def __init__(self, worker: HybridWorker, min_version: int, gen: int) -> None:
         super().__init__(name=f"catchup-{worker.rid}-{worker.rank}", daemon=True)
@@ -67,25 +67,17 @@ class _CatchUp(threading.Thread):
             if fetched is None:
                 return
             version, state = fetched
+            head = kv.get("cur_step")
             with w.lock:
                 w.replica.load_state(state)
                 w.version = version
-                w.catch_up()
+                w.catch_up(until=int(head) if head is not None else None, cancel=self.cancel)
             del state
+            if self.cancel.is_set():
+                return
             w.report("loaded", kv=kv, gen=self.gen, version=w.version, snapshot=version, refused=len(self.refused))
             w.log(f"loaded snapshot v{version} ({len(self.refused)} refused), replayed to v{w.version}")
             self.loaded.set()
-            reported = False
-            while not self.cancel.is_set():
-                with w.lock:
-                    w.catch_up()
-                    aligned = w.in_domain and w.version == w.next_step
-                if aligned and not reported:
-                    w.report("activating", kv=kv, gen=self.gen, version=w.version)
-                    w.log(f"aligned at v{w.version}")
-                    reported = True
-                w.live_event.wait(0.02)  # a live gradient arrived, or look for a logged one again
-                w.live_event.clear()
         except Exception as e:  # noqa: BLE001 - the main thread reports the failure
             self.error = f"catch-up failed: {e}"
 
@@ -144,7 +136,7 @@ class HybridWorker:
         self.in_domain = False
         self.version: int | None = None  # next step whose reduced gradient this replica must apply
         self.live: dict[int, torch.Tensor] = {}  # reduced gradients received in the domain, not applied yet
-        self.live_event = threading.Event()
+        self.aligned = False  # reported "activating" in this join
         self.next_step: int | None = None  # the next domain step of the main thread (catch-up target)
         self.lock = threading.Lock()  # replica state: the catch-up thread and the main thread
         self.catchup: _CatchUp | None = None
@@ -171,8 +163,6 @@ class HybridWorker:
         (kv or self.kv).set(f"prog/{self.rid}/{self.rank}",
                             {"gen": self.gen if gen is None else gen, "state": state, "t": time.time(), **kw})
 
-    _report = report
-
     def _shutdown(self) -> bool:
         return self.kv.has("shutdown")
 
@@ -181,7 +171,6 @@ class HybridWorker:
         c, self.catchup = self.catchup, None
         if c is not None:
             c.cancel.set()
-            self.live_event.set()
             c.join()
 
     def _to_rollout(self, why: str) -> None:
@@ -198,7 +187,7 @@ class HybridWorker:
             self.rollout.start(self.replica)
         cmd = self.kv.get(f"cmd/{self.rid}") or {}
         self.gen = int(cmd.get("gen", self.gen))
-        self._report("rollout", why=why)
+        self.report("rollout", why=why)
         self.log(f"back to rollout ({why})")
 
     def _join(self, gen: int) -> None:
@@ -210,19 +199,19 @@ class HybridWorker:
         self.log(f"join gen {gen}: drained rollout, handed back {len(handed)} requests")
 
     # -- catching up -----------------------------------------------------------------------------
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([g.reshape(-1) for g in self.replica.grad_tensors()]).clone()
-
     def _set_flat(self, flat: torch.Tensor) -> None:
         off = 0
         for g in self.replica.grad_tensors():
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
 
-    def catch_up(self) -> None:
-        """Apply, in step order, every reduced gradient this replica lacks: live ones received in the
-        domain first, else the core's log on disk; stop at the first gap (not logged yet). Hold `lock`."""
-        while self.version is not None:
+    def catch_up(self, until: int | None = None, cancel: threading.Event | None = None) -> None:
+        """Apply, in step order, every reduced gradient this replica lacks (up to version `until`): live
+        ones received on the side channel first, else the core's log on disk; stop at the first gap
+        (not logged yet). Hold `lock`."""
+        while self.version is not None and (until is None or self.version < until):
+            if cancel is not None and cancel.is_set():
+                return
             g = self.live.pop(self.version, None)
             if g is None:
                 g = self.snapshots.read_grad(self.version, self.rank)
@@ -231,6 +220,16 @@ class HybridWorker:
             self._set_flat(g)
             self.replica.apply_update()
             self.version += 1
+
+    def _advance(self) -> None:
+        """Main thread, between steps while joining: apply what is available; report "activating" once
+        the replica holds the live version (the leader then puts it in the domain)."""
+        with self.lock:
+            self.catch_up()
+        if self.in_domain and self.version is not None and self.version == self.next_step and not self.aligned:
+            self.aligned = True
+            self.report("activating", version=self.version)
+            self.log(f"aligned at v{self.version}")
 
     def _fetch_and_load(self, s0: int) -> bool:
         """FETCHING: start the catch-up thread; True once it loaded the snapshot, False when the join was
@@ -241,9 +240,11 @@ class HybridWorker:
             if not c.is_alive() or self._cancelled() or self._shutdown():
                 self._stop_catchup()
                 if not (self._cancelled() or self._shutdown()):
-                    self._report("failed", error=c.error or "fetch cancelled")
+                    self.report("failed", error=c.error or "fetch cancelled")
                     self.log(f"fetch failed: {c.error}")
                 return False
+        self._stop_catchup()  # it ends right after "loaded"
+        self.aligned = False
         return True
 
     def _cancelled(self) -> bool:
@@ -253,7 +254,7 @@ class HybridWorker:
     # -- main loop -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         self.kv.set(f"hb/{self.rid}/{self.rank}", time.time())
-        self._report("rollout" if self.start_active is None else "training")
+        self.report("rollout" if self.start_active is None else "training")
         hb = threading.Thread(target=self._heartbeat, daemon=True)
         hb.start()
         try:
@@ -291,14 +292,9 @@ class HybridWorker:
                 # an idle pool does not keep a CPU busy polling the store.
                 time.sleep(0.02)
                 continue
-            if self.catchup is not None and not self.catchup.is_alive() and self.catchup.error:
-                self._report("failed", error=self.catchup.error)
-                self.log(self.catchup.error)
-                self._to_rollout("catch-up failed")
-                s = None
-                continue
             if not self.in_domain:
-                # Loaded (the catch-up thread keeps replaying the log): wait for our name in a plan.
+                # Loaded: replay what the log has meanwhile, and wait for our name in a plan.
+                self._advance()
                 plan = self.kv.wait(f"plan/{s}", self.cfg.plan_timeout_s, poll_s=1.0,
                                     abort=lambda: self._cancelled() or self._shutdown())
                 if plan is None:
@@ -327,16 +323,13 @@ class HybridWorker:
                 continue
             s += 1
             self.next_step = s
-            if self.catchup is not None:
-                self.live_event.set()
-            elif self.version is not None and self.version < s:
-                with self.lock:
-                    self.catch_up()
+            if self.version is not None and self.version < s:
+                self._advance()
 
     def _side_step(self, s: int, plan: dict[str, Any]) -> bool:
         """Zero-sync step s: send zeros with weight 0 on the side channel once the core announces the
-        committed step; receive its reduced gradient into a fresh buffer (no replica state touched, so
-        the catch-up thread may be applying older steps meanwhile). False when this replica left."""
+        committed step; receive its reduced gradient into a fresh buffer, applied in order by
+        `_advance`. False when this replica left."""
         go = self.kv.wait(f"sidego/{s}/{self.rid}/p{self.rank}", self.cfg.plan_timeout_s, poll_s=1.0,
                           abort=lambda: self._shutdown() or self._cancelled())
         if go is None:
@@ -350,7 +343,7 @@ class HybridWorker:
                 self.side.rebuild(self.gen, (CORE, self.rid))
             flat, _ = self.side.reduce_flat([], 0.0, numel=self.numel)
         except DomainError as e:
-            self._report("failed", error=f"side channel at step {s}: {e}")
+            self.report("failed", error=f"side channel at step {s}: {e}")
             self._to_rollout("side channel failed")
             return False
         self.live[s] = flat
@@ -367,10 +360,11 @@ class HybridWorker:
             training = plan["states"][self.rid] == "training"
             weight = 0.0
             if training:
-                if self.catchup is not None:
-                    self._stop_catchup()
+                if self.version is not None and self.version < s:
                     with self.lock:
                         self.catch_up()
+                if self.aligned:
+                    self.aligned = False
                     # CPU this process spent on the join (all threads: fetch, verify, replay, side channel).
                     self.join_cpu_s.append(time.process_time() - self._join_cpu0)
                 if self.grads_for != s:
@@ -395,7 +389,7 @@ class HybridWorker:
                 return False
             if res == "commit":
                 if not ok:  # the core went on without us: we are out of step, so leave cleanly
-                    self._report("failed", error=f"missed commit of step {s}")
+                    self.report("failed", error=f"missed commit of step {s}")
                     self._to_rollout("missed a committed step")
                     return False
                 assert flat is not None

@@ -103,7 +103,7 @@ def make_loss(cfg: TestbedConfig, slot: str, rank: int):
 def build_replica(cfg: TestbedConfig, slot: str, rank: int, group: Any) -> ModuleReplica:
     model = build_model(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     rep = ModuleReplica(model, opt, make_loss(cfg, slot, rank), sched, group, cfg.replica_size)
     if cfg.init_state is not None:
         rep.load_state(torch.load(cfg.init_state.format(rank=rank), weights_only=False))
