@@ -19,9 +19,13 @@ from areal_libra.sim.systems import AREAL_STALENESS, areal_static_optimal, polic
 from areal_libra.trace import TraceError
 
 
-def _measure(env, layout, eta: int, steps: int, routing: str) -> dict:
-    router = policy_router(routing if len(layout.bucket_limits) > 1 else "least_loaded")(layout)
-    sim = Simulation(env.truth, env.workload, env.n_gpus, layout, RunConfig(max_staleness=eta), router, seed=env.seed)
+def _measure(env, layout, eta: int, steps: int, routing: str, fit=None, flush: bool = True) -> dict:
+    if routing == "cmlfq" and len(layout.bucket_limits) > 1:  # as Libra routes: C-MLFQ + spill-over
+        router = sim_libra._router_for(layout, sim_libra.LibraOptions(elastic=False), None, fit)
+    else:
+        router = policy_router(routing if len(layout.bucket_limits) > 1 else "least_loaded")(layout)
+    run = RunConfig(max_staleness=eta, flush_kv_on_sync=flush)
+    sim = Simulation(env.truth, env.workload, env.n_gpus, layout, run, router, seed=env.seed)
     res = sim.run(steps)
     recs = sim.records[1:] or sim.records
     return {"tokens_per_s": res["tokens_per_s"], "train_s": statistics.mean(r["train_s"] for r in recs),
@@ -80,6 +84,16 @@ def main(argv=None) -> int:
         asy = _measure(env, lay, AREAL_STALENESS, args.steps, "least_loaded")
         print(f"  measured, asynchronous (staleness {AREAL_STALENESS}), least-loaded buckets: "
               f"{asy['tokens_per_s']:.0f} tokens/s, step {asy['step_s']:.1f} s, T_train {asy['train_s']:.1f} s")
+        if len(lay.bucket_limits) > 1:
+            # The planner sizes buckets as if every request ran in the bucket of its final length; routing by
+            # final length (the oracle) and by C-MLFQ's prediction on the same layout show what that costs.
+            ora = _measure(env, lay, AREAL_STALENESS, args.steps, "oracle")
+            cm = _measure(env, lay, AREAL_STALENESS, args.steps, "cmlfq", prof)
+            print(f"  same layout, asynchronous: oracle routing (final length) {ora['tokens_per_s']:.0f} tokens/s, "
+                  f"step {ora['step_s']:.1f} s; C-MLFQ {cm['tokens_per_s']:.0f} tokens/s, step {cm['step_s']:.1f} s")
+        homog = plan_for(env, hist, homogeneous=True)
+        print(f"  planner's best homogeneous plan: {homog.rollout_alloc()}, makespan {homog.makespan_s / w:.1f} s per "
+              f"step; predicted gain of the plan above: {1 - plan.makespan_s / homog.makespan_s:.1%}")
         best = areal_static_optimal(env).layout
         g = best.train.gpus
         tp = best.servers[0][0]
@@ -92,6 +106,12 @@ def main(argv=None) -> int:
         except (ValueError, SimError) as e:  # PlanError is a ValueError
             print(f"  the planner finds no plan with {g} training GPUs and TP{tp} only ({str(e).splitlines()[0]})")
         print(f"  measured, asynchronous: {asy_best['tokens_per_s']:.0f} tokens/s, step {asy_best['step_s']:.1f} s")
+        # What the KV flush at each weight update costs (AReaL interrupts generation; requests re-prefill).
+        nf_plan = _measure(env, lay, AREAL_STALENESS, args.steps, "least_loaded", flush=False)
+        nf_best = _measure(env, best, AREAL_STALENESS, args.steps, "least_loaded", flush=False)
+        print(f"KV flush at weight updates, least-loaded routing: Libra's plan {asy['tokens_per_s']:.0f} tokens/s "
+              f"with it, {nf_plan['tokens_per_s']:.0f} without; sweep's optimum {asy_best['tokens_per_s']:.0f} with, "
+              f"{nf_best['tokens_per_s']:.0f} without")
     except (ValueError, TraceError, SimError, OSError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
 from areal_libra.sim.systems import AREAL_STALENESS, Env, PolicyRouter, SystemSpec
@@ -461,8 +461,12 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
     return PolicyRouter(pol, spill_cfg=_spill_cfg())
 
 
+# LIBRA_SIM_REPLAN=off: keep the first plan (no periodic re-planning) in every rung, for comparison.
+REPLAN = os.environ.get("LIBRA_SIM_REPLAN", "on") == "on"
+
+
 def libra_system(name: str, env: Env) -> SystemSpec:
-    opts = RUNGS[name]
+    opts = RUNGS[name] if REPLAN else replace(RUNGS[name], replan=False)
     prof = env.workload.profile(env.profile_groups)
     hist = profile_history(prof)
     plan = plan_for(env, hist, opts.homogeneous)
