@@ -119,6 +119,9 @@ class ElasticCore:
         if gen is None:
             return False
         self.t_request[rid] = time.time()
+        # Counters the hybrid increments exist from the start: the per-step batched read of the pool's
+        # keys then takes two store round trips instead of two per missing key.
+        self.kv.set(f"ack/{rid}/{gen}", 0)
         self.kv.set(f"cmd/{rid}", {"op": "join", "gen": gen})
         self._event("join_requested", rid, gen)
         return True
@@ -188,6 +191,7 @@ class ElasticCore:
                 self.pool.advance(h.rid, ReplicaState.FETCHING, g)
                 publish = True
                 # The snapshot of this step's version, then the gradient log from this step on.
+                self.kv.set(f"snapreq/{h.rid}/{g}", 0)  # before `fetch/`: no refusal can precede it
                 self.kv.set(f"fetch/{h.rid}/{g}", step)
                 self._event("fetching", h.rid, g, step=step, ack=vals.get(f"ack/{h.rid}/{g}"))
             if h.state == ReplicaState.FETCHING and full and states <= {"loaded", "activating"}:
@@ -352,7 +356,7 @@ class ElasticCore:
             # Zero-sync joiners get the committed gradient off the critical path (background thread).
             self.side.submit(step, [(rid, plan["gens"][rid]) for rid in plan["side"]], flat)
         if plan["log_grads"]:
-            # The domain's output buffer is fresh per step: the log takes it over without a copy.
+            # `flat` is fresh per step (the domain's output, or the one copy above): no further copy.
             self.snapshots.publish_grad_async(step, self.rank, flat, owned=True)
             self.snapshots.gc_grads_async(self.rank)
             self.logging_grads = True
@@ -383,6 +387,8 @@ class ElasticCore:
         out["elastic/domain_rebuilds"] = float(self.domain.rebuilds)
         out["elastic/snapshots_published"] = float(len(self.published))
         out["elastic/snapshot_errors"] = float(len(self.snapshots.errors))
+        out["elastic/side_sends"] = float(self.side.sent)
+        out["elastic/side_errors"] = float(len(self.side.errors))
         for k, v in self.last.items():
             out[f"elastic/{k}"] = float(v)
         return out
@@ -447,7 +453,7 @@ class _SideSender:
                         dom.rebuild(gen, (CORE, rid))
                     dom.reduce_flat([flat], 1.0)
                     self.sent += 1
-                except DomainError as e:
+                except Exception as e:  # noqa: BLE001 - DomainError, or the store: this joiner only
                     bad.add((rid, gen))
                     dom.close()
                     self.errors.append(f"side channel {rid} gen {gen} step {step}: {e}")

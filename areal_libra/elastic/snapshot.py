@@ -167,6 +167,7 @@ class _Background:
     def __init__(self, name: str) -> None:
         self.q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.pending = 0
+        self.errors: list[str] = []
         self.cv = threading.Condition()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -179,6 +180,8 @@ class _Background:
                 return
             try:
                 job()
+            except Exception as e:  # noqa: BLE001 - one failed job must not stop the ones queued after it
+                self.errors.append(str(e))
             finally:
                 with self.cv:
                     self.pending -= 1
