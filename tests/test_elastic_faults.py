@@ -147,8 +147,9 @@ def test_hung_joiner_in_zero_sync_never_stalls_the_core(tmp_path):
     assert any(e["event"] == "failed" and e["rid"] == "h0" for e in core["events"])
     assert all(m["elastic/attempts"] == 1 for m in core["metrics"])
     assert all(m["members"] == ["core"] for m in core["metrics"])  # never in the core's all-reduce
-    # No step waited for the hung joiner (a collective with it would have lasted domain_timeout_s).
-    assert max(core["step_s"].values()) < FAST.domain_timeout_s / 2
+    # No step from the hang on waited for the joiner (a collective with it would last domain_timeout_s).
+    after = [t for k, t in core["step_s"].items() if k >= res["killed"]["step"]]
+    assert len(after) >= 4 and max(after) < FAST.domain_timeout_s / 2
     n = core["final_step"]
     ref = run(TestbedConfig(max_steps=n, hybrids=()), str(tmp_path / "ref"))["core"][0]
     assert max(_maxdiff(core["params"][k], ref["params"][k]) for k in range(n + 1)) <= 1e-6

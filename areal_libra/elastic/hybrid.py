@@ -237,6 +237,8 @@ class HybridWorker:
         c = self.catchup = _CatchUp(self, min_version=s0, gen=self.gen)
         c.start()
         while not c.loaded.wait(0.05):
+            if not c.is_alive() and c.loaded.is_set():
+                break  # it loaded and ended between the two checks
             if not c.is_alive() or self._cancelled() or self._shutdown():
                 self._stop_catchup()
                 if not (self._cancelled() or self._shutdown()):
@@ -284,7 +286,10 @@ class HybridWorker:
                             return
                         self._to_rollout("join cancelled or failed")
                         continue
-                    s = int(self.kv.wait("cur_step", self.cfg.plan_timeout_s))
+                    # Walk the plans from the first step this replica lacks: the step that admits it
+                    # (the first naming its generation) is the same for all its ranks, whenever each
+                    # loaded. (It cannot lie before: admission waits for every rank's "loaded".)
+                    s = int(self.version) if self.version is not None else int(self.kv.wait("cur_step", 60.0))
                     continue
                 if self._shutdown():
                     return

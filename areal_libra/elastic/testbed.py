@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -196,6 +197,7 @@ def _core_main(cfg: TestbedConfig, rank: int, host: str, port: int, outdir: str)
         if core is not None:
             core.shutdown()
         torch.save(out, os.path.join(outdir, f"core{rank}.pt"))
+        _exit_now()
 
 
 def _leader_schedule(cfg: TestbedConfig, core: ElasticCore, step: int, first_real: dict[str, int]) -> bool:
@@ -249,6 +251,15 @@ def _hybrid_main(cfg: TestbedConfig, rid: str, rank: int, host: str, port: int, 
     except Exception:  # noqa: BLE001
         out["error"] = traceback.format_exc()
     torch.save(out, os.path.join(outdir, f"hyb_{rid}_{rank}.pt"))
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """End a bed process once its result is saved. A background thread may still sit in a collective
+    with a peer that died (until domain_timeout_s); a normal interpreter exit could wait on it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- parent ----------------------------------------------------------------------------------------
