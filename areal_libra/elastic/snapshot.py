@@ -206,6 +206,7 @@ class SnapshotStore:
         os.makedirs(root, exist_ok=True)
         self._clones: list[threading.Thread] = []
         self._bg: _Background | None = None
+        self._bg_lock = threading.Lock()
         self.errors: list[str] = []
 
     def _paths(self, version: int, position: int) -> tuple[str, str]:
@@ -213,9 +214,10 @@ class SnapshotStore:
         return base + ".pt", base + ".json"
 
     def _background(self) -> _Background:
-        if self._bg is None:
-            self._bg = _Background(f"snapshots-{os.path.basename(self.root)}")
-        return self._bg
+        with self._bg_lock:  # clone threads call this concurrently: exactly one FIFO worker per store
+            if self._bg is None:
+                self._bg = _Background(f"snapshots-{os.path.basename(self.root)}")
+            return self._bg
 
     # -- publish ---------------------------------------------------------------------------------
     def write(self, version: int, position: int, state: Any, corrupt: str | None = None) -> SnapshotInfo:

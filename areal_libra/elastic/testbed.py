@@ -133,7 +133,7 @@ def _core_main(cfg: TestbedConfig, rank: int, host: str, port: int, outdir: str)
     out: dict[str, Any] = {"params": {}, "step_s": {}, "cpu_s": {}, "metrics": [], "error": None}
     core = None
     try:
-        store = connect(host, port, timeout_s=cfg.runtime.domain_timeout_s)
+        store = connect(host, port, timeout_s=max(60.0, cfg.runtime.domain_timeout_s))  # a loaded machine may take seconds
         group = None
         if cfg.replica_size > 1:
             dist.init_process_group("gloo", store=dist.PrefixStore("core/", store), rank=rank,
@@ -233,7 +233,7 @@ def _hybrid_main(cfg: TestbedConfig, rid: str, rank: int, host: str, port: int, 
     _setup_proc(cfg, core=False)
     out: dict[str, Any] = {"error": None}
     try:
-        store = connect(host, port, timeout_s=cfg.runtime.domain_timeout_s)
+        store = connect(host, port, timeout_s=max(60.0, cfg.runtime.domain_timeout_s))  # a loaded machine may take seconds
         group = None
         if cfg.replica_size > 1:
             group = dist.ProcessGroupGloo(dist.PrefixStore(f"hybgrp/{rid}/", store), rank, cfg.replica_size,
