@@ -290,7 +290,8 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
     try:
         while any(p.is_alive() for (who, _), p in procs.items() if who == CORE):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"test bed run did not finish within {cfg.timeout_s}s")
+                raise TimeoutError(f"test bed run did not finish within {cfg.timeout_s}s; "
+                                   f"{_diagnose(outdir, procs)}")
             if cfg.kill and killed is None:
                 killed = _maybe_kill(cfg, kv, procs)
             time.sleep(0.005 if cfg.kill else 0.05)  # fast only when it must catch a state to kill in
@@ -323,6 +324,20 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
         cur, tot = int(kv.get("rollout/cursor", 0)), int(kv.get("rollout/total", 0))
         res["rollout_queued"] = [int(kv.get(f"rollout/ticket/{i}")) for i in range(cur, tot)]
     return res
+
+
+def _diagnose(outdir: str, procs: dict[tuple[str, int], Any]) -> str:
+    """Who is still running, and the errors of those that finished (for a run that timed out)."""
+    parts = [f"{who}/{r}: {'alive' if p.is_alive() else f'exit {p.exitcode}'}" for (who, r), p in procs.items()]
+    for name in sorted(os.listdir(outdir)):
+        if name.endswith(".pt") and (name.startswith("core") or name.startswith("hyb_")):
+            try:
+                err = torch.load(os.path.join(outdir, name), weights_only=False).get("error")
+            except Exception as e:  # noqa: BLE001 - a half-written result
+                err = f"unreadable: {e}"
+            if err:
+                parts.append(f"{name}: {str(err)[-600:]}")
+    return "; ".join(parts)
 
 
 def _maybe_kill(cfg: TestbedConfig, kv: KV, procs: dict[tuple[str, int], Any]) -> dict[str, Any] | None:
