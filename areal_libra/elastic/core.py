@@ -217,6 +217,16 @@ class ElasticCore:
                 publish = True
         return publish
 
+    def _silent(self, plan: dict[str, Any]) -> str | None:
+        """A hybrid member of the plan whose heartbeat stopped (any core rank can tell: the keys are in
+        the store), so that a rendezvous with it is abandoned without waiting for the gloo timeout."""
+        now = time.time()
+        for rid in plan["members"]:
+            h = self.pool.hybrid.get(rid)
+            if h is not None and self._stale(h, now):
+                return f"{rid} stopped beating"
+        return None
+
     def _fail_dead(self, step: int, attempt: int) -> None:
         """After a failed attempt: wait for the heartbeats to tell who died; drop everyone if nobody did
         and attempts are running out (the core alone is always a valid domain)."""
@@ -326,7 +336,8 @@ class ElasticCore:
             flat = None
             try:
                 if plan["epoch"] != self.domain.epoch or self.domain.group is None:
-                    self.domain.rebuild(plan["epoch"], plan["members"])
+                    self.domain.prepare(plan["epoch"], plan["members"])  # no-op when begin_step did it
+                    self.domain.rebuild(plan["epoch"], plan["members"], abort=lambda p=plan: self._silent(p))
                     rebuild_s += self.domain.last_rebuild_wait_s
                 if len(plan["members"]) > 1:
                     flat, _ = self.domain.reduce_flat(tensors, weight)
@@ -394,7 +405,7 @@ class ElasticCore:
         return out
 
     def shutdown(self) -> None:
-        self.side.close(10.0)
+        self.side.close(2.0)  # it may sit in a collective with a dead joiner until the gloo timeout: do not wait
         self.snapshots.wait(30)
         if self.is_leader:
             self.kv.set("shutdown", 1)

@@ -108,8 +108,11 @@ class GradientDomain:
         t.start()
         self._prep = (epoch, members, t, box)
 
-    def rebuild(self, epoch: int, members: Sequence[str]) -> None:
-        """Join the group of `epoch`; every member must call this with the same (epoch, members)."""
+    def rebuild(self, epoch: int, members: Sequence[str], abort: Callable[[], str | None] | None = None) -> None:
+        """Join the group of `epoch`; every member must call this with the same (epoch, members).
+
+        While waiting for a prepared rendezvous, `abort()` is polled: a non-empty answer (e.g. "h0
+        stopped beating") fails the rebuild at once instead of after the gloo timeout."""
         if self.me not in members:
             raise ValueError(f"{self.me} is not a member of epoch {epoch}: {list(members)}")
         self.close()
@@ -119,7 +122,12 @@ class GradientDomain:
         prep, self._prep = self._prep, None
         try:
             if prep is not None and prep[0] == epoch and prep[1] == self.members:
-                prep[2].join(self.timeout_s + 5.0)
+                deadline = time.monotonic() + self.timeout_s + 5.0
+                while prep[2].is_alive() and time.monotonic() < deadline:
+                    prep[2].join(0.1)
+                    why = abort() if abort is not None and prep[2].is_alive() else None
+                    if why:
+                        raise TimeoutError(f"rendezvous abandoned: {why}")
                 if not prep[3]:
                     raise TimeoutError("background rendezvous did not finish")
                 if isinstance(prep[3][0], Exception):
