@@ -122,7 +122,8 @@ class HybridWorker:
         self.snapshots = SnapshotStore(snapshot_root, keep=cfg.snapshot_keep)
         self.domain = GradientDomain(self.kv.store, position=rank, me=rid, timeout_s=cfg.domain_timeout_s,
                                      chunk_elems=cfg.chunk_elems, backend=cfg.backend,
-                                     namespace=f"{cfg.namespace}/dom")
+                                     namespace=f"{cfg.namespace}/dom",
+                                     store_factory=lambda: connect(host, port, timeout_s=max(30.0, cfg.domain_timeout_s)))
         # Zero-sync: the side channel to the core's background sender (see core.py), never the domain.
         self.side = GradientDomain(self.kv.store, position=rank, me=rid, timeout_s=cfg.domain_timeout_s,
                                    chunk_elems=cfg.chunk_elems, backend=cfg.backend,
@@ -380,7 +381,12 @@ class HybridWorker:
             flat = None
             try:
                 if plan["epoch"] != self.domain.epoch or self.domain.group is None:
-                    self.domain.rebuild(plan["epoch"], plan["members"])
+                    # Abandon the rendezvous as soon as the core gave this attempt up (a member died):
+                    # waiting out the gloo timeout would make this replica miss the retry as well.
+                    result_key = f"result/{s}/{plan['attempt']}"
+                    self.domain.prepare(plan["epoch"], plan["members"])
+                    self.domain.rebuild(plan["epoch"], plan["members"],
+                                        abort=lambda k=result_key: "the core gave up this attempt" if self.kv.has(k) else None)
                 if training:
                     flat, _ = self.domain.reduce_flat(self.replica.grad_tensors(), weight)
                 else:
