@@ -35,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # c10d logs a warning for every store wait slice that runs out (long steps); keep the output readable.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# The measurements in the README were taken with forked bed processes (they inherit the imported model code).
+os.environ.setdefault("ELASTIC_TB_START", "fork")
 
 from areal_libra.elastic.core import RuntimeConfig  # noqa: E402
 from areal_libra.elastic.testbed import TestbedConfig, run  # noqa: E402

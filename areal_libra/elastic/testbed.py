@@ -272,12 +272,18 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
     kv = KV(store, cfg.runtime.namespace)
     if cfg.rollout_requests:
         push_requests(kv, list(range(cfg.rollout_requests)))
-    start = os.environ.get("ELASTIC_TB_START", "fork")
+    # forkserver by default: forking the caller directly (fork) inherits whatever locks its other threads
+    # (the store server, earlier tests' workers) hold at that moment, and a child rarely hung at start.
+    start = os.environ.get("ELASTIC_TB_START", "forkserver")
     if start == "fork":
         # Building a replica the first time imports optimizer machinery (torch._dynamo, ~3 s of CPU):
         # do it once here so that every forked child inherits it instead of repeating it.
         build_replica(replace(cfg, init_state=None), CORE, 0, None).apply_update()
     ctx = mp.get_context(start)
+    if start == "forkserver":
+        # The server forks children from a single-threaded process (no lock held by another thread can
+        # be inherited); it imports what a replica needs once, including the optimizer's lazy imports.
+        ctx.set_forkserver_preload(["areal_libra.elastic.testbed", "areal_libra.elastic._warm"])
     procs: dict[tuple[str, int], Any] = {}
     for r in range(cfg.replica_size):
         procs[(CORE, r)] = ctx.Process(target=_core_main, args=(cfg, r, "127.0.0.1", store.port, outdir))
