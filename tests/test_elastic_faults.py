@@ -88,7 +88,10 @@ def test_killed_active_replica_is_removed_and_training_continues(tmp_path):
     assert res["killed"] is not None and "h1" in core["first_real"]  # h0 was killed while planned "training"
     assert not core["pool"]["h0"]["alive"] and core["pool"]["h1"]["state"] == "training"
     after = [m for m in core["metrics"] if m["step"] > res["killed"]["step"]]
-    assert len(after) >= 4 and all(m["members"] == ["core", "h1"] for m in after[1:])
+    # h0 is gone from the step after the kill on; h1 (which may have activated a little later than h0:
+    # each joiner aligns on its own) trains with the core at the end.
+    assert len(after) >= 4 and all("h0" not in m["members"] for m in after[1:])
+    assert all(m["members"] == ["core", "h1"] for m in after[-3:])
     # Detection: either the step failed and was retried without h0, or the boundary check dropped it.
     assert any(e["event"] == "failed" and e["rid"] == "h0" for e in core["events"])
     n = core["final_step"]
