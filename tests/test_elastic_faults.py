@@ -86,7 +86,7 @@ def test_killed_active_replica_is_removed_and_training_continues(tmp_path):
         str(tmp_path / "kill2"),
     )
     core = res["core"][0]
-    assert res["killed"] is not None and "h1" in core["first_real"]  # h0 was killed while planned "training"
+    assert res["killed"] is not None and "h1" in core["first_real"], core["events"]  # h0 killed while "training"
     assert not core["pool"]["h0"]["alive"] and core["pool"]["h1"]["state"] == "training"
     after = [m for m in core["metrics"] if m["step"] > res["killed"]["step"]]
     # h0 is gone from the step after the kill on; h1 (which may have activated a little later than h0:
