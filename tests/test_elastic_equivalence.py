@@ -23,12 +23,12 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("replica_size", [1, 2])
 def test_join_equivalence(tmp_path, replica_size):
-    # 10 ms of emulated compute per step: a joiner replays one optimizer step per core step and must
+    # 30 ms of emulated compute per step: a joiner replays one optimizer step per core step and must
     # outpace the core to catch up (true of real steps; not of a bare 1 ms MLP step at low priority).
     # Nothing is killed here: timeouts no loaded machine reaches, so a slow replica is never dropped.
     patient = RuntimeConfig(heartbeat_timeout_s=30.0, domain_timeout_s=60.0)
     join = TestbedConfig(max_steps=200, replica_size=replica_size, join_at={"h0": 1}, tail_steps=3,
-                         step_sleep_s=0.01, runtime=patient)
+                         step_sleep_s=0.03, runtime=patient)
     joined = run(join, str(tmp_path / "joined"))
     core = joined["core"][0]
     a = core["first_real"]["h0"]  # first step with real gradients from h0 (its activation step)
