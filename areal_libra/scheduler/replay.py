@@ -61,32 +61,25 @@ def route_trajectory(policy, traj: Trajectory, acc: _Acc, reveal_length: bool) -
     """Drive one trajectory through the policy's decision points and score them."""
     final = traj.final_length
     oracle = policy.bucket_of(final)
-    fl = final if reveal_length else None
-    ctx, model, tools = traj.prompt_tokens, 0, []
-    contexts = [ctx]
-    req = RequestInfo(traj.trajectory_id, traj.prompt_id, traj.prompt_tokens, ctx, 0, (), traj.step, fl,
-                      (ctx,))
-    b = policy.start(req)
+    points = decision_points(traj)
+    if reveal_length:
+        points = [replace(p, final_length=final) for p in points]
+    b = policy.start(points[0])
     acc.decisions += 1
     acc.correct += b == oracle
+    returns = iter(points[1:])  # one decision point per segment that ends in a tool call
     for seg in traj.segments:
         # The segment's generation runs where the last decision put it.
         acc.tokens += seg.gen_tokens
         if b == oracle:
             acc.tokens_ok += seg.gen_tokens
-        ctx += seg.gen_tokens
-        model += seg.gen_tokens
         if seg.tool is None:
             continue
-        ctx += seg.tool.payload_tokens
-        tools.append(seg.tool)
-        contexts.append(ctx)
-        req = RequestInfo(traj.trajectory_id, traj.prompt_id, traj.prompt_tokens, ctx, model, tuple(tools),
-                          traj.step, fl, tuple(contexts))
+        req = next(returns)
         nb = policy.tool_return(req, b)
         if nb != b:
             acc.moves += 1
-            acc.moved_tokens += ctx
+            acc.moved_tokens += req.context_tokens
             b = nb
         acc.decisions += 1
         acc.correct += b == oracle
