@@ -60,7 +60,7 @@ def check_dataset(c: Composed) -> None:
 def rollout_groups(c: Composed):
     """The run's rollout groups, short to long: `libra.rollout_alloc` (e.g. sglang:d2t1+d1t2) or the
     `libra.rollout_groups` list; bucket thresholds default to an even split of gconfig.max_tokens."""
-    from areal_libra.engine.groups import GroupConfigError, resolve_groups
+    from areal_libra.integration.groups import GroupConfigError, resolve_groups
 
     try:
         return resolve_groups(c.libra, int(c.areal.gconfig.max_tokens))
@@ -69,14 +69,14 @@ def rollout_groups(c: Composed):
 
 
 def _servers(c: Composed):
-    from areal_libra.engine.groups import expand_servers
+    from areal_libra.integration.groups import expand_servers
 
     # Launch order = address order: group after group (rollout_groups.json records the split).
     return expand_servers(rollout_groups(c))
 
 
 def server_specs(c: Composed):
-    from areal_libra.engine.launcher import ServerSpec
+    from areal_libra.integration.launcher import ServerSpec
 
     return [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name) for g in _servers(c)]
 
@@ -173,7 +173,7 @@ def run(argv: list[str]) -> int:
     if metrics_path.exists():
         metrics_path.unlink()  # a re-used trial name starts a fresh record
     save(c, log_dir)
-    from areal_libra.engine.launcher import launch_servers, shutdown
+    from areal_libra.integration.launcher import launch_servers, shutdown
 
     quiet = not sys.stdout.isatty()
     print(f"areal_libra: run directory {log_dir}", flush=True)
@@ -184,12 +184,12 @@ def run(argv: list[str]) -> int:
     try:
         addrs = [s.addr for s in servers]
         print(f"areal_libra: rollout servers {', '.join(addrs)}", flush=True)
-        from areal_libra.engine.dispatch import write_groups_file
+        from areal_libra.integration.router import write_groups_file
 
         write_groups_file(log_dir, rollout_groups(c), addrs)  # which address serves which group
         with open(log_dir / "trainer.log", "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "areal_libra.train", "--run-dir", str(log_dir)],
+                [sys.executable, "-m", "areal_libra.integration.train", "--run-dir", str(log_dir)],
                 env=trainer_env(c, addrs), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
             try:

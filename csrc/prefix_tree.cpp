@@ -1,5 +1,5 @@
-// C++ core of the C-MLFQ causal prefix tree (areal_libra/scheduler/tree.py is the wrapper;
-// areal_libra/scheduler/_pytree.py is the pure-Python fallback and must give identical results).
+// C++ core of the C-MLFQ causal prefix tree (areal_libra/cmlfq/tree.py is the wrapper;
+// areal_libra/cmlfq/_pytree.py is the pure-Python fallback and must give identical results).
 //
 // A global root plus one root per prompt id; a node per ordered sequence of tool-return state ids.
 // Each node keeps the total sample count and a ring buffer of the last `window` remaining lengths
@@ -148,7 +148,7 @@ class TreeCore {
     return py::make_tuple(r.mean, r.p90, r.count, r.depth, r.from_global, r.pq);
   }
 
-  // The C-MLFQ bucket rule (areal_libra/scheduler/policy.py documents it; _pytree.py mirrors it).
+  // The C-MLFQ bucket rule (areal_libra/cmlfq/policy.py documents it; _pytree.py mirrors it).
   void set_rule(const std::vector<double>& thresholds, bool use_mean, double q, double move_cost, bool overrun,
                 bool condition, bool prompt_first) {
     if (thresholds.empty()) throw std::invalid_argument("need at least one bucket threshold");
@@ -425,7 +425,7 @@ class TreeCore {
 }  // namespace
 
 PYBIND11_MODULE(_prefix_tree, m) {
-  m.doc() = "C++ core of the C-MLFQ causal prefix tree (see areal_libra/scheduler/tree.py)";
+  m.doc() = "C++ core of the C-MLFQ causal prefix tree (see areal_libra/cmlfq/tree.py)";
   py::class_<TreeCore>(m, "TreeCore")
       .def(py::init<int, int, int64_t>(), py::arg("min_samples"), py::arg("window"), py::arg("max_nodes"))
       .def("clear", &TreeCore::clear)

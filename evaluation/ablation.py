@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from areal_libra.sim.report import main_common  # noqa: E402
-from areal_libra.sim.systems import LADDER  # noqa: E402
+from areal_libra.sim.report import main_common
+from areal_libra.sim.systems import LADDER
 
 if __name__ == "__main__":
     sys.exit(main_common(sys.argv[1:], "Simulated ablation ladder of Libra.", LADDER, "static_uniform"))

@@ -3,7 +3,7 @@
     python evaluation/elastic_bench.py [--model qwen2|mlp] [--hidden N] [--batch N] [--repeats R]
         [--join-at S] [--release-after K] [--fetch-delay SEC] [--pin-cpus] [--background-nice N] [--json]
 
-Per repeat, three runs of the same deterministic training (areal_libra.elastic.testbed):
+Per repeat, three runs of the same deterministic training (tests.rigs.elastic_bed):
   joined  one core replica; hybrid h0 is asked to join at --join-at and released --release-after steps
           after its first real gradient;
   ref_a   the same steps with no hybrid (also the step-time baseline);
@@ -30,16 +30,14 @@ import os
 import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # c10d logs a warning for every store wait slice that runs out (long steps); keep the output readable.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # The measurements in the README were taken with forked bed processes (they inherit the imported model code).
 os.environ.setdefault("ELASTIC_TB_START", "fork")
 
-from areal_libra.elastic.core import RuntimeConfig  # noqa: E402
-from areal_libra.elastic.testbed import TestbedConfig, run  # noqa: E402
+from areal_libra.elastic_runtime.core import RuntimeConfig
+from tests.rigs.elastic_bed import TestbedConfig, run
 
 KEYS = ("equivalence_max_abs_diff", "core_step_s_no_join", "core_step_s_during_join", "join_latency_s",
         "release_latency_s")

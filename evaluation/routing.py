@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from areal_libra.scheduler import POLICIES, CMLFQConfig, make_policy  # noqa: E402
-from areal_libra.scheduler.replay import replay  # noqa: E402
-from areal_libra.trace import TraceError, read_traces  # noqa: E402
+from areal_libra.cmlfq import POLICIES, CMLFQConfig, make_policy
+from areal_libra.cmlfq.replay import replay
+from areal_libra.trace import TraceError, read_traces
 
 METRICS = ("decision_accuracy", "token_accuracy", "migrated_token_ratio", "migrations_per_trajectory")
 DEFAULT_POLICIES = "cmlfq,mlfq,predictor,oracle,round_robin,least_loaded"
@@ -82,7 +79,7 @@ def depth_context_reference(train, evals, buckets: list[int], ctx_bin: int = 128
     import bisect
     from collections import Counter, defaultdict
 
-    from areal_libra.scheduler import decision_contexts
+    from areal_libra.cmlfq import decision_contexts
 
     last = len(buckets) - 1
     table: dict = defaultdict(Counter)

@@ -18,14 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from routing import UsageError, parse_variant  # noqa: E402
-
-from areal_libra.scheduler import CMLFQPolicy, RequestInfo, cpp_available, tool_state  # noqa: E402
-from areal_libra.scheduler.replay import decision_points  # noqa: E402
-from areal_libra.trace import TraceError, read_traces  # noqa: E402
+from areal_libra.cmlfq import CMLFQPolicy, RequestInfo, cpp_available, tool_state
+from areal_libra.cmlfq.replay import decision_points
+from areal_libra.trace import TraceError, read_traces
+from evaluation.routing import UsageError, parse_variant
 
 BUCKETS = [1536, 3072, 7168]
 

@@ -41,9 +41,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from areal_libra.trace import Segment, ToolReturn, Trajectory, write_traces  # noqa: E402
+from areal_libra.trace import Segment, ToolReturn, Trajectory, write_traces
 
 
 @dataclass

@@ -7,12 +7,9 @@ python evaluation/throughput.py --workload {search_r1,dapo_math,r2e_gym,PATH} --
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from areal_libra.sim.report import main_common  # noqa: E402
-from areal_libra.sim.systems import SYSTEMS  # noqa: E402
+from areal_libra.sim.report import main_common
+from areal_libra.sim.systems import SYSTEMS
 
 if __name__ == "__main__":
     sys.exit(main_common(sys.argv[1:], "Simulated throughput: verl / AReaL baselines vs Libra.", SYSTEMS,

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from areal.api.io_struct import ModelRequest
 
-from areal_libra.engine.dispatch import (
+from areal_libra.integration.groups import RolloutGroup
+from areal_libra.integration.live_tree import TREE_FILE, WINDOW_FILE
+from areal_libra.integration.router import (
     DispatchConfig,
     RequestRouter,
     ServerDown,
     build_router,
     write_groups_file,
 )
-from areal_libra.engine.groups import RolloutGroup
-from areal_libra.engine.live_tree import TREE_FILE, WINDOW_FILE
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 from areal_libra.utils import free_port
 
@@ -316,7 +316,7 @@ def test_single_controller_router_travels_over_areal_rpc_serialization(tmp_path:
     from areal.infra.rpc.serialization import deserialize_value, serialize_value
     from omegaconf import OmegaConf
 
-    from areal_libra.engine.dispatch import RemoteRouter
+    from areal_libra.integration.router import RemoteRouter
 
     groups = [RolloutGroup("short", 1, 2, max_len=80), RolloutGroup("long", 2, 1, max_len=160)]
     write_groups_file(tmp_path, groups, ["a:1", "a:2", "b:1"])

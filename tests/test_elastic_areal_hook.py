@@ -43,7 +43,7 @@ class ConstantReplica:
 
 
 def _hybrid(port, shapes, snapdir, rt):
-    from areal_libra.elastic.hybrid import HybridWorker
+    from areal_libra.elastic_runtime.hybrid import HybridWorker
 
     HybridWorker("127.0.0.1", port, rt, "h0", 0, snapdir, ConstantReplica(shapes)).run()
 
@@ -63,8 +63,8 @@ def test_fsdp_engine_hook_joins_hybrid_with_its_weight(tmp_path):
     from areal.engine.fsdp_engine import FSDPEngine
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from areal_libra.elastic.areal_hook import FSDPElasticHook
-    from areal_libra.elastic.core import ElasticCore, RuntimeConfig
+    from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
+    from areal_libra.integration.elastic_hook import FSDPElasticHook
 
     torch.manual_seed(0)
     qc = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -139,7 +139,7 @@ def _engine_config(model_dir: str, lr: float):
 
 def _areal_hybrid(port, model_dir, snapdir, rt):
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    from areal_libra.elastic.areal_worker import build_engine, run_worker
+    from areal_libra.integration.elastic_worker import build_engine, run_worker
 
     run_worker("127.0.0.1", port, "h0", 0, snapdir, build_engine(_engine_config(model_dir, 0.05)), cfg=rt)
 
@@ -163,15 +163,15 @@ def test_live_path_hybrid_trains_on_its_share_of_the_batch(tmp_path):
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from areal_libra.elastic.areal_hook import (
+    from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
+    from areal_libra.integration.elastic_hook import (
         AReaLEngineReplica,
         FSDPElasticHook,
         batch_dir,
         split_batch,
         write_shard,
     )
-    from areal_libra.elastic.areal_worker import build_engine
-    from areal_libra.elastic.core import ElasticCore, RuntimeConfig
+    from areal_libra.integration.elastic_worker import build_engine
 
     torch.manual_seed(0)
     qc = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_libra.elastic.core import RuntimeConfig
-from areal_libra.elastic.testbed import TestbedConfig, run
+from areal_libra.elastic_runtime.core import RuntimeConfig
+from tests.rigs.elastic_bed import TestbedConfig, run
 
 TOL = 1e-6
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from areal_libra.elastic.core import RuntimeConfig
-from areal_libra.elastic.testbed import TestbedConfig, run
+from areal_libra.elastic_runtime.core import RuntimeConfig
+from tests.rigs.elastic_bed import TestbedConfig, run
 
 # Dead peers are found by heartbeat (3 s: 1.5 s was reached by live replicas with three suites running
 # at once), also while a rendezvous waits for them; the gloo timeout

@@ -9,14 +9,14 @@ import time
 
 import torch
 
-from areal_libra.elastic.modeswitch import HttpRollout
+from areal_libra.elastic_runtime.modeswitch import HttpRollout
 
 
 def test_http_rollout_start_with_current_weights_and_drain(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from areal_libra.engine.inprocess import InProcessServer, http
-    from areal_libra.engine.tiny_model import TinyModelSpec, build_tiny_model
+    from areal_libra.models.random_tiny import TinyModelSpec, build_tiny_model
+    from areal_libra.server.inprocess import InProcessServer, http
 
     base = build_tiny_model(str(tmp_path / "base"), TinyModelSpec(seed=0))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)  # the hybrid replica's weights

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from areal_libra.elastic.domain import GradientDomain
 from areal_libra.elastic.policy import Decision, ElasticConfig, ElasticPolicy
-from areal_libra.elastic.snapshot import SnapshotError, SnapshotStore
 from areal_libra.elastic.state import HybridReplica, Pool, ReplicaState
+from areal_libra.elastic_runtime.domain import GradientDomain
+from areal_libra.elastic_runtime.snapshot import SnapshotError, SnapshotStore
 
 
 # -- policy ----------------------------------------------------------------------------------------
@@ -159,8 +159,8 @@ def test_domain_weighted_mean_and_zero_weight_joiner():
 
 # -- controller and Megatron bucket views ----------------------------------------------------------
 def test_controller_turns_policy_decisions_into_requests(tmp_path):
-    from areal_libra.elastic.controller import ElasticController
-    from areal_libra.elastic.core import ElasticCore, RuntimeConfig
+    from areal_libra.elastic_runtime.controller import ElasticController
+    from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     core = ElasticCore(store, RuntimeConfig(), 0, 1, None, str(tmp_path), dict, hybrids=[("h0", 1), ("h1", 1)])
@@ -176,26 +176,10 @@ def test_controller_turns_policy_decisions_into_requests(tmp_path):
     assert core.kv.get("cmd/h0") == {"op": "release", "gen": 2}
 
 
-def test_megatron_bucket_views_follow_the_distributed_optimizer_shard():
-    from types import SimpleNamespace
-
-    from areal_libra.elastic.megatron_adapter import bucket_views
-
-    b1, b2 = SimpleNamespace(grad_data=torch.arange(8.0)), SimpleNamespace(grad_data=torch.arange(4.0))
-    plain = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False), buckets=[b1, b2])
-    assert [v.tolist() for v in bucket_views([plain])] == [list(range(8)), list(range(4))]
-    zero1 = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True), buckets=[b1, b2],
-                            intra_distributed_optimizer_instance_size=2, intra_distributed_optimizer_instance_rank=1)
-    views = bucket_views([zero1])
-    assert [v.tolist() for v in views] == [[4.0, 5.0, 6.0, 7.0], [2.0, 3.0]]
-    views[0].fill_(0)  # views, not copies: the domain reduces Megatron's buffer in place
-    assert b1.grad_data[4:].sum() == 0
-
-
 def test_live_config_from_libra_or_environment(monkeypatch):
     from omegaconf import OmegaConf
 
-    from areal_libra.elastic.live import load_config
+    from areal_libra.integration.elastic_live import load_config
 
     monkeypatch.delenv("AREAL_LIBRA_ELASTIC", raising=False)
     assert not load_config(OmegaConf.create({})).enabled
@@ -212,7 +196,7 @@ def test_background_threads_lower_only_themselves():
     import os
     import threading
 
-    from areal_libra.elastic import priority
+    from areal_libra.elastic_runtime import priority
 
     saved = priority.placement()
     cpus = sorted(os.sched_getaffinity(0))

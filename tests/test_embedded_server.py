@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 import torch
 
-from areal_libra.engine.inprocess import InProcessServer, http
-from areal_libra.engine.tiny_model import TinyModelSpec, build_tiny_model
+from areal_libra.models.random_tiny import TinyModelSpec, build_tiny_model
+from areal_libra.server.inprocess import InProcessServer, http
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_libra.engine.batching import BatchEngine, EngineConfig, Request, SamplingParams
-from areal_libra.engine.protocol import RequestError, finish_text, parse_generate
-from areal_libra.engine.sampling import uniforms
-from areal_libra.engine.tiny_model import build_tiny_model
+from areal_libra.models.random_tiny import build_tiny_model
+from areal_libra.server.batching import BatchEngine, EngineConfig, Request, SamplingParams
+from areal_libra.server.protocol import RequestError, finish_text, parse_generate
+from areal_libra.server.sampling import uniforms
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_libra.engine.dispatch import DispatchConfig, RequestRouter
-from areal_libra.engine.groups import RolloutGroup
+from areal_libra.integration.groups import RolloutGroup
+from areal_libra.integration.router import DispatchConfig, RequestRouter
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 
 pytestmark = pytest.mark.slow  # starts three servers and AReaL engines: ~3 minutes on 2 shared cores
@@ -62,8 +62,8 @@ def build_tool_model(out_dir: Path, seed: int = 0) -> str:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     """Tool model + three embedded servers: group short (2 x TP1) and group long (1 x TP2)."""
-    from areal_libra.engine.groups import expand_servers
-    from areal_libra.engine.launcher import ServerSpec, launch_servers, shutdown
+    from areal_libra.integration.groups import expand_servers
+    from areal_libra.integration.launcher import ServerSpec, launch_servers, shutdown
 
     root = tmp_path_factory.mktemp("hetero")
     model = build_tool_model(root / "model")

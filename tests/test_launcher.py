@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from areal_libra.engine.inprocess import http
-from areal_libra.engine.launcher import (
+from areal_libra.integration.launcher import (
     ServerLaunchError,
     ServerSpec,
     build_command,
@@ -18,7 +17,8 @@ from areal_libra.engine.launcher import (
     server_infos,
     shutdown,
 )
-from areal_libra.engine.tiny_model import build_tiny_model
+from areal_libra.models.random_tiny import build_tiny_model
+from areal_libra.server.inprocess import http
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_commands_and_backend_choice():
         "--max-total-tokens": "9000",
     }
     cmd = build_command("embedded", "/m", spec, "127.0.0.1", 1234)
-    assert "areal_libra.engine.embedded_server" in cmd and cmd[cmd.index("--tp-size") + 1] == "4"
+    assert "areal_libra.server.embedded_server" in cmd and cmd[cmd.index("--tp-size") + 1] == "4"
     assert resolve_backend("auto") == "embedded"  # no CUDA/sglang on this machine
     with pytest.raises(ValueError):
         resolve_backend("vllm")
@@ -100,7 +100,7 @@ def test_server_cli_bad_input_is_one_line(tmp_path):
         (["--port", "1"], "--model-path"),
     ):
         r = subprocess.run(
-            [sys.executable, "-m", "areal_libra.engine.embedded_server", *argv],
+            [sys.executable, "-m", "areal_libra.server.embedded_server", *argv],
             capture_output=True,
             text=True,
             timeout=120,
@@ -118,7 +118,7 @@ def test_server_exits_when_its_launcher_dies(model_dir, tmp_path):
 
     script = (
         "import sys, time\n"
-        "from areal_libra.engine.launcher import ServerSpec, launch_servers\n"
+        "from areal_libra.integration.launcher import ServerSpec, launch_servers\n"
         f"h = launch_servers({model_dir!r}, [ServerSpec()], {str(tmp_path / 'logs')!r}, backend='embedded', timeout=120)\n"
         "print(h[0].proc.pid, flush=True)\n"
         "time.sleep(600)\n"

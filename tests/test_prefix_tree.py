@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from areal_libra.scheduler import PrefixTree, ToolState, TreeFileError, cpp_available, decision_contexts, tool_state
-from areal_libra.scheduler.policy import CMLFQPolicy
+from areal_libra.cmlfq import PrefixTree, ToolState, TreeFileError, cpp_available, decision_contexts, tool_state
+from areal_libra.cmlfq.policy import CMLFQPolicy
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 
 BACKENDS = ["python"] + (["cpp"] if cpp_available() else [])
@@ -163,7 +163,7 @@ def test_live_path_falls_back_to_empty_tree_with_warning(tmp_path):
     code = (
         "import logging, sys\n"
         "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
-        "from areal_libra.scheduler.policy import CMLFQPolicy\n"
+        "from areal_libra.cmlfq.policy import CMLFQPolicy\n"
         f"CMLFQPolicy([100, 1000], tree_path={str(path)!r})\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -172,7 +172,7 @@ def test_live_path_falls_back_to_empty_tree_with_warning(tmp_path):
     policy = CMLFQPolicy([100, 1000], tree_path=str(path))
     assert "empty tree" in text and "truncated" in text
     assert policy.tree.node_count() == 1
-    from areal_libra.scheduler import RequestInfo
+    from areal_libra.cmlfq import RequestInfo
     req = RequestInfo("t", "p", 10, 50, 40, (ToolReturn("search", 10),), decision_contexts=(10, 50))
     assert policy.start(req) == 0 and policy.tool_return(req, 0) == 0
     missing = CMLFQPolicy([100, 1000], tree_path=str(tmp_path / "none.json"))

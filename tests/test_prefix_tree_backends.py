@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_libra.scheduler import PrefixTree, cpp_available, decision_contexts, tool_state
+from areal_libra.cmlfq import PrefixTree, cpp_available, decision_contexts, tool_state
 from areal_libra.trace import read_traces
 
 POLY = Path("/work/shared/data/polytrace/search_r1")
@@ -49,8 +49,8 @@ def test_backends_agree_on_real_traces(trajs, max_nodes, window, tmp_path):
                                       {"center": 0.5, "move_cost": 0.5, "overrun": True, "state_key": "",
                                        "drift": True, "growth": 0.5}])
 def test_policy_decisions_agree_between_backends(trajs, switches):
-    from areal_libra.scheduler import make_policy
-    from areal_libra.scheduler.replay import _Acc, route_trajectory
+    from areal_libra.cmlfq import make_policy
+    from areal_libra.cmlfq.replay import _Acc, route_trajectory
 
     buckets = [1536, 3072, 7168]
     pols = {b: make_policy("cmlfq", buckets, backend=b, **switches) for b in ("python", "cpp")}

@@ -15,8 +15,8 @@ KEYS = {"decision_accuracy", "token_accuracy", "migrated_token_ratio", "migratio
 
 
 def run(script, *args):
-    return subprocess.run([sys.executable, str(ROOT / "evaluation" / script), *map(str, args)],
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, "-m", f"evaluation.{script.removesuffix('.py')}", *map(str, args)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +143,8 @@ def test_synth_must_show_on_the_tuning_seed(tmp_path):
 def test_synth_persistence_statistic(tmp_path):
     """The generator's per-sample persistence (calibrated on PolyTrace Search-R1) shows in the statistic;
     switched off, it is gone."""
-    import importlib.util
+    import evaluation.synth_trace as st
 
-    spec = importlib.util.spec_from_file_location("synth_trace", ROOT / "evaluation" / "synth_trace.py")
-    st = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("synth_trace", st)  # dataclasses look their module up there
-    spec.loader.exec_module(st)
     on = st.persistence([t for s in st.generate(st.SynthConfig(), 4, 0) for t in s])
     off = st.persistence([t for s in st.generate(st.SynthConfig(sample_gen_sigma=0, sample_payload_sigma=0), 4, 0)
                           for t in s])
@@ -161,13 +157,8 @@ def test_synth_persistence_statistic(tmp_path):
 
 
 def test_start_references_by_hand():
-    import importlib.util
-
+    import evaluation.routing as rt
     from areal_libra.trace import Segment, Trajectory
-
-    spec = importlib.util.spec_from_file_location("routing_cli", ROOT / "evaluation" / "routing.py")
-    rt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rt)
 
     def t(tid, step, length):
         return Trajectory(tid, "p", step, 10, (Segment(length - 10, None),))

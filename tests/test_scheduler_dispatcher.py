@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_libra.scheduler import Dispatcher, NoHealthyServer, ServerGroup, make_policy
-from areal_libra.scheduler.replay import replay
+from areal_libra.cmlfq import Dispatcher, NoHealthyServer, ServerGroup, make_policy
+from areal_libra.cmlfq.replay import replay
 from areal_libra.trace import Segment, ToolReturn, Trajectory, read_traces
 
 POLY = Path("/work/shared/data/polytrace/search_r1")

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from areal_libra.scheduler import RequestInfo, make_policy
-from areal_libra.scheduler.drift import GrowthTable, LengthDrift, growth_factor
-from areal_libra.scheduler.replay import decision_points, replay
+from areal_libra.cmlfq import RequestInfo, make_policy
+from areal_libra.cmlfq.drift import GrowthTable, LengthDrift, growth_factor
+from areal_libra.cmlfq.replay import decision_points, replay
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 
 B = [1000, 2000, 8000]

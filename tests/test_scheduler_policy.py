@@ -2,8 +2,8 @@
 
 import pytest
 
-from areal_libra.scheduler import POLICIES, RequestInfo, make_policy
-from areal_libra.scheduler.replay import decision_points, replay
+from areal_libra.cmlfq import POLICIES, RequestInfo, make_policy
+from areal_libra.cmlfq.replay import decision_points, replay
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 
 B = [100, 200, 400]
@@ -163,7 +163,7 @@ def _decisions(pol, trajs, with_contexts):
 def test_policy_tracks_decision_contexts_itself_and_survives_a_tree_swap():
     import random
 
-    from areal_libra.scheduler import PrefixTree
+    from areal_libra.cmlfq import PrefixTree
 
     rng = random.Random(0)
     hist, probe = [], []

@@ -2,8 +2,8 @@
 
 import pytest
 
-from areal_libra.scheduler import Dispatcher, ServerGroup, make_policy
-from areal_libra.scheduler.spill import SpillConfig, spill
+from areal_libra.cmlfq import Dispatcher, ServerGroup, make_policy
+from areal_libra.cmlfq.spill import SpillConfig, spill
 
 B = [100, 200, 400]
 

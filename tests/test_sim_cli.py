@@ -12,8 +12,8 @@ KEYS = {"tokens_per_s", "mean_step_s", "rollout_busy_frac", "train_busy_frac", "
 
 
 def _run(script, *args):
-    return subprocess.run([sys.executable, str(ROOT / "evaluation" / script), *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", f"evaluation.{script.removesuffix('.py')}", *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def test_throughput_json_keys_and_plot(tmp_path):

@@ -4,7 +4,8 @@ import pytest
 
 from areal_libra.sim.cluster import Layout, RunConfig, SimError, Simulation, TrainLayout
 from areal_libra.sim.hardware import truth_for
-from areal_libra.sim.systems import Env, run_system
+from areal_libra.sim.registry import run_system
+from areal_libra.sim.systems import Env
 from areal_libra.sim.workloads import WorkloadConfig, make_workload
 
 

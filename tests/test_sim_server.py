@@ -2,9 +2,9 @@
 
 import random
 
-from areal_libra.sim.bench import replay_on_server
 from areal_libra.sim.hardware import truth_for
 from areal_libra.trace import Segment, ToolReturn, Trajectory
+from evaluation.sim_bench import replay_on_server
 
 
 def _trace(n=6, seed=0):

@@ -40,7 +40,7 @@ def engine(model_path):
     from areal.api.cli_args import InferenceEngineConfig
     from areal.engine.sglang_remote import RemoteSGLangEngine
 
-    from areal_libra.engine.inprocess import InProcessServer
+    from areal_libra.server.inprocess import InProcessServer
 
     srv = InProcessServer(model_path, max_running_requests=32, seed=0)
     cfg = InferenceEngineConfig(experiment_name="t", trial_name="t", backend="sglang:d1", setup_timeout=30,

@@ -1,6 +1,6 @@
 """Libra and its ablation ladder in the simulator: the Global Resource Planner (areal_libra.planner) picks
 the split and the rollout server mix from the length history, its re-plan gate decides reconfigurations,
-C-MLFQ (areal_libra.scheduler) routes between TP buckets, and the elastic pool policy
+C-MLFQ (areal_libra.cmlfq) routes between TP buckets, and the elastic pool policy
 (areal_libra.elastic) moves whole data-parallel replicas between training and rollout.
 
 The controller sees only what the live system sees: (prompt_tokens, final_length) of finished
@@ -32,7 +32,7 @@ class LibraOptions:
 TREE_BACKEND = "auto"  # the scheduler's C++ prefix tree when built, else its Python core
 # A request whose context already overruns its bucket follows the mean when mean and P90 disagree.
 CMLFQ_SWITCHES: dict = {"overrun": True}
-# Load-aware spill-over between neighbouring buckets on C-MLFQ's placements (areal_libra.scheduler.spill;
+# Load-aware spill-over between neighbouring buckets on C-MLFQ's placements (areal_libra.cmlfq.spill;
 # the live Dispatcher's `spill` switch); None turns it off.
 SPILL_RATIO: float | None = None if os.environ.get("LIBRA_SIM_SPILL") == "off" else float(os.environ.get("LIBRA_SIM_SPILL", "1.2"))
 
@@ -40,7 +40,7 @@ SPILL_RATIO: float | None = None if os.environ.get("LIBRA_SIM_SPILL") == "off" e
 def _spill_cfg():
     if SPILL_RATIO is None:
         return None
-    from areal_libra.scheduler.spill import SpillConfig
+    from areal_libra.cmlfq.spill import SpillConfig
 
     return SpillConfig(ratio=SPILL_RATIO)
 
@@ -168,7 +168,7 @@ class BucketLoadRouter(PolicyRouter):
     Dispatcher plugs its server-group load into the same policy the same way)."""
 
     def __init__(self, limits):
-        from areal_libra.scheduler import make_policy
+        from areal_libra.cmlfq import make_policy
 
         self.sim: Simulation | None = None
         super().__init__(make_policy("least_loaded", limits, load_fn=self._loads))
@@ -446,7 +446,7 @@ def _same(a: Layout, b: Layout) -> bool:
 
 
 def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None) -> Router:
-    from areal_libra.scheduler import make_policy
+    from areal_libra.cmlfq import make_policy
 
     limits = layout.bucket_limits
     if len(limits) == 1:

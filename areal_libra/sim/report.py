@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from areal_libra.sim.cluster import SimError
 from areal_libra.sim.hardware import GPUS, truth_for, truth_from_specs
-from areal_libra.sim.systems import Env, run_system
+from areal_libra.sim.registry import run_system
+from areal_libra.sim.systems import Env
 from areal_libra.sim.workloads import make_workload
 from areal_libra.trace import TraceError
 

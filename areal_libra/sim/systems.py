@@ -1,7 +1,7 @@
 """The systems the simulator compares: baselines users would pick, Libra, and Libra's ablation ladder.
 
 Each system is a layout (training topology + rollout servers), a run mode (synchronous / colocated /
-staleness-bounded asynchronous), a routing policy (from areal_libra.scheduler) and a controller that
+staleness-bounded asynchronous), a routing policy (from areal_libra.cmlfq) and a controller that
 sees only what a live system sees after each step (finished trajectories, measured times) and may
 reconfigure: the Global Resource Planner and its re-plan gate (areal_libra.planner), the elastic pool
 policy (areal_libra.elastic). Nothing here re-implements those algorithms; it only wires them up.
@@ -50,15 +50,15 @@ class SystemSpec:
 
 # ------------------------------------------------------------------ routing adapters
 class PolicyRouter(Router):
-    """Feeds the simulator's requests to an areal_libra.scheduler routing policy."""
+    """Feeds the simulator's requests to an areal_libra.cmlfq routing policy."""
 
     def __init__(self, policy, spill_cfg=None):
         self.policy = policy
         self.n_buckets = len(policy.buckets)
-        from areal_libra.scheduler import RequestInfo
+        from areal_libra.cmlfq import RequestInfo
 
         self._info = RequestInfo
-        # Load-aware spill-over (areal_libra.scheduler.spill, as the live Dispatcher's `spill` switch):
+        # Load-aware spill-over (areal_libra.cmlfq.spill, as the live Dispatcher's `spill` switch):
         # placements go to a neighbouring bucket when the chosen one is much more loaded per GPU.
         self.spill_cfg = spill_cfg
         self.sim = None
@@ -78,7 +78,7 @@ class PolicyRouter(Router):
     def _spill(self, bucket: int, current: int | None = None) -> int:
         if self.spill_cfg is None or self.sim is None or bucket == current:
             return bucket
-        from areal_libra.scheduler.spill import spill
+        from areal_libra.cmlfq.spill import spill
 
         return spill(bucket, self._loads(), self.spill_cfg)
 
@@ -108,7 +108,7 @@ class PolicyRouter(Router):
 
 def policy_router(name: str, **switches) -> Callable[[Layout], Router]:
     def build(layout: Layout) -> Router:
-        from areal_libra.scheduler import make_policy
+        from areal_libra.cmlfq import make_policy
 
         return PolicyRouter(make_policy(name, layout.bucket_limits, **switches))
 
@@ -249,34 +249,4 @@ def static_uniform_async(env: Env) -> SystemSpec:
     return SystemSpec("static_uniform", lay, RunConfig(max_staleness=AREAL_STALENESS), policy_router("least_loaded"))
 
 
-def build_system(name: str, env: Env) -> SystemSpec:
-    check_cluster(env.truth, env.n_gpus)
-    if name == "verl_colocated":
-        return verl_colocated(env)
-    if name == "verl_static_uniform":
-        return verl_static_uniform(env)
-    if name == "verl_greedy":
-        return verl_greedy(env)
-    if name == "areal_static_optimal":
-        return areal_static_optimal(env)
-    if name == "static_uniform":
-        return static_uniform_async(env)
-    if name in ("libra", "+planner", "+hetero_tp", "+cmlfq", "+elastic"):
-        from areal_libra.sim.libra import libra_system
-
-        return libra_system(name, env)
-    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS + LADDER)}")
-
-
-def run_system(name: str, env: Env, steps: int) -> tuple[dict, Simulation]:
-    spec = build_system(name, env)
-    sim = Simulation(env.truth, env.workload, env.n_gpus, spec.layout, spec.run, spec.router_factory(spec.layout),
-                     spec.controller, seed=env.seed)
-    attach = getattr(spec.controller, "attach", None)
-    if attach is not None:
-        attach(sim)
-    res = sim.run(steps)
-    return res, sim
-
-
-__all__ = ["Env", "SystemSpec", "SYSTEMS", "LADDER", "build_system", "run_system", "PolicyRouter", "replace"]
+__all__ = ["Env", "SystemSpec", "SYSTEMS", "LADDER", "PolicyRouter", "replace"]

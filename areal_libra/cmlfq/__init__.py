@@ -1,0 +1,26 @@
+"""C-MLFQ: tool-return states, causal prefix tree, routing policies, and the dispatcher plug point."""
+
+from areal_libra.cmlfq.dispatcher import Dispatcher, NoHealthyServer, ServerGroup, request_from_meta
+from areal_libra.cmlfq.policy import (
+    POLICIES,
+    Bucket,
+    CMLFQConfig,
+    CMLFQPolicy,
+    LeastLoadedPolicy,
+    MLFQPolicy,
+    OraclePolicy,
+    PredictorPolicy,
+    RequestInfo,
+    RoundRobinPolicy,
+    RoutingPolicy,
+    make_policy,
+)
+from areal_libra.cmlfq.states import SizeClasses, ToolState, tool_state
+from areal_libra.cmlfq.tree import NodeStats, PrefixTree, TreeFileError, cpp_available, decision_contexts
+
+__all__ = [
+    "POLICIES", "Bucket", "CMLFQConfig", "CMLFQPolicy", "Dispatcher", "LeastLoadedPolicy", "MLFQPolicy",
+    "NoHealthyServer", "NodeStats", "OraclePolicy", "PredictorPolicy", "PrefixTree", "RequestInfo",
+    "RoundRobinPolicy", "RoutingPolicy", "ServerGroup", "SizeClasses", "ToolState", "TreeFileError",
+    "cpp_available", "decision_contexts", "make_policy", "request_from_meta", "tool_state",
+]

@@ -1,0 +1,480 @@
+"""Routing policies: C-MLFQ and its baselines behind one interface (libra.md §3).
+
+Buckets are ascending max-length thresholds (bucket i serves final lengths in (T[i-1], T[i]]; lengths
+above the last threshold belong to the last bucket). A policy is a deterministic core: the replay
+(evaluation/routing.py), the simulator and the live Dispatcher drive the same objects.
+
+Protocol: start(req) -> bucket; tool_return(req, current) -> bucket; finish(traj) feeds what the policy
+learns from; end_step() marks a training-step boundary (what "earlier steps" means).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
+
+from areal_libra.cmlfq.drift import GrowthTable, LengthDrift, growth_factor
+from areal_libra.cmlfq.states import SizeClasses, ToolState
+from areal_libra.cmlfq.tree import PrefixTree, decision_contexts
+from areal_libra.trace import ToolReturn, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    trajectory_id: str
+    prompt_id: str
+    prompt_tokens: int
+    context_tokens: int
+    model_tokens: int
+    tool_returns: tuple[ToolReturn, ...]
+    step: int = 0
+    final_length: int | None = None  # known only to the oracle's callers (replay, simulator)
+    # Context at the start and after each tool return so far (len(tool_returns) + 1 entries, the last one
+    # = context_tokens) when the caller tracked it; lets C-MLFQ read a shallower tree node correctly.
+    decision_contexts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    max_len: int
+    tp: int = 1
+
+
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    buckets: tuple[int, ...]
+
+    def start(self, req: RequestInfo) -> int: ...
+
+    def tool_return(self, req: RequestInfo, current: int) -> int: ...
+
+    def finish(self, traj: Trajectory) -> None: ...
+
+
+def _check_buckets(buckets: Sequence[int | Bucket]) -> tuple[int, ...]:
+    th = tuple(int(b.max_len if isinstance(b, Bucket) else b) for b in buckets)
+    if not th or any(t <= 0 for t in th) or list(th) != sorted(set(th)):
+        raise ValueError(f"buckets must be strictly ascending positive thresholds, got {list(th)}")
+    return th
+
+
+class _Base:
+    name = "base"
+
+    def __init__(self, buckets: Sequence[int | Bucket]) -> None:
+        self.buckets = _check_buckets(buckets)
+        self._last = len(self.buckets) - 1
+
+    def bucket_of(self, length: float) -> int:
+        """Index of the bucket whose range holds `length` (the last bucket for anything longer)."""
+        return min(bisect.bisect_left(self.buckets, length), self._last)
+
+    def fit(self, trajs: Iterable[Trajectory]) -> None:
+        """Learn from training traces (default: nothing)."""
+
+    def start(self, req: RequestInfo) -> int:
+        return 0
+
+    def tool_return(self, req: RequestInfo, current: int) -> int:
+        return current
+
+    def finish(self, traj: Trajectory) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+
+class RoundRobinPolicy(_Base):
+    name = "round_robin"
+
+    def __init__(self, buckets: Sequence[int | Bucket]) -> None:
+        super().__init__(buckets)
+        self._next = 0
+
+    def start(self, req: RequestInfo) -> int:
+        b = self._next
+        self._next = (self._next + 1) % len(self.buckets)
+        return b
+
+
+class LeastLoadedPolicy(_Base):
+    """Places each new trajectory in the bucket with the least load; never moves it. The live Dispatcher
+    plugs in real per-group load (load_fn); standalone it counts its own active trajectories."""
+
+    name = "least_loaded"
+
+    def __init__(self, buckets: Sequence[int | Bucket], load_fn: Callable[[], Sequence[float]] | None = None) -> None:
+        super().__init__(buckets)
+        self.load_fn = load_fn
+        self._active: dict[str, int] = {}
+        self._count = [0] * len(self.buckets)
+
+    def start(self, req: RequestInfo) -> int:
+        loads = list(self.load_fn()) if self.load_fn is not None else self._count
+        b = min(range(len(self.buckets)), key=lambda i: (loads[i], i))
+        old = self._active.get(req.trajectory_id)
+        if old is not None:
+            self._count[old] -= 1
+        self._active[req.trajectory_id] = b
+        self._count[b] += 1
+        return b
+
+    def finish(self, traj: Trajectory) -> None:
+        b = self._active.pop(traj.trajectory_id, None)
+        if b is not None:
+            self._count[b] -= 1
+
+
+class MLFQPolicy(_Base):
+    """Classic MLFQ: start in the shortest bucket, demote once the context overruns its threshold."""
+
+    name = "mlfq"
+
+    def tool_return(self, req: RequestInfo, current: int) -> int:
+        if req.context_tokens > self.buckets[current]:
+            return max(current, self.bucket_of(req.context_tokens))
+        return current
+
+
+class OraclePolicy(_Base):
+    """Knows the final length (RequestInfo.final_length): the upper bound of the metrics."""
+
+    name = "oracle"
+
+    def start(self, req: RequestInfo) -> int:
+        return 0 if req.final_length is None else self.bucket_of(req.final_length)
+
+    def tool_return(self, req: RequestInfo, current: int) -> int:
+        return current if req.final_length is None else self.bucket_of(req.final_length)
+
+
+class PredictorPolicy(_Base):
+    """Length predictor baseline: places a request once, at its start, from what is known then — the
+    prompt's length and the final lengths of the prompt's earlier samples (earlier steps) — with a small
+    least-squares regressor on those features. It never moves a request afterwards."""
+
+    name = "predictor"
+
+    def __init__(self, buckets: Sequence[int | Bucket], history: int = 64, ridge: float = 1e-3) -> None:
+        super().__init__(buckets)
+        self.history = history
+        self.ridge = ridge
+        self._hist: dict[str, deque[int]] = {}
+        self._pending: list[Trajectory] = []
+        self._seen: deque[Trajectory] = deque(maxlen=20_000)
+        self._w: list[float] | None = None
+        self._global_mean = 0.0
+
+    def _features(self, prompt_id: str, prompt_tokens: int) -> list[float]:
+        h = self._hist.get(prompt_id)
+        hm = sum(h) / len(h) if h else self._global_mean
+        return [1.0, prompt_tokens / 1000.0, math.log1p(prompt_tokens), hm / 1000.0,
+                1.0 if h else 0.0, math.log1p(len(h)) if h else 0.0]
+
+    def fit(self, trajs: Iterable[Trajectory]) -> None:
+        for t in sorted(trajs, key=lambda t: t.step):
+            self._seen.append(t)
+        self._refit()
+
+    def _refit(self) -> None:
+        import numpy as np
+
+        rows, ys = [], []
+        self._hist = {}
+        by_step: dict[int, list[Trajectory]] = {}
+        for t in self._seen:
+            by_step.setdefault(t.step, []).append(t)
+        total, n = 0.0, 0
+        # Features of a sample only use earlier steps, exactly what a request sees at run time.
+        for step in sorted(by_step):
+            self._global_mean = total / n if n else 0.0
+            for t in by_step[step]:
+                rows.append(self._features(t.prompt_id, t.prompt_tokens))
+                ys.append(float(t.final_length))
+            for t in by_step[step]:
+                self._hist.setdefault(t.prompt_id, deque(maxlen=self.history)).append(t.final_length)
+                total += t.final_length
+                n += 1
+        self._global_mean = total / n if n else 0.0
+        if not rows:
+            self._w = None
+            return
+        x = np.asarray(rows)
+        y = np.asarray(ys)
+        a = x.T @ x + self.ridge * len(rows) * np.eye(x.shape[1])
+        self._w = [float(v) for v in np.linalg.solve(a, x.T @ y)]
+
+    def predict(self, prompt_id: str, prompt_tokens: int) -> float:
+        if self._w is None:
+            return 0.0
+        return sum(w * f for w, f in zip(self._w, self._features(prompt_id, prompt_tokens)))
+
+    def start(self, req: RequestInfo) -> int:
+        return self.bucket_of(self.predict(req.prompt_id, req.prompt_tokens))
+
+    def finish(self, traj: Trajectory) -> None:
+        self._pending.append(traj)
+
+    def end_step(self) -> None:
+        if self._pending:
+            self._seen.extend(self._pending)
+            self._pending = []
+            self._refit()
+
+
+@dataclass
+class CMLFQConfig:
+    min_samples: int = 4  # a node needs this many samples before it is trusted
+    window: int = 200  # samples per node for mean / P90 (public Libra code)
+    max_nodes: int = 200_000  # memory bound; least recently used subtrees are evicted
+    size_small: int = 500  # payload size classes (tokens)
+    size_medium: int = 5000
+    rebuild_every: int = 0  # rebuild the tree every N inserted trajectories (0: never)
+    rebuild_window: int = 5000  # ...from this many most recent trajectories
+    online_siblings: bool = False  # insert finished trajectories at once (siblings of a running prompt see them)
+    # The two defaults below were chosen on PolyTrace Search-R1 steps 0-1 -> 2 (README "cmlfq"); the paper's
+    # rule is center=None, move_cost=0.
+    move_cost: float = 0.05  # migrate only if predicted remaining length >= move_cost * context (0: off)
+    overrun: bool = False  # when the context already overruns the bucket and mean/P90 disagree, go by the mean
+    center: float | None = 0.3  # what must agree with the P90: None = the mean (paper), or a quantile q
+    # Place the start by the centre estimate of the prompt's root (paper: always start shortest). Placing
+    # moves nothing, so it needs no mean/P90 agreement. Where prompts do not recur, the global root speaks.
+    start_lookup: bool = True
+    # When the deepest trusted node is shallower than the request (a rare state sequence), read its
+    # remaining-length samples from that node's decision point, keeping those that grew at least as far
+    # as this request already has (paper: use the node's remaining length as if it were measured now).
+    condition: bool = True
+    # Use the prompt's own deepest trusted node even when the global subtree matches deeper (the prompt's
+    # history says more than a deeper match over all prompts; needs `condition` to read a shallow node).
+    prompt_first: bool = True
+    # Which parts of a tool-return state key the tree: any of "tool", "size", "status" (paper: all three).
+    state_key: str = "tool,size,status"
+    # Correct the tree for length drift across training steps (scheduler/drift.py): remaining lengths are
+    # stored divided by their step's length level and read times the level extrapolated to the routed
+    # step, fitted on the newest `drift_steps` visible steps. With drift on, the tree is rebuilt from the
+    # last `rebuild_window` trajectories at every step boundary (the levels are re-estimated there).
+    drift: bool = False
+    drift_steps: int = 8
+    # At a tool return, scale the node's remaining lengths by (this request's growth past its prompt /
+    # the prompt's typical growth at the same depth) ** growth (0: off). Per-sample persistence.
+    growth: float = 0.0
+    backend: str = "auto"
+    tree_path: str | None = None  # load this tree file (empty tree + warning if it is missing or broken)
+
+
+class CMLFQPolicy(_Base):
+    """C-MLFQ: start in the shortest bucket; at each tool return look up the deepest matching node of the
+    causal prefix tree and migrate only when the buckets of context + mean remaining and of context + P90
+    remaining agree and differ from the current bucket."""
+
+    name = "cmlfq"
+
+    def __init__(self, buckets: Sequence[int | Bucket], config: CMLFQConfig | None = None,
+                 tree: PrefixTree | None = None, **switches) -> None:
+        super().__init__(buckets)
+        cfg = config or CMLFQConfig()
+        for k, v in switches.items():
+            if not hasattr(cfg, k):
+                raise ValueError(f"unknown cmlfq switch {k!r}")
+            setattr(cfg, k, v)
+        self.config = cfg
+        self.sizes = SizeClasses(cfg.size_small, cfg.size_medium)
+        kw = dict(min_samples=cfg.min_samples, window=cfg.window, max_nodes=cfg.max_nodes, sizes=self.sizes,
+                  backend=cfg.backend)
+        parts = {p.strip() for p in cfg.state_key.split(",") if p.strip()}
+        if not parts <= {"tool", "size", "status"}:
+            raise ValueError(f"state_key must list tool, size and/or status, got {cfg.state_key!r}")
+        self._mask = None if len(parts) == 3 else ("tool" in parts, "size" in parts, "status" in parts)
+        self.drift = LengthDrift(cfg.drift_steps) if cfg.drift else None
+        self.growth = GrowthTable() if cfg.growth else None
+        self._scale = 1.0  # the length level the installed rule is expressed in
+        self._drift_dirty = False
+        self._levels: dict[int, float] = {}  # drift level per routed step, until the next refit
+        if self.drift is not None and (tree is not None or cfg.tree_path):
+            # The given tree's samples are in some other policy's units and cannot be re-expressed.
+            log.warning("cmlfq drift: the tree is rebuilt from this policy's own trajectories at each step "
+                        "boundary; the samples of the given tree are dropped at the first one")
+        if tree is not None:
+            self.tree = tree
+        elif cfg.tree_path:
+            self.tree = PrefixTree.load_or_empty(cfg.tree_path, **kw)
+        else:
+            self.tree = PrefixTree(**kw)
+        # Contexts at each decision point of running trajectories, for callers that do not pass
+        # RequestInfo.decision_contexts (bounded: the oldest entries go first).
+        self._contexts: dict[str, tuple[int, ...]] = {}
+        self._recent: deque[Trajectory] = deque(maxlen=cfg.rebuild_window)
+        self._since_rebuild = 0
+        self._pending: list[Trajectory] = []
+        self.decisions = 0
+        self.lookups_from_global = 0
+
+    @property
+    def tree(self) -> PrefixTree:
+        return self._tree
+
+    @tree.setter
+    def tree(self, tree: PrefixTree) -> None:
+        """Install a tree (also a rebuilt or reloaded one): the state coarsening and the bucket rule go
+        with it, so a swapped-in tree decides exactly like the one it replaces."""
+        if self._mask is not None:
+            tree.state_map = self._masked
+        self._tree = tree
+        self._install_rule(self._scale)
+
+    def _install_rule(self, scale: float) -> None:
+        # The tree holds lengths in units of the reference level; the rule compares them against the
+        # thresholds in the same units (every other part of the rule is scale-free).
+        cfg = self.config
+        self._tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
+                            float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
+        if scale != 1.0:
+            self._tree.scale_rule(scale)
+        self._scale = scale
+
+    # --- learning ---
+    def _level_of(self, traj: Trajectory) -> float:
+        return self.drift.level(traj.step) if self.drift is not None else 1.0
+
+    def _insert(self, traj: Trajectory) -> None:
+        self._recent.append(traj)
+        if self.drift is not None:
+            self.drift.add(traj)
+            self._drift_dirty = True
+        level = self._level_of(traj)
+        self.tree.insert(traj, level)
+        if self.growth is not None:
+            self.growth.add(traj.prompt_id, traj.prompt_tokens, decision_contexts(traj), level)
+        self._since_rebuild += 1
+        if self.config.rebuild_every and self._since_rebuild >= self.config.rebuild_every:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """Rebuild the tree (and the growth table) from the recent window, at the current levels."""
+        self.tree.rebuild(self._recent, self._level_of if self.drift is not None else None)
+        if self.growth is not None:
+            self.growth.clear()
+            for t in self._recent:
+                self.growth.add(t.prompt_id, t.prompt_tokens, decision_contexts(t), self._level_of(t))
+        self._since_rebuild = 0
+
+    def _refit_drift(self) -> None:
+        """At a step boundary: re-estimate the levels from the visible steps and re-express the tree in
+        the new reference level (a rebuild from the recent window)."""
+        if self.drift is None or not self._drift_dirty:
+            return
+        self._drift_dirty = False
+        self._levels.clear()
+        self.drift.refit()
+        self._rebuild()
+
+    def fit(self, trajs: Iterable[Trajectory]) -> None:
+        for t in trajs:
+            self._insert(t)
+        self._refit_drift()
+
+    def finish(self, traj: Trajectory) -> None:
+        self._contexts.pop(traj.trajectory_id, None)
+        if self.config.online_siblings:
+            self._insert(traj)
+            return
+        # Without sibling updates the tree only learns from earlier steps: hold a step's finishes until
+        # the step ends (end_step) or a newer step's trajectory finishes.
+        if self._pending and traj.step > self._pending[-1].step:
+            self.end_step()
+        self._pending.append(traj)
+
+    def end_step(self) -> None:
+        for t in self._pending:
+            self._insert(t)
+        self._pending = []
+        self._refit_drift()
+
+    # --- decisions ---
+    def _decide(self, req: RequestInfo, current: int, ids: list[int], placing: bool = False) -> int:
+        """The rule runs in the tree core (C++ or Python, identical): look up the deepest trusted node;
+        predicted final = context at that node's decision point + its remaining length (centre and P90);
+        migrate when both land in the same bucket and it differs from the current one (with the
+        overrun and move-cost switches); a first placement takes the centre's bucket."""
+        ctx, dctx = req.context_tokens, req.decision_contexts
+        scale = self._scale
+        if self.drift is not None or self.growth is not None:
+            # A multiplier on the remaining lengths the tree predicts for this request; the rule runs
+            # unchanged in the tree's units (contexts and thresholds divided by it).
+            scale = 1.0
+            if self.drift is not None:
+                scale = self._levels.get(req.step, 0.0)
+                if not scale:  # cached per step until the next refit
+                    scale = self._levels[req.step] = self.drift.level(self.drift.routed_step(req.step))
+            if self.growth is not None and req.tool_returns:
+                typical = self.growth.typical(req.prompt_id, len(req.tool_returns))
+                scale *= growth_factor((req.context_tokens - req.prompt_tokens) / scale, typical,
+                                       self.config.growth)
+            if scale != 1.0:  # express the request in the tree's units
+                ctx = round(ctx / scale)
+                dctx = [round(c / scale) for c in dctx]
+            if scale != self._scale:
+                self._scale = scale
+                self.tree.scale_rule(scale)
+        bucket, from_global = self.tree.decide(req.prompt_id, ids, ctx, dctx, current, placing)
+        self.decisions += 1
+        self.lookups_from_global += from_global
+        return bucket
+
+    def _track(self, req: RequestInfo) -> RequestInfo:
+        """Fill in decision_contexts from earlier calls for this trajectory when the caller did not."""
+        n = len(req.tool_returns)
+        if len(req.decision_contexts) == n + 1:  # the caller tracks them (replay, Dispatcher)
+            return req
+        prev = self._contexts.get(req.trajectory_id)
+        if n == 0:
+            dctx: tuple[int, ...] = (req.context_tokens,)
+        elif prev is not None and len(prev) == n:
+            dctx = prev + (req.context_tokens,)
+        else:
+            self._contexts.pop(req.trajectory_id, None)
+            return req
+        if len(self._contexts) >= 1_000_000 and req.trajectory_id not in self._contexts:
+            del self._contexts[next(iter(self._contexts))]
+        self._contexts[req.trajectory_id] = dctx
+        return replace(req, decision_contexts=dctx)
+
+    def start(self, req: RequestInfo) -> int:
+        req = self._track(req)
+        if not self.config.start_lookup:
+            return 0
+        return self._decide(req, 0, [], placing=True)
+
+    def tool_return(self, req: RequestInfo, current: int) -> int:
+        req = self._track(req)
+        return self._decide(req, current, self.tree.return_ids(req.tool_returns))
+
+    def _masked(self, st: ToolState) -> ToolState:
+        tool, size, status = self._mask
+        return ToolState(st.tool if tool else "*", st.size_class if size else "*", st.status if status else "*")
+
+
+POLICIES: dict[str, type] = {
+    "cmlfq": CMLFQPolicy,
+    "round_robin": RoundRobinPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "mlfq": MLFQPolicy,
+    "predictor": PredictorPolicy,
+    "oracle": OraclePolicy,
+}
+
+
+def make_policy(name: str, buckets: Sequence[int | Bucket], **switches) -> _Base:
+    """Build a policy by name; switches go to its constructor (for cmlfq: CMLFQConfig fields)."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return cls(buckets, **switches)

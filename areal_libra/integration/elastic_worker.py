@@ -1,0 +1,76 @@
+"""A hybrid replica process for a live AReaL run (SPMD, FSDP engine):
+
+    python -m areal_libra.integration.elastic_worker --store HOST:PORT --rid h0 --snapshot-dir DIR \\
+        --config RUN_DIR/areal_config.yaml [--rank 0]
+
+Builds the actor's FSDPEngine from the run's AReaL config (its own single-rank torch.distributed world)
+and runs `HybridWorker` with `AReaLEngineReplica`: it joins when the core's leader asks, trains on the
+batch shards the core's hook hands it, and leaves on release. The rollout side (starting/draining an
+embedded server on release/join) is passed in by the launcher through `modeswitch.HttpRollout`; this
+entry point runs without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_engine(engine_config: Any, dataset_size: int = 1024, batch_size: int = 16) -> Any:
+    """An initialised FSDPEngine in a fresh single-rank world (the hybrid's own process group)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()))
+    from areal.api.io_struct import FinetuneSpec
+    from areal.engine.fsdp_engine import FSDPEngine
+
+    engine = FSDPEngine(engine_config)
+    engine.create_process_group()
+    engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=dataset_size,
+                                         train_batch_size=batch_size))
+    return engine
+
+
+def run_worker(host: str, port: int, rid: str, rank: int, snapshot_dir: str, engine: Any,
+               rollout: Any = None, cfg: Any = None) -> dict[str, Any]:
+    from areal_libra.elastic_runtime.core import RuntimeConfig
+    from areal_libra.elastic_runtime.hybrid import HybridWorker
+    from areal_libra.integration.elastic_hook import AReaLEngineReplica
+
+    replica = AReaLEngineReplica(engine, snapshot_dir, rid, rank)
+    return HybridWorker(host, port, cfg or RuntimeConfig(), rid, rank, snapshot_dir, replica, rollout).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="hybrid replica worker for a live AReaL run")
+    ap.add_argument("--store", required=True, help="HOST:PORT of the elastic TCPStore")
+    ap.add_argument("--rid", required=True)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--snapshot-dir", required=True)
+    ap.add_argument("--config", required=True, help="the run's AReaL config (areal_config.yaml)")
+    args = ap.parse_args(argv)
+    host, _, port = args.store.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"areal_worker: --store must be HOST:PORT, got {args.store!r}", file=sys.stderr)
+        return 2
+    if not os.path.exists(args.config):
+        print(f"areal_worker: --config {args.config}: no such file", file=sys.stderr)
+        return 2
+    from areal.api.cli_args import GRPOConfig, load_expr_config
+
+    config, _ = load_expr_config(["--config", args.config], GRPOConfig)
+    engine = build_engine(config.actor, batch_size=config.train_dataset.batch_size)
+    run_worker(host, int(port), args.rid, args.rank, args.snapshot_dir, engine)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Start, health-check and stop rollout servers as subprocesses.
+
+On a machine with CUDA and the ``sglang`` package the servers are real SGLang
+(``python -m sglang.launch_server``), one per ServerSpec, each on its own GPUs (``--base-gpu-id``, so the
+instance mix may have different TP sizes); otherwise they are the project's embedded CPU server, which
+speaks the same HTTP API. Every server logs to its own file; a server that dies or does not become healthy
+in time fails the launch with its last log lines, and every server already started is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+BACKENDS = ("auto", "embedded", "sglang")
+
+
+class ServerLaunchError(RuntimeError):
+    """A server could not be started or did not become healthy."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One rollout server instance: its tensor-parallel size, CPU threads (embedded), batch limit and the
+    instance group it belongs to (e.g. a Libra bucket or a TP class)."""
+
+    tp: int = 1
+    threads: int = 1
+    max_running: int = 128
+    group: str = "default"
+    max_total_tokens: int | None = None
+    seed: int = 0
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass
+class ServerHandle:
+    addr: str  # host:port, as AReaL's clients expect it
+    proc: subprocess.Popen
+    spec: ServerSpec
+    log_path: str = ""
+    backend: str = "embedded"
+    gpu_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server and its children at once (for fault-injection tests)."""
+        _signal_group(self.proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+    def terminate(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if still running after ``timeout`` seconds."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    # Servers run in their own session, so the group holds the server and only its children
+    # (SGLang's scheduler and detokenizer processes).
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """``auto`` → ``sglang`` when CUDA and the sglang package are present, else ``embedded``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown server backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    if importlib.util.find_spec("sglang") is None:
+        return "embedded"
+    try:
+        import torch
+
+        return "sglang" if torch.cuda.is_available() else "embedded"
+    except Exception:
+        return "embedded"
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago (all held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def build_command(
+    backend: str, model_path: str, spec: ServerSpec, host: str, port: int, base_gpu_id: int = 0
+) -> list[str]:
+    """The server's command line (written to SGLang 0.5's real CLI for the GPU path)."""
+    if backend == "embedded":
+        cmd = [
+            sys.executable,
+            "-m",
+            "areal_libra.server.embedded_server",
+            "--model-path",
+            model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(spec.tp),
+            "--max-running-requests",
+            str(spec.max_running),
+            "--threads",
+            str(spec.threads),
+            "--seed",
+            str(spec.seed),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+    elif backend == "sglang":
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(spec.tp),
+            "--base-gpu-id",
+            str(base_gpu_id),
+            "--max-running-requests",
+            str(spec.max_running),
+            "--random-seed",
+            str(spec.seed),
+            "--log-level",
+            "warning",
+        ]
+    else:
+        raise ValueError(f"backend must be embedded or sglang, got {backend!r}")
+    if spec.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(spec.max_total_tokens)]
+    return cmd + list(spec.extra_args)
+
+
+def _server_env(backend: str, spec: ServerSpec, base_env: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ if base_env is None else base_env)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if backend == "embedded":
+        # Keep BLAS/OpenMP pools to the server's share of the cores.
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[k] = str(spec.threads)
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    return env
+
+
+def tail(path: str, n: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def is_healthy(addr: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{addr}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_healthy(handles: Sequence[ServerHandle], timeout: float) -> None:
+    """Block until every server answers /health 200; raise with the culprit's log tail otherwise."""
+    deadline = time.monotonic() + timeout
+    pending = list(handles)
+    while pending:
+        for h in list(pending):
+            code = h.proc.poll()
+            if code is not None:
+                raise ServerLaunchError(
+                    f"server {h.addr} (group {h.spec.group}) exited with code {code} during start-up; "
+                    f"last lines of {h.log_path}:\n{tail(h.log_path)}"
+                )
+            if is_healthy(h.addr):
+                pending.remove(h)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            h = pending[0]
+            raise ServerLaunchError(
+                f"server {h.addr} (group {h.spec.group}) not healthy after {timeout:.0f}s; "
+                f"last lines of {h.log_path}:\n{tail(h.log_path)}"
+            )
+        time.sleep(0.25)
+
+
+def launch_servers(
+    model_path: str,
+    specs: Sequence[ServerSpec],
+    log_dir: str,
+    backend: str = "auto",
+    host: str = "127.0.0.1",
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> list[ServerHandle]:
+    """Start one server per spec (all at once), wait until all are healthy, return their handles.
+
+    On any failure every server started here is stopped before ServerLaunchError is raised."""
+    backend = resolve_backend(backend)
+    if not specs:
+        return []
+    os.makedirs(log_dir, exist_ok=True)
+    ports = free_ports(len(specs), host)
+    handles: list[ServerHandle] = []
+    gpu = 0
+    try:
+        for i, (spec, port) in enumerate(zip(specs, ports)):
+            cmd = build_command(backend, model_path, spec, host, port, base_gpu_id=gpu)
+            gpu_ids = tuple(range(gpu, gpu + spec.tp)) if backend == "sglang" else ()
+            gpu += spec.tp
+            log_path = os.path.join(log_dir, f"server{i}_{spec.group}_{port}.log")
+            with open(log_path, "ab") as log:
+                log.write(f"$ {' '.join(cmd)}\n".encode())
+                log.flush()
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=_server_env(backend, spec, env),
+                    start_new_session=True,
+                )
+            handles.append(ServerHandle(f"{host}:{port}", proc, spec, log_path, backend, gpu_ids))
+        wait_healthy(handles, timeout)
+    except BaseException:
+        shutdown(handles)
+        raise
+    return handles
+
+
+def shutdown(handles: Sequence[ServerHandle], timeout: float = 10.0) -> None:
+    """Stop every server: SIGTERM to all, wait up to ``timeout`` in total, then SIGKILL what is left."""
+    for h in handles:
+        if h.alive():
+            _signal_group(h.proc, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for h in handles:
+        try:
+            h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            h.kill()
+        # Children of a server that exited on its own may still hold the group.
+        _signal_group(h.proc, signal.SIGKILL)
+
+
+def server_infos(handles: Sequence[ServerHandle]) -> list:
+    """AReaL ``LocalInfServerInfo`` records for already-running servers: pass them as
+    ``RolloutController.initialize(role, server_infos=...)`` so AReaL connects instead of launching SGLang.
+    (``process`` is left None: these servers belong to the launcher, which stops them.)"""
+    from areal.api import LocalInfServerInfo
+
+    out = []
+    for h in handles:
+        host, port = h.addr.rsplit(":", 1)
+        out.append(LocalInfServerInfo(host=host, port=int(port), process=None))
+    return out
+
+
+@contextlib.contextmanager
+def servers(model_path: str, specs: Sequence[ServerSpec], log_dir: str, **kwargs) -> Iterator[list[ServerHandle]]:
+    """``with servers(...) as handles:`` — launch, yield, always shut down."""
+    handles = launch_servers(model_path, specs, log_dir, **kwargs)
+    try:
+        yield handles
+    finally:
+        shutdown(handles)
+
+
+def main(argv: list[str] | None = None) -> int:
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> None:
+            sys.stderr.write(f"launcher: error: {message}\n")
+            raise SystemExit(2)
+
+    p = _Parser(prog="python -m areal_libra.integration.launcher", description="Start rollout servers until Ctrl-C.")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tp", type=int, nargs="+", default=[1], help="one TP size per server")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-running", type=int, default=128)
+    p.add_argument("--log-dir", default="server_logs")
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--timeout", type=float, default=600.0)
+    a = p.parse_args(argv)
+    if not os.path.isfile(os.path.join(a.model_path, "config.json")):
+        p.error(f"--model-path {a.model_path!r} is not a Hugging Face model directory (no config.json)")
+    if any(t < 1 for t in a.tp) or a.threads < 1 or a.max_running < 1:
+        p.error("--tp, --threads and --max-running must be >= 1")
+    specs = [ServerSpec(tp=t, threads=a.threads, max_running=a.max_running, group=f"tp{t}") for t in a.tp]
+    try:
+        handles = launch_servers(a.model_path, specs, a.log_dir, backend=a.backend, timeout=a.timeout)
+    except ServerLaunchError as e:
+        sys.stderr.write(f"launcher: error: {e}\n")
+        return 1
+    print(",".join(h.addr for h in handles), flush=True)
+    try:
+        while all(h.alive() for h in handles):
+            time.sleep(1)
+        sys.stderr.write("launcher: error: a server exited; stopping the others\n")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        shutdown(handles)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

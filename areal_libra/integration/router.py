@@ -1,0 +1,674 @@
+"""The request router AReaL calls: every `agenerate` asks it for a server (patch 02), reports back when the
+request is done, and asks it for another server when a server fails mid-request (patch 10).
+
+    router = build_router(libra, run_dir)          # from the run's config and rollout_groups.json
+    trainer.rollout.set_request_router(router)     # areal_libra/integration/train.py does this
+
+Placement is the C-MLFQ `Dispatcher` (areal_libra/cmlfq): a trajectory keeps its group until the
+policy moves it at a tool return. The router adds what the live system needs around it: load accounting,
+failover with the tokens so far, server health (probe thread, re-admission), the live prefix tree, and
+per-step metrics (migrations, per-group load and tokens/s, online routing accuracy, health events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+import urllib.request
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from areal_libra.cmlfq import Bucket, Dispatcher, NoHealthyServer, ServerGroup, make_policy
+from areal_libra.integration.groups import RolloutGroup, expand_servers, group_from_mapping, resolve_groups
+from areal_libra.integration.health import HealthMonitor, probe
+from areal_libra.integration.live_tree import LiveTree
+from areal_libra.trace import Trajectory
+from areal_libra.utils import append_jsonl, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+GROUPS_FILE = "rollout_groups.json"
+
+
+class ServerDown(ConnectionError):
+    """The server of an in-flight request was marked down; the request moves to another server."""
+
+
+@dataclass
+class DispatchConfig:
+    policy: str = "cmlfq"
+    sticky: bool = True  # stay on one server inside a group (its prefix cache holds the context)
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    fail_after: int = 3  # consecutive failed probes before a server is marked down
+    ok_after: int = 2  # consecutive good probes before it is re-admitted
+    watch_interval_s: float = 0.5  # how often an in-flight request checks its server's health
+    failover_wait_s: float = 120.0  # how long a request waits for any healthy server
+    max_failovers: int = 8  # per request
+    rebuild_every_steps: int = 1  # live-tree rebuild + save period (0: never rebuild)
+    rebuild_window: int = 5000
+    online_siblings: bool = False
+    wandb: bool = True  # also log the step metrics into the active W&B run (AReaL's, on rank 0)
+    cmlfq: dict = field(default_factory=dict)  # switches for the policy (CMLFQConfig fields for cmlfq)
+
+    @classmethod
+    def from_mapping(cls, d: Mapping) -> DispatchConfig:
+        names = {f.name for f in fields(cls)}
+        kw = {}
+        for k, v in dict(d).items():
+            if k not in names:
+                raise ValueError(f"libra.scheduler.{k}: unknown key (known: {', '.join(sorted(names))})")
+            kw[k] = dict(v) if k == "cmlfq" and v is not None else v
+        return cls(**kw)
+
+
+@dataclass
+class _Track:
+    decisions: list[list[int]]  # [bucket, model tokens generated under that decision]
+    n_tools: int
+    group: int
+    addr: str
+    anonymous: bool = False
+    placements: list[tuple[int, str]] = field(default_factory=list)  # (tool returns seen, server) per send
+
+
+@dataclass
+class _StepCounters:
+    migrations: int = 0
+    migrated_tokens: int = 0
+    failovers: int = 0
+    fallback_moves: int = 0
+    routed: int = 0
+    finished: int = 0
+    decisions: int = 0
+    correct: int = 0
+    tokens: int = 0
+    tokens_ok: int = 0
+    health_down: int = 0
+    health_up: int = 0
+    group_tokens: dict[str, int] = field(default_factory=dict)
+    group_requests: dict[str, int] = field(default_factory=dict)
+
+
+class RequestRouter:
+    """Implements the router protocol of patches 02 and 10: route, done, watch, failover, down_addresses."""
+
+    def __init__(
+        self,
+        groups: Sequence[RolloutGroup],
+        addresses: Sequence[Sequence[str]],
+        config: DispatchConfig | None = None,
+        run_dir: str | Path | None = None,
+        restore: bool = False,
+        health: bool = True,
+    ) -> None:
+        cfg = config or DispatchConfig()
+        self.config = cfg
+        if len(groups) != len(addresses):
+            raise ValueError(f"{len(groups)} groups but {len(addresses)} address lists")
+        order = sorted(range(len(groups)), key=lambda i: groups[i].max_len)
+        self.groups = [groups[i] for i in order]
+        self.group_addrs = [list(addresses[i]) for i in order]
+        for g, a in zip(self.groups, self.group_addrs):
+            if not a:
+                raise ValueError(f"rollout group {g.name} has no server address")
+        self.group_of = {a: gi for gi, addrs in enumerate(self.group_addrs) for a in addrs}
+        self.all_addresses = [a for addrs in self.group_addrs for a in addrs]
+        switches = {}
+        if cfg.policy == "cmlfq":
+            switches = dict(cfg.cmlfq)
+            switches["rebuild_every"] = 0  # the live tree rebuilds off the request path instead
+        policy = make_policy(cfg.policy, [Bucket(g.max_len, g.tp) for g in self.groups], **switches)
+        self.dispatcher = Dispatcher(
+            policy,
+            [ServerGroup(g.name, g.tp, g.max_len, list(a)) for g, a in zip(self.groups, self.group_addrs)],
+            sticky=cfg.sticky,
+        )
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.live = LiveTree(
+            self.dispatcher, self.run_dir, cfg.rebuild_every_steps, cfg.rebuild_window, online=cfg.online_siblings
+        )
+        self.restored = bool(restore and self.run_dir is not None and self.live.restore(self.run_dir))
+        self._lock = threading.Lock()
+        self._tracks: dict[str, _Track] = {}
+        self.addr_requests: dict[str, int] = dict.fromkeys(self.all_addresses, 0)  # sends per server
+        # Where each finished trajectory's requests ran: {trajectory_id: [(tool returns seen, server), ...]}
+        self.placement_log: OrderedDict[str, list[tuple[int, str]]] = OrderedDict()
+        self._step = _StepCounters()
+        self._totals = _StepCounters()
+        self._t_step = time.monotonic()
+        self._inflight = [0] * len(self.groups)
+        self._area = [0.0] * len(self.groups)
+        self._t_load = [self._t_step] * len(self.groups)
+        self._engine = None
+        self._version_down: dict[str, int] = {}
+        self._stale_warned: set[str] = set()
+        self._missed_update: set[str] = set()
+        self._warned_addresses = False
+        self.health = HealthMonitor(
+            self.all_addresses,
+            self._on_health,
+            cfg.health_interval_s,
+            cfg.health_timeout_s,
+            cfg.fail_after,
+            cfg.ok_after,
+            self._may_readmit,
+        )
+        if health:
+            self.health.start()
+
+    # --- wiring ---
+    def attach_engine(self, engine) -> None:
+        """The rollout engine (for its weight version: a server that missed an update stays out)."""
+        self._engine = engine
+
+    def _version(self) -> int | None:
+        try:
+            return None if self._engine is None else int(self._engine.get_version())
+        except Exception:  # noqa: BLE001 - no version means no staleness check
+            return None
+
+    def _may_readmit(self, addr: str) -> bool:
+        if addr in self._missed_update:
+            return False
+        down_at = self._version_down.get(addr)
+        now = self._version()
+        if down_at is not None and now is not None and now != down_at:
+            # It missed a weight update while it was out: its tokens would be off-policy. It stays out
+            # until restarted with current weights (a new run or recover).
+            if addr not in self._stale_warned:
+                self._stale_warned.add(addr)
+                log.warning("rollout server %s answers again but missed weight version %s; kept out", addr, now)
+            return False
+        return True
+
+    def _on_health(self, addr: str, up: bool, reason: str) -> None:
+        with self._lock:
+            if up:
+                self._step.health_up += 1
+                self._totals.health_up += 1
+                self._version_down.pop(addr, None)
+            else:
+                self._step.health_down += 1
+                self._totals.health_down += 1
+                v = self._version()
+                if v is not None:
+                    self._version_down[addr] = v
+        (self.dispatcher.mark_healthy if up else self.dispatcher.mark_unhealthy)(addr)
+        log.warning("rollout server %s %s (%s)", addr, "re-admitted" if up else "marked down", reason)
+        if self.run_dir is not None:
+            try:
+                append_jsonl(
+                    self.run_dir / "dispatch_health.jsonl",
+                    {"t": round(time.time(), 3), "addr": addr, "up": up, "reason": reason},
+                )
+            except OSError:
+                pass
+
+    def server_failed(self, addr: str, exc: BaseException) -> bool:
+        """A control request (pause, continue) failed on addr (patch 10): True if the server is gone, now
+        marked down; False if it still answers /health (a real error the caller raises)."""
+        if addr in self.health.down() or not probe(addr, self.config.health_timeout_s):
+            self.health.report_failure(addr, f"control request failed: {type(exc).__name__}")
+            return True
+        return False
+
+    def weights_failed(self, addrs: Sequence[str]) -> None:
+        """These servers did not take the latest weights (patch 10): out for good, their tokens would be
+        off-policy."""
+        for a in addrs:
+            with self._lock:
+                self._missed_update.add(a)
+            self.health.report_failure(a, "weight update failed")
+
+    def down_addresses(self) -> set[str]:
+        """Servers that are out (patch 10 skips them for pause/continue/disk weight updates)."""
+        return self.health.down()
+
+    # --- load accounting: the dispatcher's counts plus a time-weighted mean per group for the metrics ---
+    def _load_change(self, addr: str, delta: int) -> None:
+        gi = self.group_of.get(addr)
+        if gi is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._area[gi] += self._inflight[gi] * (now - self._t_load[gi])
+            self._t_load[gi] = now
+            self._inflight[gi] = max(0, self._inflight[gi] + delta)
+
+    def _begin(self, addr: str) -> None:
+        self.dispatcher.begin(addr)
+        self._load_change(addr, +1)
+
+    def _end(self, addr: str) -> None:
+        self.dispatcher.end(addr)
+        self._load_change(addr, -1)
+
+    # --- routing ---
+    @staticmethod
+    def _meta(req) -> tuple[dict, bool]:
+        meta = getattr(req, "metadata", None) or {}
+        if "trajectory_id" in meta:
+            return meta, False
+        # A request that no trajectory-aware workflow sent (e.g. evaluation): route it as a one-turn
+        # trajectory so it still goes through placement and load accounting.
+        return {"trajectory_id": f"rid:{req.rid}", "prompt_tokens": len(req.input_ids)}, True
+
+    def route(self, req, addresses: Sequence[str] | None = None) -> str:
+        meta, anonymous = self._meta(req)
+        if addresses is not None and not self._warned_addresses and not set(self.all_addresses) <= set(addresses):
+            self._warned_addresses = True  # single-controller workers know only their own server
+            log.info(
+                "router: engine addresses %s differ from the rollout groups; routing over all groups", list(addresses)
+            )
+        tid = str(meta["trajectory_id"])
+        n_tools = len(meta.get("tool_returns") or ())
+        addr = self.dispatcher.route(meta)
+        self._begin(addr)
+        placed = self.dispatcher.placement(tid)
+        bucket = placed[0] if placed else self.group_of[addr]
+        gi = self.group_of[addr]
+        with self._lock:
+            self.addr_requests[addr] = self.addr_requests.get(addr, 0) + 1
+            tr = self._tracks.get(tid)
+            if tr is None:
+                tr = self._tracks[tid] = _Track([[bucket, 0]], n_tools, gi, addr, anonymous)
+            else:
+                if n_tools > tr.n_tools:
+                    tr.decisions.append([bucket, 0])
+                    tr.n_tools = n_tools
+                    if gi != tr.group:
+                        ctx = int(meta.get("context_tokens", len(req.input_ids)))
+                        for c in (self._step, self._totals):
+                            c.migrations += 1
+                            c.migrated_tokens += ctx
+                elif gi != tr.group:
+                    for c in (self._step, self._totals):
+                        c.fallback_moves += 1
+                tr.group, tr.addr = gi, addr
+            tr.placements.append((n_tools, addr))
+            for c in (self._step, self._totals):
+                c.routed += 1
+        return addr
+
+    def done(self, req, addr: str, output_tokens: Sequence[int], stop_reason: str | None) -> None:
+        self._end(addr)
+        meta, anonymous = self._meta(req)
+        tid = str(meta["trajectory_id"])
+        n = len(output_tokens)
+        name = self.groups[self.group_of[addr]].name if addr in self.group_of else "?"
+        with self._lock:
+            for c in (self._step, self._totals):
+                c.group_tokens[name] = c.group_tokens.get(name, 0) + n
+                c.group_requests[name] = c.group_requests.get(name, 0) + 1
+            tr = self._tracks.get(tid)
+            if tr is not None:
+                tr.decisions[-1][1] += n
+            if anonymous:
+                self._tracks.pop(tid, None)
+        if anonymous:
+            self.dispatcher.finish({"trajectory_id": tid})
+
+    async def watch(self, req, addr: str, send):
+        """Await the request, giving up when its server is marked down (a hung server never answers)."""
+        if self.health.is_down(addr):
+            send.close()
+            raise ServerDown(addr)
+        task = asyncio.ensure_future(send)
+        try:
+            while True:
+                finished, _ = await asyncio.wait({task}, timeout=self.config.watch_interval_s)
+                if finished:
+                    return task.result()
+                if self.health.is_down(addr):
+                    task.cancel()
+                    self._abort_on(addr, getattr(req, "rid", None))
+                    raise ServerDown(addr)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+
+    def _abort_on(self, addr: str, rid: str | None) -> None:
+        """Best effort: stop the abandoned request on a server that may still be alive but slow."""
+        if not rid:
+            return
+
+        def _send() -> None:
+            try:
+                body = json.dumps({"rid": rid}).encode()
+                r = urllib.request.Request(
+                    f"http://{addr}/abort_request", data=body, headers={"Content-Type": "application/json"}
+                )
+                urllib.request.urlopen(r, timeout=2).close()
+            except Exception:  # noqa: BLE001 - the server is probably gone
+                pass
+
+        threading.Thread(target=_send, daemon=True).start()
+
+    async def failover(self, req, addr: str, exc: BaseException) -> str:
+        """The request failed on addr: if the server is really gone, mark it down and return another
+        server of the same (else the next) group; the request resumes there with the tokens so far
+        (AReaL re-sends input + output accumulated so far). A live server means the error is not a
+        server failure: it is raised again unchanged."""
+        meta, _ = self._meta(req)
+        tid = str(meta["trajectory_id"])
+        with self._lock:
+            tr = self._tracks.get(tid)
+            n = getattr(req, "_libra_failovers", 0) + 1
+        if not isinstance(exc, ServerDown):
+            alive = await asyncio.get_running_loop().run_in_executor(None, probe, addr, self.config.health_timeout_s)
+            if alive:
+                self._end(addr)
+                raise exc
+            self.health.report_failure(addr, f"request failed: {type(exc).__name__}")
+        self._end(addr)
+        if n > self.config.max_failovers:
+            raise RuntimeError(f"request {getattr(req, 'rid', '?')} failed over {n - 1} times") from exc
+        try:
+            req._libra_failovers = n
+        except AttributeError:
+            pass
+        deadline = time.monotonic() + self.config.failover_wait_s
+        while True:
+            try:
+                new = self.dispatcher.route(meta)
+                break
+            except NoHealthyServer:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+        self._begin(new)
+        with self._lock:
+            for c in (self._step, self._totals):
+                c.failovers += 1
+            self.addr_requests[new] = self.addr_requests.get(new, 0) + 1
+            if tr is not None:
+                tr.group, tr.addr = self.group_of[new], new
+                tr.placements.append((tr.n_tools, new))
+        log.warning("request %s moved from %s to %s after %s", getattr(req, "rid", "?"), addr, new, type(exc).__name__)
+        return new
+
+    # --- trajectory end ---
+    def on_trajectory(self, traj: Trajectory) -> None:
+        """The workflow's trajectory sink: score the online routing decisions, then feed the live tree."""
+        with self._lock:
+            tr = self._tracks.pop(traj.trajectory_id, None)
+            if tr is not None:
+                self.placement_log[traj.trajectory_id] = tr.placements
+                while len(self.placement_log) > 4096:
+                    self.placement_log.popitem(last=False)
+                oracle = self.dispatcher.policy.bucket_of(traj.final_length)
+                for c in (self._step, self._totals):
+                    c.finished += 1
+                    for b, toks in tr.decisions:
+                        c.decisions += 1
+                        c.correct += b == oracle
+                        c.tokens += toks
+                        c.tokens_ok += toks if b == oracle else 0
+        self.live.add(traj)
+
+    # --- metrics ---
+    def step_metrics(self) -> dict:
+        """Flat per-step metrics (metrics.jsonl); also the training-step boundary of the live tree."""
+        self.live.end_step()
+        now = time.monotonic()
+        with self._lock:
+            s, self._step = self._step, _StepCounters()
+            dt = max(now - self._t_step, 1e-9)
+            self._t_step = now
+            mean_load = []
+            for gi in range(len(self.groups)):
+                self._area[gi] += self._inflight[gi] * (now - self._t_load[gi])
+                self._t_load[gi] = now
+                mean_load.append(self._area[gi] / dt)
+                self._area[gi] = 0.0
+        d = self.dispatcher.metrics()
+        out = {
+            "cmlfq/migrations": s.migrations,
+            "cmlfq/migrated_tokens": s.migrated_tokens,
+            "cmlfq/migrations_total": self._totals.migrations,
+            "cmlfq/failovers": s.failovers,
+            "cmlfq/fallback_moves": s.fallback_moves,
+            "cmlfq/routed": s.routed,
+            "cmlfq/finished": s.finished,
+            "cmlfq/decision_accuracy": s.correct / s.decisions if s.decisions else None,
+            "cmlfq/token_accuracy": s.tokens_ok / s.tokens if s.tokens else None,
+            "cmlfq/health_down": s.health_down,
+            "cmlfq/health_up": s.health_up,
+            "cmlfq/unhealthy_servers": d.get("unhealthy", 0),
+        }
+        for gi, g in enumerate(self.groups):
+            out[f"cmlfq/inflight/{g.name}"] = d.get(f"inflight/{g.name}", 0)
+            out[f"cmlfq/inflight_mean/{g.name}"] = round(mean_load[gi], 3)
+            out[f"cmlfq/tokens_per_s/{g.name}"] = round(s.group_tokens.get(g.name, 0) / dt, 3)
+            out[f"cmlfq/requests/{g.name}"] = s.group_requests.get(g.name, 0)
+        out.update(self.live.metrics())
+        if self.config.wandb:
+            _to_wandb(out)
+        return out
+
+    def totals(self) -> dict:
+        with self._lock:
+            t = self._totals
+            return {
+                "migrations": t.migrations,
+                "migrated_tokens": t.migrated_tokens,
+                "failovers": t.failovers,
+                "routed": t.routed,
+                "finished": t.finished,
+                "decisions": t.decisions,
+                "correct": t.correct,
+                "health_down": t.health_down,
+                "health_up": t.health_up,
+                "group_requests": dict(t.group_requests),
+                "group_tokens": dict(t.group_tokens),
+            }
+
+    def close(self) -> None:
+        self.health.stop()
+        self.live.wait(timeout=30)
+
+
+def _to_wandb(metrics: dict) -> None:
+    """Merge into the W&B step AReaL has just logged (the metrics sources run right after its wandb.log)."""
+    try:
+        import wandb
+    except ImportError:
+        return
+    run = wandb.run
+    if run is None:
+        return
+    try:
+        run.log({k: v for k, v in metrics.items() if v is not None}, step=run.step)
+    except Exception as e:  # noqa: BLE001 - metrics must never stop training
+        log.warning("router metrics not logged to W&B: %s", e)
+
+
+# --- construction from a run ---------------------------------------------------------------------------
+
+
+def write_groups_file(run_dir: str | Path, groups: Sequence[RolloutGroup], addresses: Sequence[str]) -> Path:
+    """Record which server address belongs to which group (launch order = address order)."""
+    servers = expand_servers(groups)
+    if len(servers) != len(addresses):
+        raise ValueError(f"{len(servers)} servers in the rollout groups but {len(addresses)} addresses")
+    it = iter(addresses)
+    body = [
+        {
+            "name": g.name,
+            "tp": g.tp,
+            "count": g.count,
+            "threads": g.threads,
+            "max_running": g.max_running,
+            "max_len": g.max_len,
+            "addresses": [next(it) for _ in range(g.count)],
+        }
+        for g in groups
+    ]
+    p = Path(run_dir) / GROUPS_FILE
+    atomic_write_text(p, json.dumps({"groups": body}, indent=1) + "\n")
+    return p
+
+
+def read_groups_file(path: str | Path) -> tuple[list[RolloutGroup], list[list[str]]]:
+    try:
+        d = json.loads(Path(path).read_text())
+        groups = [
+            group_from_mapping({k: v for k, v in g.items() if k != "addresses"}, i) for i, g in enumerate(d["groups"])
+        ]
+        addrs = [list(g["addresses"]) for g in d["groups"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: cannot read rollout groups ({type(e).__name__}: {e})") from None
+    return groups, addrs
+
+
+def _recover_enabled(run_dir: Path) -> bool:
+    p = run_dir / "areal_config.yaml"
+    if not p.exists():
+        return False
+    from omegaconf import OmegaConf
+
+    mode = str(OmegaConf.select(OmegaConf.load(p), "recover.mode", default="disabled"))
+    return mode not in ("disabled", "None", "")
+
+
+def build_router(
+    libra: Mapping,
+    run_dir: str | Path,
+    addresses: Sequence[str] | None = None,
+    max_tokens: int | None = None,
+    health: bool = True,
+) -> RequestRouter:
+    """The run's router: groups and addresses from <run_dir>/rollout_groups.json (written by launch), or
+    from the config's groups split over `addresses` / AREAL_LLM_SERVER_ADDRS in launch order."""
+    run_dir = Path(run_dir)
+    sched = dict(libra.get("scheduler") or {})
+    cfg = DispatchConfig.from_mapping(sched)
+    gfile = run_dir / GROUPS_FILE
+    if gfile.exists() and addresses is None:
+        groups, addrs = read_groups_file(gfile)
+        if not all(g.max_len for g in groups):
+            raise ValueError(f"{gfile}: every group needs its max_len threshold")
+    else:
+        if max_tokens is None:
+            raise ValueError("build_router: max_tokens is needed when there is no rollout_groups.json")
+        groups = resolve_groups(libra, max_tokens)
+        flat = (
+            list(addresses)
+            if addresses is not None
+            else [a for a in os.environ.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
+        )
+        servers = expand_servers(groups)
+        if len(flat) != len(servers):
+            raise ValueError(f"rollout groups have {len(servers)} servers but {len(flat)} addresses were given")
+        it = iter(flat)
+        addrs = [[next(it) for _ in range(g.count)] for g in groups]
+    rank = int(os.environ.get("RANK", "0") or 0)
+    # SPMD with several trainer ranks: every rank routes its own share of the rollouts; rank 0 keeps the run
+    # directory's tree files, the others save theirs in a sub-folder.
+    own = run_dir if rank == 0 else run_dir / f"router-rank{rank}"
+    own.mkdir(parents=True, exist_ok=True)
+    return RequestRouter(groups, addrs, cfg, own, restore=_recover_enabled(run_dir), health=health)
+
+
+# --- single-controller mode ----------------------------------------------------------------------------
+
+
+@dataclass
+class RemoteRouter:
+    """The router for AReaL's single-controller mode, where workflows run inside rollout workers.
+
+    Choice: every rollout worker gets the full group map and routes its own requests (instead of asking
+    the controller per request). A trajectory never leaves the worker that runs its workflow, so its
+    placement state is local anyway; a per-request round trip to the controller would add an RPC to every
+    turn and make the controller a bottleneck. The price: each worker sees only its own load, and learns
+    its tree from its own trajectories (saved per worker under <run_dir>/router-<pid>/).
+
+    It is a dataclass of plain fields so that AReaL's RPC serialization (dataclass by class path) carries
+    it to the worker: `controller._collective_rpc("set_request_router", router=RemoteRouter(...))`. The
+    live router is built on first use inside the worker.
+    """
+
+    groups: list
+    scheduler: dict
+    run_dir: str = ""
+    workflow: str = ""  # module path whose set_trajectory_sink should feed this router
+
+    def _get(self) -> RequestRouter:
+        r = self.__dict__.get("_router")
+        if r is None:
+            gs = [
+                group_from_mapping({k: v for k, v in g.items() if k != "addresses"}, i)
+                for i, g in enumerate(self.groups)
+            ]
+            run_dir = Path(self.run_dir) / f"router-{os.getpid()}" if self.run_dir else None
+            if run_dir is not None:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            r = RequestRouter(
+                gs, [list(g["addresses"]) for g in self.groups], DispatchConfig.from_mapping(self.scheduler), run_dir
+            )
+            self.__dict__["_router"] = r
+            if self.workflow:
+                import importlib
+
+                mod = importlib.import_module(self.workflow.rpartition(".")[0] or self.workflow)
+                if hasattr(mod, "set_trajectory_sink"):
+                    mod.set_trajectory_sink(r.on_trajectory)
+        return r
+
+    def route(self, req, addresses=None) -> str:
+        return self._get().route(req, addresses)
+
+    def done(self, req, addr: str, output_tokens, stop_reason) -> None:
+        self._get().done(req, addr, output_tokens, stop_reason)
+
+    def watch(self, req, addr: str, send):
+        return self._get().watch(req, addr, send)
+
+    async def failover(self, req, addr: str, exc: BaseException) -> str:
+        return await self._get().failover(req, addr, exc)
+
+    def down_addresses(self) -> set[str]:
+        return self._get().down_addresses()
+
+    def server_failed(self, addr: str, exc: BaseException) -> bool:
+        return self._get().server_failed(addr, exc)
+
+    def weights_failed(self, addrs) -> None:
+        self._get().weights_failed(addrs)
+
+    @classmethod
+    def from_groups_file(cls, run_dir: str | Path, libra: Mapping) -> RemoteRouter:
+        groups, addrs = read_groups_file(Path(run_dir) / GROUPS_FILE)
+        body = [
+            {
+                "name": g.name,
+                "tp": g.tp,
+                "count": g.count,
+                "threads": g.threads,
+                "max_running": g.max_running,
+                "max_len": g.max_len,
+                "addresses": a,
+            }
+            for g, a in zip(groups, addrs)
+        ]
+        sched = libra.get("scheduler") or {}
+        try:
+            from omegaconf import DictConfig, OmegaConf
+
+            if isinstance(sched, DictConfig):
+                sched = OmegaConf.to_container(sched, resolve=True)
+        except ImportError:  # pragma: no cover - omegaconf is a dependency
+            pass
+        return cls(body, dict(sched), str(run_dir), str(libra.get("workflow", "")))
+
+
+def install_single_controller(controller, router: RemoteRouter) -> None:
+    """Give every rollout worker of a RolloutController the full group map and its own router."""
+    controller._collective_rpc("set_request_router", router=router)

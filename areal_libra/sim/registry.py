@@ -1,0 +1,47 @@
+"""The systems the simulator compares, by name: the baselines (sim/systems.py) and Libra with its
+ablation rungs (sim/libra.py). Kept apart from both so that neither imports the other."""
+
+from __future__ import annotations
+
+from areal_libra.sim.cluster import Simulation
+from areal_libra.sim.libra import libra_system
+from areal_libra.sim.systems import (
+    LADDER,
+    SYSTEMS,
+    Env,
+    SystemSpec,
+    areal_static_optimal,
+    check_cluster,
+    static_uniform_async,
+    verl_colocated,
+    verl_greedy,
+    verl_static_uniform,
+)
+
+
+def build_system(name: str, env: Env) -> SystemSpec:
+    check_cluster(env.truth, env.n_gpus)
+    if name == "verl_colocated":
+        return verl_colocated(env)
+    if name == "verl_static_uniform":
+        return verl_static_uniform(env)
+    if name == "verl_greedy":
+        return verl_greedy(env)
+    if name == "areal_static_optimal":
+        return areal_static_optimal(env)
+    if name == "static_uniform":
+        return static_uniform_async(env)
+    if name in ("libra", "+planner", "+hetero_tp", "+cmlfq", "+elastic"):
+        return libra_system(name, env)
+    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS + LADDER)}")
+
+
+def run_system(name: str, env: Env, steps: int) -> tuple[dict, Simulation]:
+    spec = build_system(name, env)
+    sim = Simulation(env.truth, env.workload, env.n_gpus, spec.layout, spec.run, spec.router_factory(spec.layout),
+                     spec.controller, seed=env.seed)
+    attach = getattr(spec.controller, "attach", None)
+    if attach is not None:
+        attach(sim)
+    res = sim.run(steps)
+    return res, sim

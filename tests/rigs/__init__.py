@@ -1,0 +1,1 @@
+"""Test rigs shared by tests and benchmarks (not shipped in the package)."""
