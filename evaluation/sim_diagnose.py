@@ -15,13 +15,13 @@ from areal_libra.sim import libra as sim_libra
 from areal_libra.sim.cluster import RunConfig, SimError, Simulation
 from areal_libra.sim.libra import layout_from_plan, plan_for, profile_history
 from areal_libra.sim.report import make_env
-from areal_libra.sim.systems import AREAL_STALENESS, areal_static_optimal, policy_router
+from areal_libra.sim.systems import AREAL_STALENESS, SimKnobs, areal_static_optimal, policy_router
 from areal_libra.trace import TraceError
 
 
 def _measure(env, layout, eta: int, steps: int, routing: str, fit=None, flush: bool = True) -> dict:
     if routing == "cmlfq" and len(layout.bucket_limits) > 1:  # as Libra routes: C-MLFQ + spill-over
-        router = sim_libra._router_for(layout, sim_libra.LibraOptions(elastic=False), None, fit)
+        router = sim_libra._router_for(layout, sim_libra.LibraOptions(elastic=False), None, fit, env.knobs)
     else:
         router = policy_router(routing if len(layout.bucket_limits) > 1 else "least_loaded")(layout)
     run = RunConfig(max_staleness=eta, flush_kv_on_sync=flush)
@@ -62,18 +62,17 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen3-14b")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--planner-mode", choices=("window", "async"), default=sim_libra.PLANNER_MODE,
-                    help="the planner's rollout objective (sim.libra.PLANNER_MODE)")
+    ap.add_argument("--planner-mode", choices=("window", "async"), default="async",
+                    help="the planner's rollout objective (SimKnobs.planner_mode)")
     args = ap.parse_args(argv)
-    sim_libra.PLANNER_MODE = args.planner_mode
     try:
-        env = make_env(args.workload, args.cluster, args.model, args.seed)
+        env = make_env(args.workload, args.cluster, args.model, args.seed, knobs=SimKnobs(planner_mode=args.planner_mode))
         _cost_vs_truth(env)
         prof = env.workload.profile(env.profile_groups)
         hist = profile_history(prof)
         plan = plan_for(env, hist, homogeneous=False)
-        lay = layout_from_plan(plan, env.workload.cfg.max_len)
-        w = 1 if sim_libra.PLANNER_MODE == "async" else sim_libra.PLAN_WINDOW
+        lay = layout_from_plan(plan, env.workload.cfg.max_len, env.knobs.train_micro_batch)
+        w = 1 if env.knobs.planner_mode == "async" else sim_libra.PLAN_WINDOW
         how = (f"asynchronous objective, staleness {AREAL_STALENESS}" if w == 1 else f"planning window {w} batches")
         print(f"Libra's initial plan ({how}):")
         print("  " + plan.summary().replace("\n", "\n  "))

@@ -9,12 +9,11 @@ trajectories, measured step/rollout/training times and server pressure.
 
 from __future__ import annotations
 
-import os
-from collections import deque
 from dataclasses import dataclass, field, replace
 
+from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
-from areal_libra.sim.systems import AREAL_STALENESS, Env, PolicyRouter, SystemSpec
+from areal_libra.sim.systems import AREAL_STALENESS, Env, PolicyRouter, SimKnobs, SystemSpec
 
 
 @dataclass
@@ -32,17 +31,16 @@ class LibraOptions:
 TREE_BACKEND = "auto"  # the scheduler's C++ prefix tree when built, else its Python core
 # A request whose context already overruns its bucket follows the mean when mean and P90 disagree.
 CMLFQ_SWITCHES: dict = {"overrun": True}
-# Load-aware spill-over between neighbouring buckets on C-MLFQ's placements (areal_libra.cmlfq.spill;
-# the live Dispatcher's `spill` switch); None turns it off.
-SPILL_RATIO: float | None = None if os.environ.get("LIBRA_SIM_SPILL") == "off" else float(os.environ.get("LIBRA_SIM_SPILL", "1.2"))
 
 
-def _spill_cfg():
-    if SPILL_RATIO is None:
+def _spill_cfg(knobs: SimKnobs):
+    """Load-aware spill-over between neighbouring buckets on C-MLFQ's placements (areal_libra.cmlfq.spill;
+    the live Dispatcher's `spill` switch); None when the knob turns it off."""
+    if knobs.spill_ratio is None:
         return None
     from areal_libra.cmlfq.spill import SpillConfig
 
-    return SpillConfig(ratio=SPILL_RATIO)
+    return SpillConfig(ratio=knobs.spill_ratio)
 
 RUNGS = {
     "+planner": LibraOptions(homogeneous=True, cmlfq=False, elastic=False),
@@ -70,16 +68,16 @@ PLAN_WINDOW = AREAL_STALENESS + 1
 # staleness=eta: sustained throughput of eta+1 batches in flight, the tail only has to finish within the
 # window, each weight update re-prefilling the resident requests) for one batch per step. "window": a
 # synchronous plan for PLAN_WINDOW batches at once (the previous default; it sizes training for 5 batches,
-# so its micro-batch and bubble figures are not the step's). "async" is the default since the planner models
-# the re-prefill after each weight update (README sim section).
-PLANNER_MODE = os.environ.get("LIBRA_SIM_PLANNER_MODE", "async")
+# so its micro-batch and bubble figures are not the step's). "async" (SimKnobs.planner_mode) is the default
+# since the planner models the re-prefill after each weight update (docs/simulator.md).
 
 
 def planner_config(env: Env, **fields):
-    """The PlannerConfig the simulated Libra plans with (global batch and rollout mode per PLANNER_MODE)."""
+    """The PlannerConfig the simulated Libra plans with (global batch and rollout mode per the planner_mode
+    knob)."""
     _, PlannerConfig, _ = _planner()
     per_step = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
-    if PLANNER_MODE == "async":
+    if env.knobs.planner_mode == "async":
         return PlannerConfig(global_batch=per_step, mode="async", staleness=AREAL_STALENESS, **fields)
     return PlannerConfig(global_batch=per_step * PLAN_WINDOW, **fields)
 # Steps a new plan is credited with in the re-plan gate (the planner's default: one step).
@@ -128,10 +126,6 @@ def plan_for(env: Env, history, homogeneous: bool, **restrict):
     return best
 
 
-# Run training with the plan's micro-batch size (off: the simulated trainer's default of at most 4·PP
-# micro-batches, which the planner does not know).
-TRAIN_MICRO_BATCH = os.environ.get("LIBRA_SIM_TRAIN_MB", "plan") == "plan"
-
 # Give the planner (prompt, final, model_tokens) triples (tool payloads prefilled, only model tokens
 # decoded) or plain (prompt, final) pairs.
 HISTORY_TRIPLES = False
@@ -149,9 +143,11 @@ def history_of(sim: Simulation, n: int) -> list[tuple[int, ...]]:
     return rows if HISTORY_TRIPLES else [r[:2] for r in rows]
 
 
-def layout_from_plan(plan, max_len: int) -> Layout:
+def layout_from_plan(plan, max_len: int, plan_micro_batch: bool = True) -> Layout:
     """Servers and routing buckets of a plan. Bucket thresholds come from Plan.buckets(); the last one takes
-    everything up to the model's max length; groups that end at the same threshold share a bucket."""
+    everything up to the model's max length; groups that end at the same threshold share a bucket.
+    plan_micro_batch off: the simulated trainer's default of at most 4·PP micro-batches (which the planner
+    does not know) instead of the plan's micro-batch size."""
     limits = sorted({lim for lim, _ in plan.buckets()})
     limits[-1] = max(limits[-1], max_len)
     servers = []
@@ -160,7 +156,7 @@ def layout_from_plan(plan, max_len: int) -> Layout:
         servers += [(inst.tp, b)] * inst.count
     t = plan.train
     # The trainer runs the planner's micro-batch size, as Libra configures Megatron with it.
-    return Layout(TrainLayout(t.tp, t.pp, t.dp, t.micro_batch if TRAIN_MICRO_BATCH else 0), servers, limits)
+    return Layout(TrainLayout(t.tp, t.pp, t.dp, t.micro_batch if plan_micro_batch else 0), servers, limits)
 
 
 class BucketLoadRouter(PolicyRouter):
@@ -229,19 +225,15 @@ def carve_hybrid(layout: Layout, max_units: int, keep_frac: float = 0.5) -> tupl
     return Layout(layout.train, core, layout.bucket_limits), units
 
 
-# At most (dp - 1) // HYBRID_DP_DIV training replicas are elastic: with 2 (the default) the core keeps more
-# than half of the replicas, so one release never halves the trainer (which made the pool swing between
-# release and join every few steps when the plan had DP 2).
-HYBRID_DP_DIV = int(os.environ.get("LIBRA_SIM_HYBRID_DP_DIV", "2"))
-
-
-def hybrid_from_train(layout: Layout, max_units: int) -> tuple[Layout, list[HybridUnit]]:
+def hybrid_from_train(layout: Layout, max_units: int, dp_div: int = 2) -> tuple[Layout, list[HybridUnit]]:
     """Designate up to `max_units` of the plan's training data-parallel replicas (never the last one) as
     Elastic Hybrid Pool workers; they start training and, when released, serve the bucket that holds the
-    most rollout GPUs with servers of its TP."""
+    most rollout GPUs with servers of its TP. At most (dp - 1) // dp_div replicas are elastic: with 2 the
+    core keeps more than half of the replicas, so one release never halves the trainer (which made the pool
+    swing between release and join every few steps when the plan had DP 2)."""
     t = layout.train
     unit = t.tp * t.pp
-    n = min(max_units, (t.dp - 1) // HYBRID_DP_DIV)
+    n = min(max_units, (t.dp - 1) // dp_div)
     if n <= 0 or not layout.servers:
         return layout, []
     per_bucket: dict[int, int] = {}
@@ -259,55 +251,45 @@ def hybrid_from_train(layout: Layout, max_units: int) -> tuple[Layout, list[Hybr
 HYBRID_FROM = "train"
 
 
-def make_hybrid(layout: Layout, max_units: int) -> tuple[Layout, list[HybridUnit]]:
+def make_hybrid(layout: Layout, max_units: int, dp_div: int = 2) -> tuple[Layout, list[HybridUnit]]:
     if HYBRID_FROM == "train":
-        return hybrid_from_train(layout, max_units)
+        return hybrid_from_train(layout, max_units, dp_div)
     return carve_hybrid(layout, max_units)
 
 
-# Elastic decisions wait COOLDOWN steps after any change and act only on a verdict that persisted PERSIST
-# consecutive steps. The measured T_train/T_rollout swings with the buffer of finished groups (after a
-# release the backlog fills and rollout looks up to 2x slower than it is, after a join it drains), which made
-# the pool join and release every few steps; PERSIST = 6 was chosen on seed 1 from {3, 6, 10}.
-ELASTIC_COOLDOWN = 4
-ELASTIC_PERSIST = int(os.environ.get("LIBRA_SIM_ELASTIC_PERSIST", "6"))
+class SimPlanSource:
+    """The planner bound to the simulated cluster's spec (areal_libra.control.PlanSource)."""
+
+    def __init__(self, env: Env, homogeneous: bool) -> None:
+        self.env, self.homogeneous = env, homogeneous
+
+    def solve(self, history):
+        return plan_for(self.env, history, self.homogeneous)
+
+    def price(self, plan, history) -> float:
+        from areal_libra.planner.evaluate import price
+
+        return price(plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name, history,
+                     planner_config(self.env)).makespan_s
 
 
-# Give the elastic policy the pool sizes so it skips moves that would overshoot the hysteresis band.
-ELASTIC_PROJECT = os.environ.get("LIBRA_SIM_ELASTIC_PROJECT", "on") == "on"
+class SimCluster:
+    """The simulated cluster behind the shared LibraController (areal_libra.control.Cluster)."""
 
-
-class LibraController(Controller):
-    def __init__(self, env: Env, opts: LibraOptions, plan, units: list[HybridUnit]):
-        self.env, self.opts, self.plan = env, opts, plan
+    def __init__(self, env: Env, opts: LibraOptions, units: list[HybridUnit]) -> None:
+        self.env, self.opts, self.units = env, opts, units
         self.sim: Simulation | None = None
-        self.replan = None
-        self.elastic = None
-        if opts.replan:
-            from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
-
-            self.replan = ReplanPolicy(ReplanConfig(every_k=opts.every_k, reconfig_cost_s=opts.reconfig_cost_s, cooldown_steps=5,
-                                                    horizon_steps=REPLAN_HORIZON))
-        if opts.elastic:
-            from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
-
-            # Decisions wait 4 steps after any change so its effect shows in the measured times.
-            self.elastic = ElasticPolicy(ElasticConfig(cooldown_steps=ELASTIC_COOLDOWN))
-        self.intervals: deque[float] = deque(maxlen=opts.every_k)
-        self.t_train: deque[float] = deque(maxlen=4)
-        self.t_roll: deque[float] = deque(maxlen=4)
-        self.units = units
-        self.verdicts: deque[str] = deque(maxlen=ELASTIC_PERSIST)
-        self.last_change = -10
-        self.last_replan = -opts.every_k
-        self.log: list[str] = []
 
     def attach(self, sim: Simulation) -> None:
         self.sim = sim
-        self._bind_units(sim)
+        self._bind_units()
 
-    def _bind_units(self, sim: Simulation) -> None:
+    def _layout(self, plan) -> Layout:
+        return layout_from_plan(plan, self.env.workload.cfg.max_len, self.env.knobs.train_micro_batch)
+
+    def _bind_units(self) -> None:
         """Units that start in rollout mode bring their servers up (already warm at t=0)."""
+        sim = self.sim
         for u in self.units:
             if u.training:
                 continue
@@ -315,107 +297,54 @@ class LibraController(Controller):
             u.training = False
             sim.layout = Layout(sim.layout.train, sim.layout.servers + list(u.specs), sim.layout.bucket_limits)
 
-    # -------------------------------------------------------------- per step
-    def on_step_end(self, sim: Simulation, rec: dict) -> None:
-        step = rec["step"]
-        self.intervals.append(rec["interval_s"])
-        self.t_train.append(rec["train_s"])
-        self.t_roll.append(rec["t_rollout_s"])
-        # Steps 0-1 fill the asynchronous pipeline; after a re-plan, wait a full period so the gate's
-        # measured step time is the new layout's in steady state, not the reconfiguration's disruption.
-        settled = step >= 2 and step - self.last_replan >= self.opts.every_k
-        if self.replan is not None and settled:
-            qp = rec["queued"] / max(1, rec["queued"] + rec["running"])
-            if self.replan.should_replan(step, qp, rec["pressure"], _mean(self.t_roll), _mean(self.t_train)):
-                if self._replan(sim, step):
-                    return
-        if self.elastic is not None and self.units and step >= 2:
-            self._elastic(sim, step, rec)
+    # ------------------------------------------------------------ Cluster interface
+    def history(self, n: int) -> list[tuple[int, ...]]:
+        return history_of(self.sim, n)
 
-    def _replan(self, sim: Simulation, step: int) -> bool:
-        _, _, PlanError = _planner()
-        hist = history_of(sim, self.opts.history)
-        if len(hist) < 16:
-            return False
-        try:
-            new = plan_for(self.env, hist, self.opts.homogeneous)
-        except (PlanError, SimError) as e:
-            self.log.append(f"step {step}: re-plan failed: {e}")
-            return False
-        new_layout = layout_from_plan(new, self.env.workload.cfg.max_len)
-        cur_layout = layout_from_plan(self.plan, self.env.workload.cfg.max_len)
-        if _same(new_layout, cur_layout):
-            self.plan = new  # refresh the predictions; nothing to move
-            return False
-        # Price the current plan on the same new history (areal_libra.planner.evaluate.price), then scale both
-        # predictions by measured/predicted for the current plan, so the gate compares like with like and
-        # charges the reconfiguration cost in real seconds.
-        try:
-            from areal_libra.planner.evaluate import price
+    def same_layout(self, a, b) -> bool:
+        return _same(self._layout(a), self._layout(b))
 
-            t_cur_pred = price(self.plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name,
-                               hist, planner_config(self.env)).makespan_s
-        except (ImportError, PlanError, SimError, ValueError):
-            t_cur_pred = self.plan.makespan_s
-        measured = _mean(self.intervals)
-        scale = measured / max(1e-9, t_cur_pred)
-        t_new = new.makespan_s * scale
-        if not self.replan.accept(measured, t_new):
-            self.log.append(f"step {step}: kept plan (measured {measured:.1f}s; predicted {t_cur_pred:.1f}s now vs "
-                            f"{new.makespan_s:.1f}s new)")
-            return False
-        self.log.append(f"step {step}: re-plan ({self.replan.last_reason}): {new.rollout_alloc()} train "
-                        f"{new.train_alloc()} (measured {measured:.1f}s -> predicted {t_new:.1f}s)")
-        self.plan = new
-        core, units = make_hybrid(new_layout, self.opts.hybrid_replicas) if self.opts.elastic else (new_layout, [])
+    def apply_plan(self, plan, step: int) -> None:
+        sim, opts = self.sim, self.opts
+        new_layout = self._layout(plan)
+        core, units = (make_hybrid(new_layout, opts.hybrid_replicas, self.env.knobs.hybrid_dp_div) if opts.elastic
+                       else (new_layout, []))
         sim.apply_layout(core, train_changed=True)
         self.units = units
-        self._bind_units(sim)
-        sim.set_router(_router_for(sim.layout, self.opts, sim.router))
-        self.intervals.clear()
-        self.last_change = self.last_replan = step
-        return True
+        self._bind_units()
+        sim.set_router(_router_for(sim.layout, opts, sim.router, knobs=self.env.knobs))
 
-    def _elastic(self, sim: Simulation, step: int, rec: dict) -> None:
+    def pool(self) -> PoolView:
+        sim = self.sim
+        lay = sim.train_layout
         n_active = sum(u.training for u in self.units)
-        # Sizes for the policy's overshoot check (a move the next decision would undo is not made).
-        sizes = {}
-        if ELASTIC_PROJECT:
-            lay = sim.train_layout
-            sizes = {"train_replicas": lay.dp, "rollout_gpus": sum(s.tp for s in sim.servers if not s.retired),
-                     "unit_gpus": lay.tp * lay.pp}
-        d = self.elastic.decide(_mean(self.t_train), _mean(self.t_roll), rec["pressure"], n_active,
-                                len(self.units) - n_active, step - self.last_change, **sizes)
-        # Act only on a verdict that persisted ELASTIC_PERSIST consecutive steps (a pressure release at once):
-        # one step's ratio moves with the buffer of finished groups, a real imbalance stays.
-        self.verdicts.append(d.action)
-        protect = d.action == "release" and rec["pressure"] >= self.elastic.cfg.protect_pressure
-        if not protect and (len(self.verdicts) < ELASTIC_PERSIST or len(set(self.verdicts)) > 1):
-            return
-        if d.action == "join":
-            for u in [u for u in self.units if not u.training][: d.n]:
-                self._join(sim, u)
-        elif d.action == "release":
-            for u in [u for u in self.units if u.training][: d.n]:
-                self._release(sim, u)
-        else:
-            return
-        self.last_change = step
-        self.log.append(f"step {step}: elastic {d.action} {d.n}: {d.reason}")
-        self.t_train.clear()
-        self.t_roll.clear()
-        self.verdicts.clear()
+        return PoolView(training=n_active, idle=len(self.units) - n_active, train_replicas=lay.dp,
+                        rollout_gpus=sum(s.tp for s in sim.servers if not s.retired), unit_gpus=lay.tp * lay.pp)
 
-    def _release(self, sim: Simulation, u: HybridUnit) -> None:
+    def join(self, n: int, step: int) -> int:
+        units = [u for u in self.units if not u.training][:n]
+        for u in units:
+            self._join(u)
+        return len(units)
+
+    def release(self, n: int, step: int) -> int:
+        units = [u for u in self.units if u.training][:n]
+        for u in units:
+            self._release(u)
+        return len(units)
+
+    def _release(self, u: HybridUnit) -> None:
         """The replica leaves training (core TP/PP untouched) and its GPUs start rollout servers again."""
+        sim = self.sim
         sim.set_train_dp(sim.train_layout.dp - 1)
         u.servers = [sim._add_server(tp, b, sim.t + sim.truth.server_start_s(tp)) for tp, b in u.specs]
         u.training = False
         sim.layout = Layout(sim.train_layout, sim.layout.servers + list(u.specs), sim.layout.bucket_limits)
 
-    def _join(self, sim: Simulation, u: HybridUnit) -> None:
+    def _join(self, u: HybridUnit) -> None:
         """The unit stops serving (its requests re-prefill elsewhere), fetches the model + optimizer snapshot
         while the core keeps training, then trains as one more data-parallel replica."""
+        sim = self.sim
         for s in u.servers:
             if not s.retired:
                 sim.retire_server(s)
@@ -436,6 +365,37 @@ class LibraController(Controller):
         sim.call_at(sim.t + fetch, activate)
 
 
+def control_config(opts: LibraOptions, knobs: SimKnobs) -> ControlConfig:
+    """The shared controller's settings for a rung: the production gate cost, 5-step re-plan cooldown,
+    elastic decisions 4 steps after any change and only on a verdict that persisted knobs.elastic_persist
+    steps (the measured T_train/T_rollout swings with the buffer of finished groups)."""
+    return ControlConfig(replan=opts.replan, every_k=opts.every_k, reconfig_cost_s=opts.reconfig_cost_s,
+                         replan_cooldown_steps=5, horizon_steps=REPLAN_HORIZON, history=opts.history,
+                         elastic=opts.elastic, elastic_cooldown_steps=4, elastic_persist=knobs.elastic_persist,
+                         elastic_project=knobs.elastic_project)
+
+
+class SimLibraControl(Controller):
+    """The simulator's step hook: turns a step record into a StepObservation for the shared controller."""
+
+    def __init__(self, ctl: LibraController, cluster: SimCluster) -> None:
+        self.ctl, self.cluster = ctl, cluster
+
+    def attach(self, sim: Simulation) -> None:
+        self.cluster.attach(sim)
+
+    def on_step_end(self, sim: Simulation, rec: dict) -> None:
+        obs = StepObservation(step=rec["step"], interval_s=rec["interval_s"], train_s=rec["train_s"],
+                              rollout_s=rec["t_rollout_s"],
+                              queue_pressure=rec["queued"] / max(1, rec["queued"] + rec["running"]),
+                              active_pressure=rec["pressure"])
+        self.ctl.on_step(obs, self.cluster)
+
+    @property
+    def log(self) -> list[str]:
+        return [f"step {e.step}: {e.kind} {e.detail}" for e in self.ctl.events]
+
+
 def _mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else 0.0
@@ -445,7 +405,8 @@ def _same(a: Layout, b: Layout) -> bool:
     return a.train == b.train and sorted(a.servers) == sorted(b.servers) and a.bucket_limits == b.bucket_limits
 
 
-def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None) -> Router:
+def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None,
+                knobs: SimKnobs | None = None) -> Router:
     from areal_libra.cmlfq import make_policy
 
     limits = layout.bucket_limits
@@ -458,21 +419,20 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
            else make_policy("cmlfq", limits, backend=TREE_BACKEND, **CMLFQ_SWITCHES))
     if tree is None and fit:
         pol.fit(fit)  # the live system starts from the prefix tree of its profiling traces
-    return PolicyRouter(pol, spill_cfg=_spill_cfg())
-
-
-# LIBRA_SIM_REPLAN=off: keep the first plan (no periodic re-planning) in every rung, for comparison.
-REPLAN = os.environ.get("LIBRA_SIM_REPLAN", "on") == "on"
+    return PolicyRouter(pol, spill_cfg=_spill_cfg(knobs or SimKnobs()))
 
 
 def libra_system(name: str, env: Env) -> SystemSpec:
-    opts = RUNGS[name] if REPLAN else replace(RUNGS[name], replan=False)
+    knobs = env.knobs
+    # knobs.replan off: keep the first plan (no periodic re-planning) in every rung, for comparison.
+    opts = RUNGS[name] if knobs.replan else replace(RUNGS[name], replan=False)
     prof = env.workload.profile(env.profile_groups)
     hist = profile_history(prof)
     plan = plan_for(env, hist, opts.homogeneous)
-    layout = layout_from_plan(plan, env.workload.cfg.max_len)
-    core, units = make_hybrid(layout, opts.hybrid_replicas) if opts.elastic else (layout, [])
-    ctl = LibraController(env, opts, plan, units)
-    spec = SystemSpec(name, core, RunConfig(max_staleness=AREAL_STALENESS),
-                      lambda lay: _router_for(lay, opts, None, prof), ctl)
-    return spec
+    layout = layout_from_plan(plan, env.workload.cfg.max_len, knobs.train_micro_batch)
+    core, units = make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic else (layout, [])
+    cluster = SimCluster(env, opts, units)
+    ctl = SimLibraControl(LibraController(control_config(opts, knobs), SimPlanSource(env, opts.homogeneous), plan),
+                          cluster)
+    return SystemSpec(name, core, RunConfig(max_staleness=AREAL_STALENESS),
+                      lambda lay: _router_for(lay, opts, None, prof, knobs), ctl)

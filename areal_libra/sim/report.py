@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from areal_libra.sim.cluster import SimError
 from areal_libra.sim.hardware import GPUS, truth_for, truth_from_specs
 from areal_libra.sim.registry import run_system
-from areal_libra.sim.systems import Env
+from areal_libra.sim.systems import Env, SimKnobs, parse_knobs
 from areal_libra.sim.workloads import make_workload
 from areal_libra.trace import TraceError
 
@@ -21,7 +21,7 @@ _CLUSTER_RE = re.compile(r"^([a-z0-9_.-]+?)x(\d+)$")
 
 
 def make_env(workload: str, cluster: str, model: str, seed: int = 0, batch_prompts: int | None = None,
-             group_size: int | None = None) -> Env:
+             group_size: int | None = None, knobs: SimKnobs | None = None) -> Env:
     wl = make_workload(workload)
     if batch_prompts is not None:
         if batch_prompts < 1:
@@ -37,10 +37,11 @@ def make_env(workload: str, cluster: str, model: str, seed: int = 0, batch_promp
         m = _CLUSTER_RE.match(cluster.lower())
         if not m or m.group(1) not in GPUS:
             raise ValueError(f"unknown cluster {cluster!r}: use <gpu>x<count> with gpu in {', '.join(GPUS)}") from None
-        return Env(truth_for(m.group(1), model), wl, int(m.group(2)), seed=seed)
+        return Env(truth_for(m.group(1), model), wl, int(m.group(2)), seed=seed, knobs=knobs or SimKnobs())
     cl = load_cluster(cluster)
     md = load_model(model)
-    return Env(truth_from_specs(cl.hardware, md), wl, cl.n_gpus, cluster=cl, model=md, seed=seed)
+    return Env(truth_from_specs(cl.hardware, md), wl, cl.n_gpus, cluster=cl, model=md, seed=seed,
+               knobs=knobs or SimKnobs())
 
 
 def run_many(names: Sequence[str], env: Env, steps: int, log=None) -> tuple[dict, dict]:
@@ -121,6 +122,8 @@ def parse_common(argv, description: str, names: Sequence[str], default_ref: str)
     ap.add_argument("--batch-prompts", type=int, default=None,
                     help="GRPO groups per step (scale knob; defaults per workload, see README)")
     ap.add_argument("--group-size", type=int, default=None, help="samples per prompt")
+    ap.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
+                    help="a simulator switch (areal_libra.sim.systems.SimKnobs), e.g. replan=false")
     return ap.parse_args(argv)
 
 
@@ -133,7 +136,8 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
             raise ValueError(f"unknown system {bad[0]!r}; choose from {', '.join(names)}")
         if args.steps < 1:
             raise ValueError("--steps must be >= 1")
-        env = make_env(args.workload, args.cluster, args.model, args.seed, args.batch_prompts, args.group_size)
+        env = make_env(args.workload, args.cluster, args.model, args.seed, args.batch_prompts, args.group_size,
+                       parse_knobs(args.knob))
         from areal_libra.sim.systems import check_cluster
 
         check_cluster(env.truth, env.n_gpus)

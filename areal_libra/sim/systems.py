@@ -26,6 +26,42 @@ AREAL_STALENESS = 4  # AReaL max_head_offpolicyness used by AReaL-Static-Optimal
 VERL_STALENESS = 1  # verl's one-step off-policy recipe for disaggregated placements
 
 
+@dataclass(frozen=True)
+class SimKnobs:
+    """The simulator's switches for Libra's ablations (`--knob key=value` on the evaluation CLIs)."""
+
+    spill_ratio: float | None = 1.2  # C-MLFQ load-aware spill-over ratio; None: off
+    planner_mode: str = "async"  # the planner's rollout objective: async | window
+    train_micro_batch: bool = True  # the simulated trainer runs the plan's micro-batch size
+    hybrid_dp_div: int = 2  # at most (dp - 1) // hybrid_dp_div training replicas are elastic
+    elastic_persist: int = 6  # steps an elastic verdict must persist before the pool acts
+    elastic_project: bool = True  # the elastic policy's overshoot check
+    replan: bool = True  # periodic re-planning in every Libra rung
+
+    def __post_init__(self) -> None:
+        if self.planner_mode not in ("async", "window"):
+            raise ValueError(f"knob planner_mode must be async or window, got {self.planner_mode!r}")
+        if self.hybrid_dp_div < 1 or self.elastic_persist < 1:
+            raise ValueError("knobs hybrid_dp_div and elastic_persist must be >= 1")
+        if self.spill_ratio is not None and self.spill_ratio <= 1:
+            raise ValueError(f"knob spill_ratio must be > 1 (or null), got {self.spill_ratio}")
+
+
+def parse_knobs(items: list[str]) -> SimKnobs:
+    """`key=value` strings (null turns spill_ratio off) -> SimKnobs; a bad key or value raises ValueError."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    bad = [i for i in items if "=" not in i]
+    if bad:
+        raise ValueError(f"--knob {bad[0]!r} is not of the form key=value")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(SimKnobs), OmegaConf.from_dotlist(items))
+        return SimKnobs(**OmegaConf.to_container(merged))
+    except OmegaConfBaseException as e:
+        raise ValueError(f"bad --knob: {str(e).strip().splitlines()[0]}") from None
+
+
 @dataclass
 class Env:
     """What a system is built for: the cluster, model, workload and the hardware truth to run on."""
@@ -37,6 +73,7 @@ class Env:
     model: object | None = None  # areal_libra.cost.presets.ModelSpec
     seed: int = 0
     profile_groups: int = 16
+    knobs: SimKnobs = field(default_factory=SimKnobs)
 
 
 @dataclass

@@ -1,0 +1,15 @@
+"""Libra's control loop (planner re-solve with the gain > cost gate, elastic pool with persistence), one
+implementation driving both the simulator and the live run through the `Cluster` interface."""
+
+from areal_libra.control.controller import (
+    Cluster,
+    ControlConfig,
+    ControlEvent,
+    LibraController,
+    PlanSource,
+    PoolView,
+    StepObservation,
+)
+
+__all__ = ["Cluster", "ControlConfig", "ControlEvent", "LibraController", "PlanSource", "PoolView",
+           "StepObservation"]

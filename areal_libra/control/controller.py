@@ -1,0 +1,226 @@
+"""Libra's control loop, written once for the simulator and the live run.
+
+Every training step the cluster reports a `StepObservation`. The controller then
+1. re-plans every `every_k` steps (or early, on the re-plan policy's pressure/ratio triggers): the planner
+   re-solves on the recent finished-trajectory history, both plans are priced on that history, scaled by
+   the measured step time, and the new plan is applied only when the gain beats the reconfiguration cost
+   (areal_libra.planner.replan);
+2. otherwise asks the elastic policy (areal_libra.elastic.policy) whether a hybrid replica should join or
+   leave training, and acts only on a verdict that persisted `elastic_persist` steps (a pressure release
+   at once): one step's T_train/T_rollout moves with the buffer of finished groups, a real imbalance stays.
+
+The cluster (sim/live) implements `Cluster`; the planner side implements `PlanSource`. The controller holds
+no clock and no randomness, so the same observations give the same decisions on either cluster.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
+from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What the cluster measured in one training step."""
+
+    step: int
+    interval_s: float  # wall time from the previous step's end to this one's
+    train_s: float  # time the trainer spent training
+    rollout_s: float  # time the trainer waited for / spent on rollout (T_rollout as the loop sees it)
+    queue_pressure: float = 0.0  # queued / (queued + running) rollout requests
+    active_pressure: float = 0.0  # fraction of rollout capacity in use
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The Elastic Hybrid Pool as the policy needs it."""
+
+    training: int  # hybrid replicas training now
+    idle: int  # hybrid replicas serving rollout (joinable)
+    train_replicas: int  # data-parallel replicas training now (core + hybrid)
+    rollout_gpus: int
+    unit_gpus: int  # accelerators of one hybrid replica
+    busy: bool = False  # a join/release is still in flight
+
+
+class Cluster(Protocol):
+    """What the controller needs from a cluster (areal_libra.sim.libra.SimCluster, the live LiveCluster)."""
+
+    def history(self, n: int) -> list[tuple[int, ...]]:
+        """(prompt_tokens, final_length) of the last n finished trajectories."""
+
+    def same_layout(self, a: Any, b: Any) -> bool:
+        """Whether plans a and b put the same servers and trainer on this cluster."""
+
+    def apply_plan(self, plan: Any, step: int) -> None:
+        """Reconfigure to `plan` (drain, restart, resume); the elastic pool is rebuilt from it."""
+
+    def pool(self) -> PoolView: ...
+
+    def join(self, n: int, step: int) -> int:
+        """Ask n idle hybrid replicas to join training; returns how many were asked."""
+
+    def release(self, n: int, step: int) -> int:
+        """Ask n training hybrid replicas to go back to rollout; returns how many were asked."""
+
+
+class PlanSource(Protocol):
+    """The Global Resource Planner bound to one cluster spec and model."""
+
+    def solve(self, history: list[tuple[int, ...]]) -> Any:
+        """A new Plan for this history; raises ValueError (PlanError) when none fits."""
+
+    def price(self, plan: Any, history: list[tuple[int, ...]]) -> float:
+        """The predicted step time of an existing plan on this history."""
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    replan: bool = True
+    every_k: int = 10  # the paper's re-plan period
+    reconfig_cost_s: float = 120.0  # what a reconfiguration costs in the gate
+    replan_cooldown_steps: int = 5  # between two early (non-periodic) triggers
+    horizon_steps: int = 1  # steps a new plan is credited with in the gate
+    history: int = 2000  # finished trajectories the planner sees
+    min_history: int = 16
+    warmup_steps: int = 2  # the asynchronous pipeline fills in the first steps: no decisions
+    elastic: bool = True
+    elastic_cooldown_steps: int = 4
+    elastic_persist: int = 6  # chosen on seed 1 of the simulator from {3, 6, 10}
+    elastic_project: bool = True  # give the policy pool sizes for its overshoot check
+    elastic_policy: ElasticConfig = field(default_factory=ElasticConfig)
+
+    def __post_init__(self) -> None:
+        if self.every_k < 1:
+            raise ValueError(f"every_k must be >= 1, got {self.every_k}")
+        if self.elastic_persist < 1:
+            raise ValueError(f"elastic_persist must be >= 1, got {self.elastic_persist}")
+        if self.history < self.min_history:
+            raise ValueError(f"history ({self.history}) must be >= min_history ({self.min_history})")
+
+
+@dataclass(frozen=True)
+class ControlEvent:
+    step: int
+    kind: str  # replan | kept | replan_failed | join | release
+    detail: str
+
+
+def _mean(xs: deque[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+class LibraController:
+    """Planner re-solve with the gain > cost gate, and the elastic pool with overshoot check and
+    persistence filter. `on_step` is the whole loop body."""
+
+    def __init__(self, cfg: ControlConfig, planner: PlanSource, plan: Any) -> None:
+        self.cfg = cfg
+        self.planner = planner
+        self.plan = plan
+        self.replan_policy = ReplanPolicy(ReplanConfig(
+            every_k=cfg.every_k, reconfig_cost_s=cfg.reconfig_cost_s, cooldown_steps=cfg.replan_cooldown_steps,
+            horizon_steps=cfg.horizon_steps)) if cfg.replan else None
+        policy_cfg = cfg.elastic_policy
+        if policy_cfg.cooldown_steps != cfg.elastic_cooldown_steps:
+            from dataclasses import replace
+
+            policy_cfg = replace(policy_cfg, cooldown_steps=cfg.elastic_cooldown_steps)
+        self.elastic = ElasticPolicy(policy_cfg) if cfg.elastic else None
+        self.intervals: deque[float] = deque(maxlen=cfg.every_k)
+        self.t_train: deque[float] = deque(maxlen=4)
+        self.t_roll: deque[float] = deque(maxlen=4)
+        self.verdicts: deque[str] = deque(maxlen=cfg.elastic_persist)
+        self.last_change: int | None = None
+        self.last_replan = -cfg.every_k
+        self.events: list[ControlEvent] = []
+        self.replans = 0
+        self.last_predicted_s = plan.makespan_s if plan is not None else 0.0
+
+    # ------------------------------------------------------------------ the loop body
+    def on_step(self, obs: StepObservation, cluster: Cluster) -> list[ControlEvent]:
+        n0 = len(self.events)
+        self.intervals.append(obs.interval_s)
+        self.t_train.append(obs.train_s)
+        self.t_roll.append(obs.rollout_s)
+        # After a re-plan, wait a full period so the gate's measured step time is the new layout's in steady
+        # state, not the reconfiguration's disruption.
+        settled = obs.step >= self.cfg.warmup_steps and obs.step - self.last_replan >= self.cfg.every_k
+        if self.replan_policy is not None and settled and self.replan_policy.should_replan(
+                obs.step, obs.queue_pressure, obs.active_pressure, _mean(self.t_roll), _mean(self.t_train)):
+            if self._replan(obs.step, cluster):
+                return self.events[n0:]
+        if self.elastic is not None and obs.step >= self.cfg.warmup_steps:
+            self._elastic(obs, cluster)
+        return self.events[n0:]
+
+    def _replan(self, step: int, cluster: Cluster) -> bool:
+        hist = cluster.history(self.cfg.history)
+        if len(hist) < self.cfg.min_history:
+            return False
+        try:
+            new = self.planner.solve(hist)
+        except ValueError as e:  # PlanError: keep running on the current plan
+            self.events.append(ControlEvent(step, "replan_failed", str(e)))
+            return False
+        if cluster.same_layout(self.plan, new):
+            self.plan = new  # refresh the predictions; nothing to move
+            return False
+        # Price the current plan on the same history, then scale both predictions by measured/predicted for
+        # the current plan, so the gate compares like with like and charges the cost in real seconds.
+        try:
+            t_cur_pred = self.planner.price(self.plan, hist)
+        except ValueError:
+            t_cur_pred = self.plan.makespan_s
+        measured = _mean(self.intervals)
+        scale = measured / max(1e-9, t_cur_pred)
+        t_new = new.makespan_s * scale
+        if not self.replan_policy.accept(measured, t_new):
+            self.events.append(ControlEvent(step, "kept", f"measured {measured:.1f}s; predicted {t_cur_pred:.1f}s "
+                                            f"now vs {new.makespan_s:.1f}s new"))
+            return False
+        self.events.append(ControlEvent(step, "replan", f"({self.replan_policy.last_reason}): {new.rollout_alloc()} "
+                                        f"train {new.train_alloc()} (measured {measured:.1f}s -> predicted "
+                                        f"{t_new:.1f}s)"))
+        self.plan = new
+        self.last_predicted_s = t_new
+        cluster.apply_plan(new, step)
+        self.replans += 1
+        self.intervals.clear()
+        self.last_change = self.last_replan = step
+        return True
+
+    def _elastic(self, obs: StepObservation, cluster: Cluster) -> None:
+        pool = cluster.pool()
+        if pool.training + pool.idle == 0:
+            return
+        if pool.busy:  # one transition at a time: a join in flight has not changed the times yet
+            return
+        sizes = ({"train_replicas": pool.train_replicas, "rollout_gpus": pool.rollout_gpus,
+                  "unit_gpus": pool.unit_gpus} if self.cfg.elastic_project else {})
+        since = None if self.last_change is None else obs.step - self.last_change
+        d = self.elastic.decide(_mean(self.t_train), _mean(self.t_roll), obs.active_pressure, pool.training,
+                                pool.idle, since, **sizes)
+        self.verdicts.append(d.action)
+        protect = d.action == "release" and obs.active_pressure >= self.elastic.cfg.protect_pressure
+        persisted = len(self.verdicts) == self.cfg.elastic_persist and len(set(self.verdicts)) == 1
+        if d.action == "hold" or not (protect or persisted):
+            return
+        done = cluster.join(d.n, obs.step) if d.action == "join" else cluster.release(d.n, obs.step)
+        if not done:
+            return
+        self.last_change = obs.step
+        self.events.append(ControlEvent(obs.step, d.action, f"{done}: {d.reason}"))
+        self.t_train.clear()
+        self.t_roll.clear()
+        self.verdicts.clear()
+
+    def metrics(self) -> dict[str, float]:
+        """plan/* keys for metrics.jsonl and W&B."""
+        p = self.plan
+        return {"plan/replans": float(self.replans), "plan/rollout_gpus": float(p.rollout_gpus),
+                "plan/train_gpus": float(p.train_gpus), "plan/predicted_step_s": float(self.last_predicted_s)}
