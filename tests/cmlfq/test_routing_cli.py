@@ -9,7 +9,7 @@ import pytest
 
 from areal_libra.trace import read_traces
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 POLY = Path("/work/shared/data/polytrace/search_r1")
 KEYS = {"decision_accuracy", "token_accuracy", "migrated_token_ratio", "migrations_per_trajectory"}
 

@@ -12,7 +12,7 @@ from areal_libra.cost.presets import ClusterSpec, load_hardware, load_model
 from areal_libra.cost.rollout import RolloutCost
 from areal_libra.cost.training import TrainCost, TrainParallel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_least_squares_recovers_truth():

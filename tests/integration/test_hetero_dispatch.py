@@ -60,20 +60,16 @@ def build_tool_model(out_dir: Path, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(tmp_path_factory, embedded_servers):
     """Tool model + three embedded servers: group short (2 x TP1) and group long (1 x TP2)."""
     from areal_libra.integration.groups import expand_servers
-    from areal_libra.integration.launcher import ServerSpec, launch_servers, shutdown
+    from areal_libra.integration.launcher import ServerSpec
 
     root = tmp_path_factory.mktemp("hetero")
     model = build_tool_model(root / "model")
     specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name)
              for g in expand_servers([SHORT, LONG])]
-    handles = launch_servers(model, specs, str(root / "logs"), backend="embedded", timeout=180)
-    try:
-        yield model, handles, root
-    finally:
-        shutdown(handles)
+    return model, embedded_servers(model, specs, timeout=180), root
 
 
 def make_engine(addrs: list[str]):

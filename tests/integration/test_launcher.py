@@ -17,18 +17,12 @@ from areal_libra.integration.launcher import (
     server_infos,
     shutdown,
 )
-from areal_libra.models.random_tiny import build_tiny_model
 from areal_libra.server.inprocess import http
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(str(tmp_path_factory.mktemp("m") / "tiny"))
-
-
-def test_two_servers_serve_report_spec_and_shut_down(model_dir, tmp_path):
+def test_two_servers_serve_report_spec_and_shut_down(tiny_model_dir, tmp_path):
     specs = [ServerSpec(tp=1, threads=1, max_running=16, group="small"), ServerSpec(tp=2, max_running=8, group="big")]
-    handles = launch_servers(model_dir, specs, str(tmp_path / "logs"), backend="embedded", timeout=120)
+    handles = launch_servers(tiny_model_dir, specs, str(tmp_path / "logs"), backend="embedded", timeout=120)
     try:
         assert len({h.addr for h in handles}) == 2
         for h, spec in zip(handles, specs):
@@ -59,11 +53,11 @@ def test_dead_server_fails_launch_with_its_log(tmp_path):
     assert "exited with code 1" in msg and "not a Hugging Face model directory" in msg
 
 
-def test_timeout_stops_started_servers(model_dir, tmp_path):
+def test_timeout_stops_started_servers(tiny_model_dir, tmp_path):
     with pytest.raises(ServerLaunchError, match="not healthy after"):
-        launch_servers(model_dir, [ServerSpec()], str(tmp_path / "logs"), backend="embedded", timeout=0.5)
+        launch_servers(tiny_model_dir, [ServerSpec()], str(tmp_path / "logs"), backend="embedded", timeout=0.5)
     # every process started for this launch is gone (the launcher killed its session)
-    out = subprocess.run(["pgrep", "-f", f"--model-path {model_dir} "], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", f"--model-path {tiny_model_dir} "], capture_output=True, text=True)
     assert out.stdout.strip() == ""
 
 
@@ -110,7 +104,7 @@ def test_server_cli_bad_input_is_one_line(tmp_path):
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
-def test_server_exits_when_its_launcher_dies(model_dir, tmp_path):
+def test_server_exits_when_its_launcher_dies(tiny_model_dir, tmp_path):
     """A launcher killed with SIGKILL cannot shut its servers down; they notice and exit by themselves."""
     import os
     import signal
@@ -119,7 +113,7 @@ def test_server_exits_when_its_launcher_dies(model_dir, tmp_path):
     script = (
         "import sys, time\n"
         "from areal_libra.integration.launcher import ServerSpec, launch_servers\n"
-        f"h = launch_servers({model_dir!r}, [ServerSpec()], {str(tmp_path / 'logs')!r}, backend='embedded', timeout=120)\n"
+        f"h = launch_servers({tiny_model_dir!r}, [ServerSpec()], {str(tmp_path / 'logs')!r}, backend='embedded', timeout=120)\n"
         "print(h[0].proc.pid, flush=True)\n"
         "time.sleep(600)\n"
     )

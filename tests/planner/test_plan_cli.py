@@ -9,7 +9,7 @@ import pytest
 
 from areal_libra.plan import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SEARCH_R1 = "/work/shared/data/polytrace/search_r1/step_0.jsonl.gz"
 
 

@@ -10,16 +10,12 @@ import aiohttp
 import pytest
 import torch
 
-from areal_libra.models.random_tiny import TinyModelSpec, build_tiny_model
 from areal_libra.server.inprocess import InProcessServer, http
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    a = build_tiny_model(str(root / "a"), TinyModelSpec(seed=0))
-    b = build_tiny_model(str(root / "b"), TinyModelSpec(seed=1))
-    return a, b
+def models(tiny_model_pair):
+    return tiny_model_pair
 
 
 @pytest.fixture(scope="module")

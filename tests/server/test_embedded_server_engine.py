@@ -10,21 +10,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_libra.models.random_tiny import build_tiny_model
 from areal_libra.server.batching import BatchEngine, EngineConfig, Request, SamplingParams
 from areal_libra.server.protocol import RequestError, finish_text, parse_generate
 from areal_libra.server.sampling import uniforms
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(str(tmp_path_factory.mktemp("m") / "tiny"))
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(
-        model_dir
+def hf(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(
+        tiny_model_dir
     )
 
 

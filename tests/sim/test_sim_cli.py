@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"tokens_per_s", "mean_step_s", "rollout_busy_frac", "train_busy_frac", "reconfigurations"}
 
 
