@@ -1,4 +1,4 @@
-"""Canonical trajectory traces (shared/reference/trace-format.md): read, write, derive.
+"""Canonical trajectory traces (docs/trace-format.md): read, write, derive.
 
 Reads canonical `.jsonl[.gz]` files and PolyTrace Search-R1 records (detected by `turns`/`tool_calls`).
 """

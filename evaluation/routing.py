@@ -4,7 +4,7 @@
         [--policies cmlfq,mlfq,predictor,oracle] [--cmlfq key=val,...] [--variant NAME:key=val,...] [--json]
 
 Builds the prefix tree (and trains the predictor) from --train, then replays --eval step by step under
-the visibility rule of shared/reference/trace-format.md: a trajectory sees the training traces and the
+the visibility rule of docs/trace-format.md: a trajectory sees the training traces and the
 evaluated trajectories of earlier steps, never those of its own step. Prints, per policy, the metrics
 defined there. --cmlfq sets the switches of the cmlfq row; --variant adds a C-MLFQ row with other switches (CMLFQConfig fields), e.g.
 `--variant paper:center=none,move_cost=0`.

@@ -106,7 +106,7 @@ def main() -> None:
     """python -m evaluation.sim_bench: the simulated decode benchmark next to the public TP table."""
     from areal_libra.sim.hardware import truth_for
 
-    ref = {1: 1591, 2: 1862, 4: 2228, 8: 2381}  # reference/libra.md, Mistral-7B on A100
+    ref = {1: 1591, 2: 1862, 4: 2228, 8: 2381}  # public vLLM decode benchmark, Mistral-7B on A100
     truth = truth_for("a100", "mistral-7b")
     for tp, want in ref.items():
         got = decode_benchmark(truth, tp).decode_tokens_per_s

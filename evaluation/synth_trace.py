@@ -1,4 +1,4 @@
-"""Synthetic agentic trajectory traces in the canonical format (shared/reference/trace-format.md).
+"""Synthetic agentic trajectory traces in the canonical format (docs/trace-format.md).
 
     python evaluation/synth_trace.py --out DIR [--steps 10] [--seed 0] [--set key=value ...]
 

@@ -1,4 +1,4 @@
-"""Canonical trace I/O and the PolyTrace Search-R1 reader (shared/reference/trace-format.md)."""
+"""Canonical trace I/O and the PolyTrace Search-R1 reader (docs/trace-format.md)."""
 
 import gzip
 import json

@@ -1,4 +1,4 @@
-"""Routing policies: C-MLFQ and its baselines behind one interface (libra.md §3).
+"""Routing policies: C-MLFQ and its baselines behind one interface (docs/cmlfq.md).
 
 Buckets are ascending max-length thresholds (bucket i serves final lengths in (T[i-1], T[i]]; lengths
 above the last threshold belong to the last bucket). A policy is a deterministic core: the replay

@@ -1,4 +1,4 @@
-"""Routing replay and metrics (shared/reference/trace-format.md, "Routing metrics").
+"""Routing replay and metrics (docs/trace-format.md, "Routing metrics").
 
 Replays evaluated trajectories step by step under the visibility rule: a step's trajectories are routed
 without seeing each other's outcomes; only after the whole step is scored do they reach policy.finish()

@@ -1,4 +1,4 @@
-"""Tool-return states: the key material of the causal prefix tree (libra.md §3).
+"""Tool-return states: the key material of the causal prefix tree (docs/cmlfq.md).
 
 A state is (tool type, payload size class, status). Size classes are configurable thresholds on the
 payload tokens the return appended to the context (public Libra defaults: small <= 500 < medium <= 5000 <

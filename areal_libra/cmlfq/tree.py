@@ -1,4 +1,4 @@
-"""Causal prefix tree (libra.md §3): a root per prompt id plus a global root; a node per ordered sequence
+"""Causal prefix tree (docs/cmlfq.md): a root per prompt id plus a global root; a node per ordered sequence
 of tool-return states; each node keeps the distribution of remaining length (final length minus the
 context at that decision point): total count, and mean / nearest-rank P90 over the last `window` samples.
 

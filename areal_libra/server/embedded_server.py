@@ -5,7 +5,7 @@
         [--prefix-cache-tokens P]
 
 SGLang cannot run on a CPU-only machine, so on CPU the project serves rollouts with this server instead:
-the same endpoints, bodies and response shapes (see shared/reference/sglang-http-api.md), so AReaL's own
+the same endpoints, bodies and response shapes (as SGLang 0.5's own HTTP server), so AReaL's own
 SGLang client talks to it unchanged. Generation is done by batching.BatchEngine (continuous batching
 with a KV cache) on a Hugging Face causal LM. ``--tp-size`` is accepted and reported so that the planner's
 heterogeneous instance mix is visible, but a CPU server runs the model unsharded; its compute is set by

@@ -7,8 +7,8 @@ FLOPs growing with the resident context, all-reduce latency, memory-fraction lim
 pipeline bubbles, partially exposed gradient all-reduce, and multiplicative noise. So the planner can
 mispredict, as it does on real hardware.
 
-The constants were chosen so a single server reproduces the public vLLM decode benchmark in
-`reference/libra.md` (Mistral-7B on A100, TP1/2/4/8) within 25%; `tests/test_sim_hardware.py` checks it.
+The constants were chosen so a single server reproduces the public vLLM decode benchmark
+(Mistral-7B on A100, 320 prompts x 2,000 tokens, TP1/2/4/8) within 25%; `tests/test_sim_hardware.py` checks it.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ModelShape:
         return self.heads * self.head_dim
 
 
-# Spec sheets (public numbers, reference/libra.md). The simulator falls back on these when the planner's
+# Spec sheets (public numbers). The simulator falls back on these when the planner's
 # presets are not importable; otherwise `truth_from_presets` reads the same facts from them.
 GPUS: dict[str, GpuSpec] = {
     "a800": GpuSpec("a800", 312e12, 2.0e12, 80 * GB, 400 * GB, 100 * GB / 4),

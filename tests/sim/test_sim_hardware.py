@@ -5,7 +5,7 @@ import pytest
 from areal_libra.sim.hardware import truth_for
 from evaluation.sim_bench import decode_benchmark
 
-# reference/libra.md: vLLM decode benchmark, Mistral-7B on A100, 320 prompts x 2,000 tokens, tokens/s.
+# Public vLLM decode benchmark, Mistral-7B on A100, 320 prompts x 2,000 tokens, tokens/s.
 TP_TABLE = {1: 1591, 2: 1862, 4: 2228, 8: 2381}
 
 
