@@ -1,15 +1,17 @@
 """Compose and validate an experiment config: hydra tree under experiments/, AReaL key names.
 
 The composed tree has AReaL 1.0.4 `GRPOConfig` keys at the top level and this project's keys under
-`libra:`. AReaL keys are validated against AReaL's own dataclasses, so an unknown key is an error.
+`libra:`, typed by the `LibraConfig` dataclass tree below. Both are merged with OmegaConf.structured, as
+AReaL does with its GRPOConfig, so an unknown or mistyped key is a one-line error at launch.
 """
 
 from __future__ import annotations
 
 import getpass
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -20,6 +22,88 @@ GROUPS = ("experiment", "cluster", "model")
 
 class ConfigError(ValueError):
     """A bad experiment name, override or value; the message is one line for the user."""
+
+
+# ---------------------------------------------------------------- the `libra:` schema
+@dataclass
+class DatasetConfig:
+    n_problems: int = 4096
+    seed: int = 1
+
+
+@dataclass
+class ModelConfig:
+    builder: str = "areal_libra.models.tiny"
+    seed: int = 1  # the starting checkpoint's own seed: runs with different `seed=` start from the same policy
+
+
+@dataclass
+class RolloutGroupConfig:
+    name: str = ""
+    tp: int = 1
+    count: int = 1
+    threads: int = 1  # CPU threads of each embedded server
+    max_running: int = 256
+    max_len: int = 0  # bucket threshold; 0: an even split of gconfig.max_tokens
+
+
+@dataclass
+class DispatchConfig:
+    """`libra.scheduler`: the request router patched into AReaL (areal_libra.integration.router)."""
+
+    policy: str = "cmlfq"  # cmlfq | mlfq | predictor | least_loaded | oracle | round_robin (AReaL's own)
+    sticky: bool = True  # stay on one server inside a group (its prefix cache holds the context)
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    fail_after: int = 3  # consecutive failed probes before a server is marked down
+    ok_after: int = 2  # consecutive good probes before it is re-admitted
+    watch_interval_s: float = 0.5  # how often an in-flight request checks its server's health
+    failover_wait_s: float = 120.0  # how long a request waits for any healthy server
+    max_failovers: int = 8  # per request
+    rebuild_every_steps: int = 1  # live-tree rebuild + save period (0: never rebuild)
+    rebuild_window: int = 5000
+    online_siblings: bool = False
+    wandb: bool = True  # also log the step metrics into the active W&B run (AReaL's, on rank 0)
+    cmlfq: dict[str, Any] = field(default_factory=dict)  # CMLFQConfig fields for the cmlfq policy
+
+    @classmethod
+    def from_mapping(cls, d: Any) -> DispatchConfig:
+        names = set(cls.__dataclass_fields__)
+        kw = {}
+        for k, v in dict(d).items():
+            if k not in names:
+                raise ValueError(f"libra.scheduler.{k}: unknown key (known: {', '.join(sorted(names))})")
+            kw[k] = dict(v) if k == "cmlfq" and v is not None else v
+        return cls(**kw)
+
+
+@dataclass
+class LiveElasticConfig:
+    """`libra.elastic`: the Elastic Hybrid Pool in a live run (areal_libra.integration.elastic_live)."""
+
+    enabled: bool = False
+    hybrids: int = 1
+    join_at_step: int | None = None  # fixed schedule instead of the policy (demonstrations, tests)
+    release_after: int | None = None  # steps after the first real gradient
+    policy: dict[str, Any] = field(default_factory=dict)  # ElasticConfig fields
+    runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields
+    worker_start_timeout_s: float = 600.0
+
+
+@dataclass
+class LibraConfig:
+    """Everything under `libra:` in the experiment tree. Unknown or mistyped keys fail at launch."""
+
+    device: str = "cpu"  # cpu: embedded servers; cuda: SGLang
+    trainer_threads: int = 1
+    workflow: str = "areal_libra.workflows.math_tool.MathToolWorkflow"
+    max_turns: int = 3
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout_alloc: str | None = None  # e.g. embedded:d2t1+d1t2 (wins over rollout_groups)
+    rollout_groups: list[RolloutGroupConfig] = field(default_factory=lambda: [RolloutGroupConfig(name="g0")])
+    scheduler: DispatchConfig = field(default_factory=DispatchConfig)
+    elastic: LiveElasticConfig = field(default_factory=LiveElasticConfig)
 
 
 @dataclass
@@ -69,12 +153,20 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         raw = hydra_compose(config_name="config", overrides=[f"{k}={v}" for k, v in choices.items()])
     OmegaConf.set_struct(raw, False)
-    libra = raw.pop("libra", OmegaConf.create({}))
+    # libra's interpolations (e.g. dataset.seed: ${seed}) resolve against the composed YAML, as before typing.
+    try:
+        libra_raw = OmegaConf.to_container(raw.pop("libra", OmegaConf.create({})), resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"libra config cannot be resolved: {_msg(e)}") from None
     schema = OmegaConf.structured(GRPOConfig)
     try:
         areal = OmegaConf.merge(schema, raw)
     except OmegaConfBaseException as e:
         raise ConfigError(f"experiment config does not match AReaL's GRPOConfig: {_msg(e)}") from None
+    try:
+        libra = OmegaConf.merge(OmegaConf.structured(LibraConfig), libra_raw)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"libra config: {_msg(e)}") from None
     OmegaConf.set_struct(areal, True)
     OmegaConf.set_struct(libra, True)
     has_trial = False
@@ -106,7 +198,19 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
         OmegaConf.resolve(libra)
     except OmegaConfBaseException as e:
         raise ConfigError(f"config cannot be resolved: {_msg(e)}") from None
+    libra_config(libra)  # the dataclasses' own checks
     return Composed(areal=areal, libra=libra, choices=choices)
+
+
+def libra_config(cfg: Any) -> LibraConfig:
+    """The `libra:` tree as a typed LibraConfig (from a composed DictConfig, a saved YAML's, or a dict)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(LibraConfig), cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"libra config: {_msg(e)}") from None
+    except ValueError as e:
+        raise ConfigError(f"libra config: {e}") from None
 
 
 class _UnknownKey(ConfigError):

@@ -27,26 +27,16 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from areal_libra.config import LiveElasticConfig
 from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.elastic.state import ReplicaState
 from areal_libra.elastic_runtime.controller import ElasticController
 from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
 from areal_libra.integration.elastic_hook import FSDPElasticHook
-
-
-@dataclass
-class LiveElasticConfig:
-    enabled: bool = False
-    hybrids: int = 1
-    join_at_step: int | None = None  # fixed schedule instead of the policy (demonstrations, tests)
-    release_after: int | None = None  # steps after the first real gradient
-    policy: dict[str, Any] = field(default_factory=dict)  # ElasticConfig fields
-    runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields
-    worker_start_timeout_s: float = 600.0
 
 
 def load_config(libra: Any) -> LiveElasticConfig:

@@ -21,10 +21,11 @@ import time
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_libra.cmlfq import Bucket, Dispatcher, NoHealthyServer, ServerGroup, make_policy
+from areal_libra.config import DispatchConfig
 from areal_libra.integration.groups import RolloutGroup, expand_servers, group_from_mapping, resolve_groups
 from areal_libra.integration.health import HealthMonitor, probe
 from areal_libra.integration.live_tree import LiveTree
@@ -38,34 +39,6 @@ GROUPS_FILE = "rollout_groups.json"
 
 class ServerDown(ConnectionError):
     """The server of an in-flight request was marked down; the request moves to another server."""
-
-
-@dataclass
-class DispatchConfig:
-    policy: str = "cmlfq"
-    sticky: bool = True  # stay on one server inside a group (its prefix cache holds the context)
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 5.0
-    fail_after: int = 3  # consecutive failed probes before a server is marked down
-    ok_after: int = 2  # consecutive good probes before it is re-admitted
-    watch_interval_s: float = 0.5  # how often an in-flight request checks its server's health
-    failover_wait_s: float = 120.0  # how long a request waits for any healthy server
-    max_failovers: int = 8  # per request
-    rebuild_every_steps: int = 1  # live-tree rebuild + save period (0: never rebuild)
-    rebuild_window: int = 5000
-    online_siblings: bool = False
-    wandb: bool = True  # also log the step metrics into the active W&B run (AReaL's, on rank 0)
-    cmlfq: dict = field(default_factory=dict)  # switches for the policy (CMLFQConfig fields for cmlfq)
-
-    @classmethod
-    def from_mapping(cls, d: Mapping) -> DispatchConfig:
-        names = {f.name for f in fields(cls)}
-        kw = {}
-        for k, v in dict(d).items():
-            if k not in names:
-                raise ValueError(f"libra.scheduler.{k}: unknown key (known: {', '.join(sorted(names))})")
-            kw[k] = dict(v) if k == "cmlfq" and v is not None else v
-        return cls(**kw)
 
 
 @dataclass

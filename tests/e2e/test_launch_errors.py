@@ -12,6 +12,8 @@ CASES = [
     (["no_such_key=1"], "unknown config key 'no_such_key'"),
     (["train_dataset.path=/nonexistent/dapo.parquet"], "train_dataset.path=/nonexistent/dapo.parquet: no such file"),
     (["actor.path={tmp}"], "is not a Hugging Face model"),
+    (["libra.max_turns=abc"], "bad override 'libra.max_turns=abc'"),
+    (["libra.scheduler.polcy=cmlfq"], "unknown config key 'scheduler.polcy'"),
 ]
 
 
@@ -39,3 +41,17 @@ def test_overrides_keep_areal_names_and_fall_through_to_libra() -> None:
 def test_compose_rejects(bad: str) -> None:
     with pytest.raises(ConfigError):
         compose([bad])
+
+
+def test_libra_tree_is_typed() -> None:
+    """`libra:` is a LibraConfig: defaults fill in, values are typed, a typo in a nested key is refused."""
+    from areal_libra.config import LibraConfig, libra_config
+
+    c = compose(["cluster=cpu_hetero", "libra.elastic.hybrids=2"])
+    typed = libra_config(c.libra)
+    assert isinstance(typed, LibraConfig) and typed.elastic.hybrids == 2
+    assert [g.threads for g in typed.rollout_groups] == [1, 1] and typed.scheduler.policy == "cmlfq"
+    with pytest.raises(ConfigError, match="rollout_groups"):
+        compose(["libra.rollout_groups=[{name: a, tp: two}]"])
+    with pytest.raises(ConfigError, match="bogus"):
+        libra_config({"elastic": {"bogus": 1}})
