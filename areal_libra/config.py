@@ -91,9 +91,25 @@ class LiveElasticConfig:
 
 
 @dataclass
+class ControlSettings:
+    """`libra.control`: the live control loop (areal_libra.integration.live_cluster, areal_libra.control)."""
+
+    every_k: int = 10  # re-plan period in steps (the paper's)
+    reconfig_cost_s: float = 15.0  # what the re-plan gate charges for one live reconfiguration
+    history: int = 2000  # finished trajectories the planner sees
+    min_history: int = 16
+    profile_steps: int = 1  # the first plan is solved from these steps' lengths
+    elastic_persist: int = 6  # steps an elastic verdict must persist before the pool acts
+    cluster: str = "cpu"  # the cost preset the planner plans on (a cluster preset or YAML)
+    accelerators: int = 0  # size of the planned cluster; 0: the preset's
+    allowed_tp: list[int] = field(default_factory=lambda: [1, 2])
+
+
+@dataclass
 class LibraConfig:
     """Everything under `libra:` in the experiment tree. Unknown or mistyped keys fail at launch."""
 
+    mode: str = "libra"  # libra: planner + re-plan + elastic + C-MLFQ drive the run; static: AReaL as is
     device: str = "cpu"  # cpu: embedded servers; cuda: SGLang
     trainer_threads: int = 1
     workflow: str = "areal_libra.workflows.math_tool.MathToolWorkflow"
@@ -104,6 +120,20 @@ class LibraConfig:
     rollout_groups: list[RolloutGroupConfig] = field(default_factory=lambda: [RolloutGroupConfig(name="g0")])
     scheduler: DispatchConfig = field(default_factory=DispatchConfig)
     elastic: LiveElasticConfig = field(default_factory=LiveElasticConfig)
+    control: ControlSettings = field(default_factory=ControlSettings)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("libra", "static"):
+            raise ValueError(f"mode must be libra or static, got {self.mode!r}")
+        c = self.control
+        if c.every_k < 1:
+            raise ValueError(f"control.every_k must be >= 1, got {c.every_k}")
+        if c.profile_steps < 1 or c.elastic_persist < 1 or c.min_history < 1:
+            raise ValueError("control.profile_steps, elastic_persist and min_history must be >= 1")
+        if c.accelerators < 0 or c.reconfig_cost_s < 0:
+            raise ValueError("control.accelerators and reconfig_cost_s must be >= 0")
+        if not c.allowed_tp or any(t < 1 or t & (t - 1) for t in c.allowed_tp):
+            raise ValueError(f"control.allowed_tp must be powers of two >= 1, got {list(c.allowed_tp)}")
 
 
 @dataclass

@@ -148,6 +148,8 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
                 info = (
                     f"reward {reward:.3f}" if isinstance(reward, (int, float)) else "reward -"
                 ) + f"  {r.get('throughput_tokens_per_s', 0):.0f} tok/s  tools {r.get('tool_calls', 0)}"
+                if r.get("plan/allocation"):
+                    info += f"  {r['plan/allocation']} replans {int(r.get('plan/replans', 0))}"
                 progress.update(task, completed=r.get("step", 0), info=info)
                 if quiet:
                     print(f"step {r.get('step')}/{total} {info}", flush=True)
@@ -173,6 +175,15 @@ def run(argv: list[str]) -> int:
     if metrics_path.exists():
         metrics_path.unlink()  # a re-used trial name starts a fresh record
     save(c, log_dir)
+    if c.libra.mode == "libra":
+        from areal_libra.integration.live_cluster import ControlError, check_feasible
+
+        try:
+            plan = check_feasible(c.libra, c.areal, model_path)
+        except ControlError as e:
+            raise LaunchError(str(e)) from None
+        print("areal_libra: libra mode; worst-case plan on " + str(c.libra.control.cluster) + ": "
+              + plan.splitlines()[0].split(": ", 1)[-1], flush=True)
     from areal_libra.integration.launcher import launch_servers, shutdown
 
     quiet = not sys.stdout.isatty()

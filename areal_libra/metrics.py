@@ -29,6 +29,7 @@ class StepMetrics:
         self.total_steps = total_steps
         self._lock = threading.Lock()
         self._sources: list[Callable[[], dict]] = []
+        self._hooks: list[Callable[[int, dict], dict]] = []
         self._reset()
         self._t_last = time.monotonic()
         self._t_start = self._t_last
@@ -45,6 +46,11 @@ class StepMetrics:
     def add_source(self, fn: Callable[[], dict]) -> None:
         """fn() -> flat dict merged into every step's record (e.g. cmlfq/*, elastic/*)."""
         self._sources.append(fn)
+
+    def add_step_hook(self, fn: Callable[[int, dict], dict]) -> None:
+        """fn(step, record) -> flat dict merged into the record before it is written (the control loop reads
+        the step's timings and adds plan/*)."""
+        self._hooks.append(fn)
 
     def on_trajectory(self, traj: Trajectory) -> None:
         with self._lock:
@@ -82,4 +88,6 @@ class StepMetrics:
         for k, v in stats.items():
             if isinstance(v, (int, float)) and math.isfinite(float(v)):
                 rec.setdefault(k, v)
+        for hook in self._hooks:
+            rec.update(hook(rec["step"], rec))
         append_jsonl(self.path, rec)

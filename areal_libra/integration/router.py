@@ -423,8 +423,14 @@ class RequestRouter:
             out[f"cmlfq/requests/{g.name}"] = s.group_requests.get(g.name, 0)
         out.update(self.live.metrics())
         if self.config.wandb:
-            _to_wandb(out)
+            publish_metrics(out)
         return out
+
+    def load_fraction(self) -> float:
+        """In-flight requests over the servers' batch capacity: the rollout pressure the control loop reads."""
+        with self._lock:
+            cap = sum(g.count * g.max_running for g in self.groups)
+            return sum(self._inflight) / cap if cap else 0.0
 
     def totals(self) -> dict:
         with self._lock:
@@ -448,7 +454,7 @@ class RequestRouter:
         self.live.wait(timeout=30)
 
 
-def _to_wandb(metrics: dict) -> None:
+def publish_metrics(metrics: dict) -> None:
     """Merge into the W&B step AReaL has just logged (the metrics sources run right after its wandb.log)."""
     try:
         import wandb

@@ -26,17 +26,62 @@ def build_dataset(libra, areal_cfg):
     return load_math_dataset(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
 
 
+def routing_policy(libra) -> str:
+    """The request routing policy: libra mode routes with C-MLFQ where the config says AReaL's round-robin."""
+    policy = str(libra.get("scheduler", {}).get("policy", "round_robin"))
+    if str(libra.get("mode", "static")) == "libra" and policy == "round_robin":
+        return "cmlfq"
+    return policy
+
+
 def install_router(trainer, libra, run_dir: Path, metrics) -> object | None:
     """Hook the project's dispatcher into AReaL's request path unless the policy is plain round-robin."""
-    policy = str(libra.get("scheduler", {}).get("policy", "round_robin"))
+    policy = routing_policy(libra)
     if policy == "round_robin":
         return None
+    if str(libra.get("scheduler", {}).get("policy")) != policy:
+        libra = OmegaConf.merge(libra, {"scheduler": {"policy": policy}})
     from areal_libra.integration.router import build_router
 
     router = build_router(libra, run_dir)
     trainer.rollout.set_request_router(router)
     metrics.add_source(router.step_metrics)
     return router
+
+
+def install_control(trainer, libra, config, run_dir: Path, metrics, router, elastic, sinks: list):
+    """libra mode: the shared LibraController drives this run (areal_libra.integration.live_cluster)."""
+    if str(libra.get("mode", "static")) != "libra" or int(os.environ.get("RANK", "0") or 0) != 0:
+        return None
+    from areal_libra.config import libra_config
+    from areal_libra.integration.live_cluster import LiveCluster, LiveControl, control_config, plan_source
+    from areal_libra.integration.router import GROUPS_FILE, publish_metrics, read_groups_file
+
+    typed = libra_config(libra)
+    fleet = None
+    if router is not None:
+        try:
+            from areal_libra.integration.fleet import build_fleet
+        except ImportError:  # TEMPORARY until the fleet lands: plans are recorded, not applied
+            build_fleet = None
+        fleet = build_fleet(trainer, router, run_dir) if build_fleet is not None else None
+    groups = read_groups_file(run_dir / GROUPS_FILE)[0] if (run_dir / GROUPS_FILE).exists() else []
+    cluster = LiveCluster(fleet, elastic, history_len=typed.control.history,
+                          max_running=groups[0].max_running if groups else 256,
+                          max_tokens=int(config.gconfig.max_tokens), groups=groups)
+    sinks.append(cluster.on_trajectory)
+    pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
+    control = LiveControl(control_config(typed), plan_source(typed, config, str(config.actor.path)), cluster,
+                          profile_steps=typed.control.profile_steps, pressure_fn=pressure,
+                          events_path=run_dir / "control_events.jsonl")
+
+    def hook(step: int, rec: dict) -> dict:
+        out = control.on_step(step, rec)
+        publish_metrics(out)  # W&B, next to AReaL's own stats
+        return out | {"plan/allocation": control.allocation()}
+
+    metrics.add_step_hook(hook)
+    return control
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         from areal_libra.integration.elastic_live import install_elastic
 
         elastic = install_elastic(trainer, libra, run_dir, metrics)  # None unless libra.elastic.enabled
+        control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks)
         try:
             trainer.train(workflow=str(libra.workflow), workflow_kwargs=workflow_kwargs)
         finally:
+            if control is not None:
+                control.write_figure(run_dir / "allocation.png")
             if elastic is not None:
                 elastic.close()
             if router is not None and hasattr(router, "close"):

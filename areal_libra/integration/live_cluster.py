@@ -1,0 +1,280 @@
+"""The live run behind the shared LibraController (areal_libra.control): the trainer-side adapter.
+
+`LiveControl` sits in the trainer process (SPMD rank 0). After every committed training step it turns
+AReaL's timings into a StepObservation and calls `LibraController.on_step` with a `LiveCluster`, which
+implements the controller's Cluster interface on the real run:
+- history: (prompt_tokens, final_length) of finished trajectories (the workflow's trajectory sink);
+- apply_plan: the plan's rollout mix as server groups (TP t = t threads per embedded server on CPU,
+  `--tp-size t` per SGLang server on GPU), reconfigured live by the server fleet (drain, restart, resume);
+- pool / join / release: the Elastic Hybrid Pool (integration/elastic_live.py) when it is enabled.
+The first plan is solved from the first step's lengths (`libra.control.profile_steps`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
+from areal_libra.integration.groups import RolloutGroup, groups_from_plan
+
+log = logging.getLogger("areal_libra.control")
+
+
+class ControlError(ValueError):
+    """The control loop cannot run with this configuration (one line for the user)."""
+
+
+def model_spec_from_hf(path: str | Path, name: str = "run-model") -> Any:
+    """The cost model's ModelSpec of a Hugging Face checkpoint (its config.json)."""
+    from areal_libra.cost.presets import ModelSpec
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    return ModelSpec(name=name, n_layers=int(cfg["num_hidden_layers"]), hidden=hidden, n_heads=heads,
+                     n_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+                     head_dim=int(cfg.get("head_dim") or hidden // heads), ffn=int(cfg["intermediate_size"]),
+                     vocab=int(cfg["vocab_size"]), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                     dtype_bytes=4 if "32" in dtype else 2)
+
+
+@dataclass
+class LivePlanSource:
+    """The planner bound to the run's cluster spec and model (areal_libra.control.PlanSource)."""
+
+    cluster: Any  # cost.presets.ClusterSpec
+    model: Any  # cost.presets.ModelSpec
+    config: Any  # planner.PlannerConfig
+
+    def solve(self, history: list[tuple[int, ...]]) -> Any:
+        from areal_libra.planner import solve
+
+        return solve(self.cluster, self.model, history, self.config)
+
+    def price(self, plan: Any, history: list[tuple[int, ...]]) -> float:
+        from areal_libra.planner import price
+
+        return price(plan, self.cluster, self.model, history, self.config).makespan_s
+
+
+def plan_signature(plan: Any) -> tuple:
+    """What a plan changes on a live cluster: the rollout mix, the bucket thresholds and the trainer size."""
+    return tuple(plan.tp_counts()), tuple(plan.buckets()), plan.train_gpus
+
+
+class LiveCluster:
+    """areal_libra.control.Cluster on the real run."""
+
+    def __init__(self, fleet: Any, elastic: Any = None, history_len: int = 2000,
+                 max_running: int = 256, max_tokens: int = 0, groups: list[RolloutGroup] | None = None) -> None:
+        self.fleet = fleet
+        self.max_tokens = max_tokens
+        self.elastic = elastic
+        self.finished: deque[tuple[int, int]] = deque(maxlen=history_len)
+        self.max_running = max_running
+        self.reconfig_s = 0.0
+        self.reconfigs = 0
+        self.groups: list[RolloutGroup] = list(groups or getattr(fleet, "groups", []) or [])
+
+    def on_trajectory(self, traj: Any) -> None:
+        self.finished.append((int(traj.prompt_tokens), int(traj.final_length)))
+
+    # ------------------------------------------------------------ Cluster interface
+    def history(self, n: int) -> list[tuple[int, ...]]:
+        return list(self.finished)[-n:]
+
+    def same_layout(self, a: Any, b: Any) -> bool:
+        return plan_signature(a) == plan_signature(b)
+
+    def groups_for(self, plan: Any) -> list[RolloutGroup]:
+        """The plan's rollout mix as server groups; the last bucket takes everything up to max_tokens."""
+        groups = [RolloutGroup(name=g.name, tp=g.tp, count=g.count, threads=g.tp, max_running=self.max_running,
+                               max_len=g.max_len) for g in groups_from_plan(plan)]
+        if groups and self.max_tokens:
+            last = groups[-1]
+            groups[-1] = RolloutGroup(last.name, last.tp, last.count, last.threads, last.max_running,
+                                      max(last.max_len, self.max_tokens))
+        return groups
+
+    def apply_plan(self, plan: Any, step: int) -> None:
+        groups = self.groups_for(plan)
+        t0 = time.monotonic()
+        if self.fleet is not None:
+            self.fleet.reconfigure(groups, step)
+        self.reconfig_s = time.monotonic() - t0
+        self.reconfigs += 1
+        self.groups = groups
+        log.info("step %d: rollout groups now %s (%.1f s)", step,
+                 ", ".join(f"{g.count}xTP{g.tp}<={g.max_len}" for g in groups), self.reconfig_s)
+
+    def pool(self) -> PoolView:
+        if self.elastic is not None and hasattr(self.elastic, "pool_view"):
+            return self.elastic.pool_view()
+        return PoolView(training=0, idle=0, train_replicas=1, rollout_gpus=sum(g.gpus for g in self.groups),
+                        unit_gpus=1)
+
+    def join(self, n: int, step: int) -> int:
+        return int(self.elastic.join(n)) if self.elastic is not None else 0
+
+    def release(self, n: int, step: int) -> int:
+        return int(self.elastic.release(n)) if self.elastic is not None else 0
+
+
+def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)) -> StepObservation:
+    """A StepObservation from one committed step: AReaL's timeperf/* timings and our step wall time.
+    T_train is everything the trainer does between batches (log-probs, advantages, the step, the weight
+    update); T_rollout is its wait for the batch."""
+    train = sum(float(rec.get(f"timeperf/{k}", 0.0)) for k in
+                ("recompute_logp", "ref_logp", "compute_advantage", "train_step", "update_weights"))
+    return StepObservation(step=step, interval_s=float(rec.get("step_time_s", 0.0)), train_s=train,
+                           rollout_s=float(rec.get("timeperf/rollout", 0.0)), queue_pressure=pressure[0],
+                           active_pressure=pressure[1])
+
+
+class LiveControl:
+    """Owns the controller in the trainer: first plan after the profile steps, then one on_step per step."""
+
+    def __init__(self, cfg: ControlConfig, source: LivePlanSource, cluster: LiveCluster, profile_steps: int = 1,
+                 pressure_fn: Any = None, events_path: Path | None = None) -> None:
+        self.events_path = events_path
+        if profile_steps < 1:
+            raise ControlError(f"libra.control.profile_steps must be >= 1, got {profile_steps}")
+        self.cfg, self.source, self.cluster = cfg, source, cluster
+        self.profile_steps = profile_steps
+        self.pressure_fn = pressure_fn
+        self.ctl: LibraController | None = None
+        self.timeline: list[dict] = []  # per step: allocation and throughput, for the end-of-run figure
+        self._metrics: dict[str, float] = {}
+
+    def on_step(self, step: int, rec: dict) -> dict[str, float]:
+        """Called once per committed step with that step's flat record; returns plan/* metrics."""
+        pressure = self.pressure_fn() if self.pressure_fn is not None else (0.0, 0.0)
+        obs = observation(step, rec, pressure)
+        out: dict[str, float] = {}
+        if self.ctl is None:
+            if step >= self.profile_steps and len(self.cluster.finished) >= self.cfg.min_history:
+                self._start(step)
+        else:
+            predicted = self.ctl.last_predicted_s
+            events = self.ctl.on_step(obs, self.cluster)
+            for e in events:
+                self._record({"step": e.step, "event": e.kind, "detail": e.detail})
+            out["plan/predicted_vs_measured_step"] = predicted / obs.interval_s if obs.interval_s > 0 else 0.0
+            out["plan/events"] = float(len(events))
+        if self.ctl is not None:
+            out.update(self.ctl.metrics())
+        out["plan/reconfig_s"] = self.cluster.reconfig_s
+        out["plan/reconfigurations"] = float(self.cluster.reconfigs)
+        self.cluster.reconfig_s = 0.0
+        self.timeline.append({"step": step, "rollout_gpus": sum(g.gpus for g in self.cluster.groups),
+                              "tokens_per_s": float(rec.get("throughput_tokens_per_s", 0.0)),
+                              "alloc": self.allocation()})
+        self._metrics = out
+        return out
+
+    def _start(self, step: int) -> None:
+        """The first plan, from the profile steps' lengths; applied when it differs from the start layout."""
+        from areal_libra.planner import PlanError
+
+        hist = self.cluster.history(self.cfg.history)
+        try:
+            plan = self.source.solve(hist)
+        except PlanError as e:
+            raise ControlError(f"the planner found no plan for this run: {e}") from None
+        self._record({"step": step, "event": "initial_plan", "detail": plan.summary()})
+        if [(g.tp, g.count, g.max_len) for g in self.cluster.groups_for(plan)] != [
+                (g.tp, g.count, g.max_len) for g in self.cluster.groups]:
+            self.cluster.apply_plan(plan, step)
+        self.ctl = LibraController(self.cfg, self.source, plan)
+
+    def _record(self, event: dict) -> None:
+        """Control decisions go to <run_dir>/control_events.jsonl and the trainer log."""
+        print(f"areal_libra control: step {event['step']}: {event['event']}: {event['detail']}", flush=True)
+        if self.events_path is not None:
+            from areal_libra.utils import append_jsonl
+
+            append_jsonl(self.events_path, event)
+
+    def allocation(self) -> str:
+        """The current rollout allocation, e.g. 'rollout 1xTP1+1xTP2' (the progress line shows it)."""
+        return "rollout " + "+".join(f"{g.count}xTP{g.tp}" for g in self.cluster.groups)
+
+    def step_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    def write_figure(self, path: Path) -> Path | None:
+        """Allocation and throughput over steps (PNG), written at the end of the run."""
+        if not self.timeline:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.timeline]
+        fig, (a, b) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+        a.step(steps, [r["rollout_gpus"] for r in self.timeline], where="post")
+        a.set_ylabel("rollout accelerators")
+        for e in (self.ctl.events if self.ctl is not None else []):
+            a.axvline(e.step, color="tab:red" if e.kind == "replan" else "tab:gray", lw=0.8, ls="--")
+        b.plot(steps, [r["tokens_per_s"] for r in self.timeline])
+        b.set_ylabel("tokens/s")
+        b.set_xlabel("training step")
+        a.set_title("Libra: allocation and throughput (dashed: re-plans / elastic moves)")
+        fig.tight_layout()
+        tmp = path.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=80)
+        plt.close(fig)
+        tmp.replace(path)
+        return path
+
+
+def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
+    """The planner for this run: `libra.control.cluster` (cost preset, resized to `accelerators`), the run's
+    model from its config.json, one step's batch, AReaL's staleness bound."""
+    from areal_libra.cost.presets import ClusterSpec, load_cluster
+    from areal_libra.planner import PlannerConfig
+
+    c = libra.control
+    try:
+        cluster = load_cluster(str(c.cluster))
+    except (ValueError, OSError) as e:
+        raise ControlError(f"libra.control.cluster={c.cluster}: {e}") from None
+    if int(c.accelerators) > 0:
+        n = int(c.accelerators)
+        cluster = ClusterSpec(cluster.hardware, nodes=1, gpus_per_node=n, name=f"{cluster.hardware.name}x{n}")
+    batch = int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples)
+    servers = list(libra.rollout_groups or [])
+    max_running = int(servers[0].max_running) if servers else 256
+    cfg = PlannerConfig(allowed_tp=tuple(int(t) for t in c.allowed_tp), global_batch=batch, mode="async",
+                        staleness=int(areal_cfg.rollout.max_head_offpolicyness), max_running=max_running,
+                        train_tp=(1,), max_pp=1, train_backend="fsdp", rollout_backend="embedded"
+                        if str(libra.device) == "cpu" else "sglang")
+    return LivePlanSource(cluster, model_spec_from_hf(model_path), cfg)
+
+
+def control_config(libra: Any) -> ControlConfig:
+    c = libra.control
+    return ControlConfig(every_k=int(c.every_k), reconfig_cost_s=float(c.reconfig_cost_s), history=int(c.history),
+                         min_history=int(c.min_history), elastic=bool(libra.elastic.enabled),
+                         elastic_persist=int(c.elastic_persist))
+
+
+def check_feasible(libra: Any, areal_cfg: Any, model_path: str) -> str:
+    """Solve once on a worst-case history (every trajectory at gconfig.max_new_tokens) before anything
+    starts, so that a cluster the model cannot fit is a one-line error at launch; returns the plan summary."""
+    from areal_libra.planner import PlanError
+
+    src = plan_source(libra, areal_cfg, model_path)
+    max_new = int(areal_cfg.gconfig.max_new_tokens)
+    try:
+        return src.solve([(64, 64 + max_new)] * 32).summary()
+    except PlanError as e:
+        raise ControlError(f"no plan fits libra.control.cluster={libra.control.cluster}: {e}") from None
