@@ -107,7 +107,8 @@ def make_loss(cfg: TestbedConfig, slot: str, rank: int):
 
 def build_replica(cfg: TestbedConfig, slot: str, rank: int, group: Any) -> ModuleReplica:
     model = build_model(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    # Explicit single-tensor CPU kernels: no default that consults the accelerator.
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=False, fused=False, capturable=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     rep = ModuleReplica(model, opt, make_loss(cfg, slot, rank), sched, group, cfg.replica_size)
     if cfg.init_state is not None:
@@ -278,7 +279,7 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
         push_requests(kv, list(range(cfg.rollout_requests)))
     # forkserver by default: forking the caller directly (fork) inherits whatever locks its other threads
     # (the store server, earlier tests' workers) hold at that moment, and a child rarely hung at start.
-    start = os.environ.get("ELASTIC_TB_START", "forkserver")
+    start = start_method(os.environ.get("ELASTIC_TB_START", "forkserver"), cfg.runtime.backend)
     if start == "fork":
         # Building a replica the first time imports optimizer machinery (torch._dynamo, ~3 s of CPU):
         # do it once here so that every forked child inherits it instead of repeating it.
@@ -338,6 +339,16 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
         cur, tot = int(kv.get("rollout/cursor", 0)), int(kv.get("rollout/total", 0))
         res["rollout_queued"] = [int(kv.get(f"rollout/ticket/{i}")) for i in range(cur, tot)]
     return res
+
+
+def start_method(requested: str, backend: str = "gloo") -> str:
+    """How to start bed processes. fork only for a CPU bed from a process that has not initialised
+    CUDA: a forked child cannot use (or re-create) a CUDA context its parent created. Otherwise a fork
+    server: a fresh interpreter with no CUDA context to inherit, whose preload (a CPU replica's step,
+    see cpu_optim.py) does not initialise CUDA either, so its children can."""
+    if requested == "fork" and (backend == "nccl" or torch.cuda.is_initialized()):
+        return "forkserver"
+    return requested
 
 
 def _diagnose(outdir: str, procs: dict[tuple[str, int], Any]) -> str:
