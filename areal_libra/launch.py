@@ -81,7 +81,24 @@ def server_specs(c: Composed):
     return [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name) for g in _servers(c)]
 
 
-def trainer_env(c: Composed, addrs: list[str]) -> dict[str, str]:
+def placement(c: Composed, env: dict[str, str] | None = None, gpu_count: int | None = None):
+    """GPU placement of a cuda run: the trainer's device first, then the servers' (disjoint); None on CPU."""
+    if c.libra.get("device", "cpu") != "cuda":
+        return None
+    from areal_libra.integration.launcher import _cuda_count
+    from areal_libra.integration.placement import PlacementError, assign_gpus, visible_devices
+
+    count = _cuda_count() if gpu_count is None else gpu_count
+    try:
+        # One trainer process (RANK 0 of WORLD_SIZE 1, see trainer_env): one device.
+        return assign_gpus(visible_devices(os.environ if env is None else env, count), 1,
+                           [s.tp for s in server_specs(c)])
+    except PlacementError as e:
+        raise LaunchError(f"cluster GPUs: {e}") from None
+
+
+def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = ()) -> dict[str, str]:
+    """`gpus`: the trainer's devices (placement().trainer); LOCAL_RANK 0 is then the first of them."""
     from areal_libra.utils import free_port
 
     env = dict(os.environ)
@@ -101,6 +118,8 @@ def trainer_env(c: Composed, addrs: list[str]) -> dict[str, str]:
         WANDB_SILENT="true",
         PYTHONUNBUFFERED="1",
     )
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # disjoint from every server's
     if c.libra.get("device", "cpu") == "cpu":
         threads = str(int(c.libra.get("trainer_threads", 1)))
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
@@ -165,6 +184,7 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
 def run(argv: list[str]) -> int:
     c = compose(argv, default_cluster="gpu" if _has_cuda() else "cpu")
     check_dataset(c)
+    gpus = placement(c)  # before anything starts: an allocation that does not fit is a one-line error
     model_path = resolve_model(c)
     c.areal.actor.path = model_path
     c.areal.tokenizer_path = model_path
@@ -191,7 +211,7 @@ def run(argv: list[str]) -> int:
     print(f"areal_libra: experiment={c.choices.get('experiment')} cluster={c.choices.get('cluster')} "
           f"model={model_path} steps={c.areal.total_train_steps}", flush=True)
     servers = launch_servers(model_path, server_specs(c), log_dir / "servers",
-                             backend="sglang" if c.libra.get("device") == "cuda" else "embedded")
+                             backend="sglang" if c.libra.get("device") == "cuda" else "embedded", placement=gpus)
     try:
         addrs = [s.addr for s in servers]
         print(f"areal_libra: rollout servers {', '.join(addrs)}", flush=True)
@@ -201,7 +221,8 @@ def run(argv: list[str]) -> int:
         with open(log_dir / "trainer.log", "w") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "areal_libra.integration.train", "--run-dir", str(log_dir)],
-                env=trainer_env(c, addrs), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=trainer_env(c, addrs, gpus.trainer if gpus else ()), stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             try:
                 rc = supervise(proc, metrics_path, int(c.areal.total_train_steps or 0), servers, quiet)

@@ -37,7 +37,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 os.environ.setdefault("ELASTIC_TB_START", "fork")
 
 from areal_libra.elastic_runtime.core import RuntimeConfig
-from tests.rigs.elastic_bed import TestbedConfig, run
+from tests.rigs.elastic_bed import TestbedConfig, equivalence_references, run
 
 KEYS = ("equivalence_max_abs_diff", "core_step_s_no_join", "core_step_s_during_join", "join_latency_s",
         "release_latency_s")
@@ -67,13 +67,11 @@ def one_repeat(args: argparse.Namespace, workdir: str, seed: int) -> dict[str, o
     n = joined["final_step"]
     released = [m["step"] for m in joined["metrics"] if "h0" not in m["members"] and m["step"] > a]
     r = released[0] if released else n  # first step without h0: params[r] is the last one it shaped
-    ref_a = run(TestbedConfig(max_steps=n, hybrids=(), save_state_at=a, **base), f"{workdir}/ref_a")["core"][0]
+    # ref_a: no join; ref_b: h0 static from a (same helper as the tests; a reference that lost h0 raises).
+    ref_a, ref_b = equivalence_references(TestbedConfig(**base), a, n, workdir, until=r)
     # A/A: a second no-join run, compared with ref_a exactly as `joined` is: the spread that ambient load
     # alone (other processes on the machine) puts into the ratio.
     ref_a2 = run(TestbedConfig(max_steps=n, hybrids=(), **base), f"{workdir}/ref_a2")["core"][0]
-    ref_b = run(TestbedConfig(max_steps=r, start_step=a, static=("h0",),
-                              init_state=f"{workdir}/ref_a/state_v{a}_p{{rank}}.pt", **base),
-                f"{workdir}/ref_b")["core"][0]
     ref_by_step = {m["step"]: m for m in ref_a["metrics"]}
     diff = max([_maxdiff(joined["params"][k], ref_a["params"][k]) for k in range(a + 1)]
                + [_maxdiff(joined["params"][k], ref_b["params"][k]) for k in range(a, r + 1)])

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from areal_libra.elastic_runtime.cpu_optim import without_cuda_check
+
 
 class ReplicaAdapter(Protocol):
     def grad_tensors(self) -> list[torch.Tensor]:
@@ -56,7 +58,7 @@ class ModuleReplica:
         clip_norm: float | None = 1.0,
     ) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = without_cuda_check(optimizer)  # a CPU replica never initialises CUDA
         self.scheduler = scheduler
         self.loss_fn = loss_fn  # (model, step) -> (loss averaged over this rank's data, rank data weight)
         self.group = group  # replica-internal DP group (a ProcessGroup or None when the replica is one rank)

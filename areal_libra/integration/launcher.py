@@ -1,8 +1,9 @@
 """Start, health-check and stop rollout servers as subprocesses.
 
 On a machine with CUDA and the ``sglang`` package the servers are real SGLang
-(``python -m sglang.launch_server``), one per ServerSpec, each on its own GPUs (``--base-gpu-id``, so the
-instance mix may have different TP sizes); otherwise they are the project's embedded CPU server, which
+(``python -m sglang.launch_server``), one per ServerSpec, each on its own GPUs (its own
+``CUDA_VISIBLE_DEVICES``, disjoint from the trainer's and the other servers': placement.py; the instance
+mix may have different TP sizes); otherwise they are the project's embedded CPU server, which
 speaks the same HTTP API. Every server logs to its own file; a server that dies or does not become healthy
 in time fails the launch with its last log lines, and every server already started is stopped.
 """
@@ -22,6 +23,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+from areal_libra.integration.placement import Placement, PlacementError, assign_gpus, visible_devices
 
 BACKENDS = ("auto", "embedded", "sglang")
 
@@ -51,7 +54,7 @@ class ServerHandle:
     spec: ServerSpec
     log_path: str = ""
     backend: str = "embedded"
-    gpu_ids: tuple[int, ...] = field(default_factory=tuple)
+    gpu_ids: tuple[str, ...] = field(default_factory=tuple)  # its devices, as the launcher sees them
 
     @property
     def url(self) -> str:
@@ -97,6 +100,15 @@ def resolve_backend(backend: str = "auto") -> str:
         return "sglang" if torch.cuda.is_available() else "embedded"
     except Exception:
         return "embedded"
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable torch: no GPUs
+        return 0
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -168,9 +180,12 @@ def build_command(
     return cmd + list(spec.extra_args)
 
 
-def _server_env(backend: str, spec: ServerSpec, base_env: dict[str, str] | None) -> dict[str, str]:
+def _server_env(backend: str, spec: ServerSpec, base_env: dict[str, str] | None,
+                gpus: tuple[str, ...] = ()) -> dict[str, str]:
     env = dict(os.environ if base_env is None else base_env)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = Placement.visible(gpus)  # its own GPUs only (base GPU id 0)
     if backend == "embedded":
         # Keep BLAS/OpenMP pools to the server's share of the cores.
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -228,22 +243,30 @@ def launch_servers(
     host: str = "127.0.0.1",
     timeout: float = 600.0,
     env: dict[str, str] | None = None,
+    placement: Placement | None = None,
 ) -> list[ServerHandle]:
     """Start one server per spec (all at once), wait until all are healthy, return their handles.
 
-    On any failure every server started here is stopped before ServerLaunchError is raised."""
+    sglang: server i runs on `placement.servers[i]` (default: the visible GPUs from the first on, no
+    trainer; PlacementError when they do not fit). On any failure every server started here is stopped
+    before ServerLaunchError is raised."""
     backend = resolve_backend(backend)
     if not specs:
         return []
+    gpus: list[tuple[str, ...]] = [()] * len(specs)
+    if backend == "sglang":
+        if placement is None:
+            placement = assign_gpus(visible_devices(env if env is not None else os.environ, _cuda_count()), 0,
+                                    [s.tp for s in specs])
+        if [len(g) for g in placement.servers] != [s.tp for s in specs]:
+            raise ValueError(f"placement {placement.servers} does not match the servers' TP sizes")
+        gpus = list(placement.servers)
     os.makedirs(log_dir, exist_ok=True)
     ports = free_ports(len(specs), host)
     handles: list[ServerHandle] = []
-    gpu = 0
     try:
         for i, (spec, port) in enumerate(zip(specs, ports)):
-            cmd = build_command(backend, model_path, spec, host, port, base_gpu_id=gpu)
-            gpu_ids = tuple(range(gpu, gpu + spec.tp)) if backend == "sglang" else ()
-            gpu += spec.tp
+            cmd = build_command(backend, model_path, spec, host, port, base_gpu_id=0)
             log_path = os.path.join(log_dir, f"server{i}_{spec.group}_{port}.log")
             with open(log_path, "ab") as log:
                 log.write(f"$ {' '.join(cmd)}\n".encode())
@@ -253,10 +276,10 @@ def launch_servers(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env=_server_env(backend, spec, env),
+                    env=_server_env(backend, spec, env, gpus[i]),
                     start_new_session=True,
                 )
-            handles.append(ServerHandle(f"{host}:{port}", proc, spec, log_path, backend, gpu_ids))
+            handles.append(ServerHandle(f"{host}:{port}", proc, spec, log_path, backend, gpus[i]))
         wait_healthy(handles, timeout)
     except BaseException:
         shutdown(handles)
@@ -327,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     except ServerLaunchError as e:
         sys.stderr.write(f"launcher: error: {e}\n")
         return 1
+    except PlacementError as e:
+        sys.stderr.write(f"launcher: error: {e}\n")
+        return 2
     print(",".join(h.addr for h in handles), flush=True)
     try:
         while all(h.alive() for h in handles):

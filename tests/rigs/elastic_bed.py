@@ -55,7 +55,8 @@ class TestbedConfig:
     step_sleep_s: float = 0.0  # emulated extra compute per core step (benchmarks)
     corrupt: list[str] = field(default_factory=list)  # successive publishes: "truncate" | "wrong_version"
     # {"rid", "state": "fetching"|"zero_sync"|"training", "signal": "SIGKILL" (default) | "SIGSTOP"}:
-    # signal the replica's processes once the plan shows it in that state (SIGSTOP: hung, not dead)
+    # signal the replica's processes once the plan shows it in that state (SIGSTOP: hung, not dead);
+    # with "resume_after_s" a SIGSTOP is a stall: SIGCONT after that long (a descheduled process)
     kill: dict[str, Any] | None = None
     rollout_requests: int = 0  # size of the rollout workload served by hybrids while in rollout mode
     pin_cpus: bool = False  # core ranks on CPU 0, hybrid ranks on the other CPUs (stand-in for own devices)
@@ -106,7 +107,8 @@ def make_loss(cfg: TestbedConfig, slot: str, rank: int):
 
 def build_replica(cfg: TestbedConfig, slot: str, rank: int, group: Any) -> ModuleReplica:
     model = build_model(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    # Explicit single-tensor CPU kernels: no default that consults the accelerator.
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, foreach=False, fused=False, capturable=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     rep = ModuleReplica(model, opt, make_loss(cfg, slot, rank), sched, group, cfg.replica_size)
     if cfg.init_state is not None:
@@ -277,7 +279,7 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
         push_requests(kv, list(range(cfg.rollout_requests)))
     # forkserver by default: forking the caller directly (fork) inherits whatever locks its other threads
     # (the store server, earlier tests' workers) hold at that moment, and a child rarely hung at start.
-    start = os.environ.get("ELASTIC_TB_START", "forkserver")
+    start = start_method(os.environ.get("ELASTIC_TB_START", "forkserver"), cfg.runtime.backend)
     if start == "fork":
         # Building a replica the first time imports optimizer machinery (torch._dynamo, ~3 s of CPU):
         # do it once here so that every forked child inherits it instead of repeating it.
@@ -303,10 +305,14 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
                                    f"{_diagnose(outdir, procs)}")
             if cfg.kill and killed is None:
                 killed = _maybe_kill(cfg, kv, procs)
+            if killed is not None and "resume_after_s" in cfg.kill and not killed.get("resumed") \
+                    and time.time() - killed["t"] >= float(cfg.kill["resume_after_s"]):
+                _signal(procs, killed["rid"], signal.SIGCONT)
+                killed["resumed"] = True
             time.sleep(0.005 if cfg.kill else 0.05)  # fast only when it must catch a state to kill in
         kv.set("shutdown", 1)
         for (who, _r), p in procs.items():
-            if killed is not None and who == killed["rid"] and p.is_alive():
+            if killed is not None and who == killed["rid"] and not killed.get("resumed") and p.is_alive():
                 p.kill()  # a stopped (hung) replica never exits by itself
             p.join(20)
     finally:
@@ -335,6 +341,16 @@ def run(cfg: TestbedConfig, outdir: str | None = None) -> dict[str, Any]:
     return res
 
 
+def start_method(requested: str, backend: str = "gloo") -> str:
+    """How to start bed processes. fork only for a CPU bed from a process that has not initialised
+    CUDA: a forked child cannot use (or re-create) a CUDA context its parent created. Otherwise a fork
+    server: a fresh interpreter with no CUDA context to inherit, whose preload (a CPU replica's step,
+    see cpu_optim.py) does not initialise CUDA either, so its children can."""
+    if requested == "fork" and (backend == "nccl" or torch.cuda.is_initialized()):
+        return "forkserver"
+    return requested
+
+
 def _diagnose(outdir: str, procs: dict[tuple[str, int], Any]) -> str:
     """Who is still running, and the errors of those that finished (for a run that timed out)."""
     parts = [f"{who}/{r}: {'alive' if p.is_alive() else f'exit {p.exitcode}'}" for (who, r), p in procs.items()]
@@ -357,11 +373,43 @@ def _maybe_kill(cfg: TestbedConfig, kv: KV, procs: dict[tuple[str, int], Any]) -
     plan = kv.get(f"plan/{step}")
     if not plan or plan.get("pool", {}).get(cfg.kill["rid"]) != cfg.kill["state"]:
         return None
-    sig = getattr(signal, cfg.kill.get("signal", "SIGKILL"))
-    for (who, _r), p in procs.items():
-        if who == cfg.kill["rid"] and p.is_alive():
-            os.kill(p.pid, sig)
+    _signal(procs, cfg.kill["rid"], getattr(signal, cfg.kill.get("signal", "SIGKILL")))
     return {"rid": cfg.kill["rid"], "state": cfg.kill["state"], "step": step, "t": time.time()}
+
+
+def _signal(procs: dict[tuple[str, int], Any], rid: str, sig: int) -> None:
+    for (who, _r), p in procs.items():
+        if who == rid and p.is_alive():
+            os.kill(p.pid, sig)
+
+
+def reference_runtime(rt: RuntimeConfig) -> RuntimeConfig:
+    """The runtime of a reference run: nothing is injected into it, so no member may ever be declared
+    dead there. Timeouts no loaded machine reaches (a live process descheduled for 2 s would otherwise
+    be dropped by the fault handling, and the reference would silently become another run)."""
+    return replace(rt, heartbeat_timeout_s=max(rt.heartbeat_timeout_s, 30.0),
+                   domain_timeout_s=max(rt.domain_timeout_s, 60.0))
+
+
+def equivalence_references(base: TestbedConfig, a: int, n: int, outdir: str, rid: str = "h0",
+                           until: int | None = None, inject: dict[str, Any] | None = None
+                           ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The two reference runs a join is compared with (core rank 0 results), for the tests and the bench.
+
+    ref_a: the core alone for n steps, its state saved at version a (the joined run must equal it up to
+    its activation step a). ref_b: from ref_a's state at a, `rid` a static member from the start, up to
+    `until` (default n). Raises if ref_b ever trained without `rid`: such a run is no reference.
+    `inject`: fault injection into ref_b (TestbedConfig.kill), for the test that the references hold."""
+    ref_base = replace(base, runtime=reference_runtime(base.runtime), join_at={}, release_after={}, kill=None)
+    ref_a = run(replace(ref_base, max_steps=n, hybrids=(), save_state_at=a), os.path.join(outdir, "ref_a"))["core"][0]
+    ref_b = run(replace(ref_base, max_steps=until if until is not None else n, hybrids=(rid,), start_step=a,
+                        static=(rid,), init_state=os.path.join(outdir, "ref_a", f"state_v{a}_p{{rank}}.pt"),
+                        kill=inject), os.path.join(outdir, "ref_b"))["core"][0]
+    lost = [m["step"] for m in ref_b["metrics"] if rid not in m["members"]]
+    if lost:
+        why = [e for e in ref_b["events"] if e["rid"] == rid and e["event"] in ("failed", "rolled_back")]
+        raise RuntimeError(f"reference run trained without {rid} from step {lost[0]} ({why}): not a reference")
+    return ref_a, ref_b
 
 
 def with_runtime(cfg: TestbedConfig, **kw: Any) -> TestbedConfig:

@@ -1,0 +1,56 @@
+"""Which GPUs the trainer and each rollout server get on one node: disjoint, trainer first.
+
+The devices are the node's visible ones (``CUDA_VISIBLE_DEVICES`` of the launcher if set, else
+0..count-1). The trainer takes the first ``trainer_gpus``; then each server, in launch order, takes
+the next ``tp`` devices. Every process is started with ``CUDA_VISIBLE_DEVICES`` set to its own devices
+only (as AReaL's local launcher does), so a server's ``--base-gpu-id`` is 0 and the trainer's
+``LOCAL_RANK=0`` is its own first device: no two processes can land on the same GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+class PlacementError(ValueError):
+    """The allocation does not fit the node's GPUs (one-line message)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    trainer: tuple[str, ...]  # device ids, as the launcher sees them
+    servers: tuple[tuple[str, ...], ...]  # per server, in launch order
+
+    @staticmethod
+    def visible(devices: Sequence[str]) -> str:
+        """The CUDA_VISIBLE_DEVICES value of a process owning `devices`."""
+        return ",".join(devices)
+
+
+def visible_devices(env: Mapping[str, str], count: int) -> list[str]:
+    """The node's devices as the launcher sees them: its CUDA_VISIBLE_DEVICES, else 0..count-1."""
+    vis = env.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None and vis.strip():
+        return [d.strip() for d in vis.split(",") if d.strip()]
+    return [str(i) for i in range(count)]
+
+
+def assign_gpus(devices: Sequence[str], trainer_gpus: int, server_tps: Sequence[int]) -> Placement:
+    """Trainer devices first, then each server's `tp` devices in order; PlacementError if it does not fit."""
+    if trainer_gpus < 0 or any(tp < 1 for tp in server_tps):
+        raise PlacementError(f"bad allocation: trainer {trainer_gpus} GPUs, server TP sizes {list(server_tps)}")
+    if len(set(devices)) != len(devices):
+        raise PlacementError(f"device list {list(devices)} names a device twice")
+    need = trainer_gpus + sum(server_tps)
+    if need > len(devices):
+        servers = "+".join(str(t) for t in server_tps) or "0"
+        raise PlacementError(
+            f"the allocation needs {need} GPUs (trainer {trainer_gpus} + servers {servers}) but "
+            f"{len(devices)} are visible ({','.join(devices) or 'none'}); use fewer or smaller rollout servers")
+    trainer = tuple(devices[:trainer_gpus])
+    out, at = [], trainer_gpus
+    for tp in server_tps:
+        out.append(tuple(devices[at:at + tp]))
+        at += tp
+    return Placement(trainer, tuple(out))

@@ -1,0 +1,93 @@
+"""GPU placement on cluster=gpu (issue 13): trainer and rollout servers on disjoint devices, without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_libra import launch
+from areal_libra.config import compose
+from areal_libra.integration import launcher
+from areal_libra.integration.launcher import ServerSpec
+from areal_libra.integration.placement import PlacementError, assign_gpus, visible_devices
+
+
+def _disjoint(p) -> bool:
+    used = [d for grp in (p.trainer, *p.servers) for d in grp]
+    return len(used) == len(set(used))
+
+
+def test_assignment_is_disjoint_and_in_order():
+    devs = [str(i) for i in range(8)]
+    p = assign_gpus(devs, 1, [1, 2, 4])
+    assert p.trainer == ("0",)
+    assert p.servers == (("1",), ("2", "3"), ("4", "5", "6", "7"))
+    assert _disjoint(p)
+    # The launcher's own CUDA_VISIBLE_DEVICES is honoured: ids are the ones it sees.
+    p = assign_gpus(visible_devices({"CUDA_VISIBLE_DEVICES": "4, 5,6,7"}, 8), 1, [1, 2])
+    assert p.trainer == ("4",) and p.servers == (("5",), ("6", "7"))
+    assert visible_devices({}, 3) == ["0", "1", "2"]
+    # No trainer (the launcher's own CLI): servers from the first device.
+    assert assign_gpus(["0", "1"], 0, [2]).servers == (("0", "1"),)
+
+
+@pytest.mark.parametrize(("devices", "trainer", "tps", "needs"), [
+    (["0"], 1, [1], "needs 2 GPUs (trainer 1 + servers 1) but 1 are visible"),
+    ([str(i) for i in range(8)], 1, [1, 1, 2, 4], "needs 9 GPUs"),
+    ([], 1, [], "needs 1 GPUs (trainer 1 + servers 0) but 0 are visible (none)"),
+])
+def test_allocation_that_does_not_fit(devices, trainer, tps, needs):
+    with pytest.raises(PlacementError, match=needs.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        assign_gpus(devices, trainer, tps)
+
+
+def test_bad_allocation_values():
+    with pytest.raises(PlacementError):
+        assign_gpus(["0", "1"], 1, [0])
+    with pytest.raises(PlacementError):
+        assign_gpus(["0", "0"], 1, [1])
+
+
+def test_launch_gives_trainer_and_servers_their_own_devices(tmp_path):
+    c = compose(["cluster=gpu", f"cluster.fileroot={tmp_path}", "rollout_alloc=sglang:d2t1+d1t2"])
+    p = launch.placement(c, env={}, gpu_count=8)
+    assert p.trainer == ("0",) and p.servers == (("1",), ("2",), ("3", "4"))
+    env = launch.trainer_env(c, ["a:1", "b:2", "c:3"], p.trainer)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["LOCAL_RANK"] == "0"
+    assert launch.placement(compose([f"cluster.fileroot={tmp_path}"]), env={}, gpu_count=8) is None  # cpu
+    with pytest.raises(launch.LaunchError, match="needs 5 GPUs"):
+        launch.placement(c, env={}, gpu_count=4)
+
+
+class _Proc:
+    pid = 0
+
+    def poll(self):
+        return None
+
+
+def test_sglang_servers_start_on_their_devices(monkeypatch, tmp_path):
+    # SGLang cannot run here: capture what the launcher would start (command line and environment).
+    started = []
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: started.append((cmd, kw["env"])) or _Proc())
+    monkeypatch.setattr(launcher, "wait_healthy", lambda handles, timeout: None)
+    specs = [ServerSpec(tp=1), ServerSpec(tp=2)]
+    p = assign_gpus([str(i) for i in range(4)], 1, [1, 2])
+    handles = launcher.launch_servers("/m", specs, str(tmp_path), backend="sglang", env={}, placement=p)
+    assert [h.gpu_ids for h in handles] == [("1",), ("2", "3")]
+    assert [e["CUDA_VISIBLE_DEVICES"] for _, e in started] == ["1", "2,3"]
+    for cmd, _ in started:
+        assert cmd[cmd.index("--base-gpu-id") + 1] == "0"  # first of its own visible devices
+    # Without a placement (the launcher's CLI): the visible devices from the first, still disjoint.
+    started.clear()
+    launcher.launch_servers("/m", specs, str(tmp_path), backend="sglang", env={"CUDA_VISIBLE_DEVICES": "2,3,4"})
+    assert [e["CUDA_VISIBLE_DEVICES"] for _, e in started] == ["2", "3,4"]
+    with pytest.raises(PlacementError, match="needs 3 GPUs"):
+        launcher.launch_servers("/m", specs, str(tmp_path), backend="sglang", env={"CUDA_VISIBLE_DEVICES": "0"})
+
+
+def test_cli_allocation_that_does_not_fit_is_one_line(tmp_path, capsys):
+    # Refused before any model, server or trainer is prepared: exit 2, one line, no traceback.
+    rc = launch.main(["cluster=gpu", "rollout_alloc=sglang:d64t8", f"cluster.fileroot={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("areal_libra: error: cluster GPUs: the allocation needs 513 GPUs"), err
