@@ -312,9 +312,6 @@ class CMLFQPolicy(_Base):
         self.auto_log: list[AutoChoice] = []  # every choice made, oldest first (bounded)
         self._by_step: dict[int, list[Trajectory]] = {}  # visible trajectories of the newest steps
         self._auto_key: tuple[int, int] | None = None
-        if self.auto and tree is None and not cfg.tree_path:
-            # Nothing learned and nothing to validate on yet: an empty tree never moves a request, MLFQ does.
-            self._mlfq_at = ALL_REGIONS
         self.drift = LengthDrift(cfg.drift_steps) if cfg.drift else None
         self.growth = GrowthTable() if cfg.growth else None
         self._scale = 1.0  # the length level the installed rule is expressed in
@@ -357,6 +354,9 @@ class CMLFQPolicy(_Base):
         if self._mask is not None:
             tree.state_map = self._masked
         self._tree = tree
+        if self.auto and self.auto_choice is None:
+            # Nothing validated yet: an empty tree never moves a request, so MLFQ decides until it learns.
+            self._mlfq_at = ALL_REGIONS if tree.node_count() <= 1 else parse_regions(str(self.config.mlfq_at or ""))
         self._install_rule(self._scale)
 
     def _install_rule(self, scale: float) -> None:
@@ -447,6 +447,10 @@ class CMLFQPolicy(_Base):
         choice = choose(self._by_step, self.buckets, cfg, self._pinned, cfg.auto_steps, cfg.auto_sample,
                         cfg.auto_train)
         if choice is None:
+            # Nothing to validate on (one step of one prompt, say): the tree has learned something, so run
+            # the switches as set rather than MLFQ everywhere (the empty tree's stand-in).
+            if self.auto_choice is None and self._mlfq_at == ALL_REGIONS:
+                self._mlfq_at = parse_regions(str(cfg.mlfq_at or ""))
             return
         self.auto_choice = choice
         self.auto_log = (self.auto_log + [choice])[-64:]

@@ -31,7 +31,9 @@ class LibraOptions:
 
 TREE_BACKEND = "auto"  # the scheduler's C++ prefix tree when built, else its Python core
 # A request whose context already overruns its bucket follows the mean when mean and P90 disagree.
-CMLFQ_SWITCHES: dict = {"overrun": True}
+# LIBRA_SIM_CMLFQ=auto runs C-MLFQ's auto mode instead (the live default; scheduler/auto.py): the
+# simulator's published figures were measured with the fixed switches below.
+CMLFQ_SWITCHES: dict = {} if os.environ.get("LIBRA_SIM_CMLFQ") == "auto" else {"overrun": True}
 # Load-aware spill-over between neighbouring buckets on C-MLFQ's placements (areal_libra.scheduler.spill;
 # the live Dispatcher's `spill` switch); None turns it off.
 SPILL_RATIO: float | None = None if os.environ.get("LIBRA_SIM_SPILL") == "off" else float(os.environ.get("LIBRA_SIM_SPILL", "1.2"))
@@ -453,9 +455,12 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
         return PolicyRouter(make_policy("least_loaded", limits))
     if not opts.cmlfq:
         return BucketLoadRouter(limits)
-    tree = getattr(getattr(old, "policy", None), "tree", None)
+    old_pol = getattr(old, "policy", None)
+    tree = getattr(old_pol, "tree", None)
     pol = (make_policy("cmlfq", limits, tree=tree, **CMLFQ_SWITCHES) if tree is not None
            else make_policy("cmlfq", limits, backend=TREE_BACKEND, **CMLFQ_SWITCHES))
+    if tree is not None and getattr(pol, "auto", False) and hasattr(old_pol, "inherit"):
+        pol.inherit(old_pol)  # keep the auto history and switches across a re-plan
     if tree is None and fit:
         pol.fit(fit)  # the live system starts from the prefix tree of its profiling traces
     return PolicyRouter(pol, spill_cfg=_spill_cfg())
