@@ -159,7 +159,7 @@ def _set_rule(pol, rule_sw: dict, mlfq_at: str) -> None:
     pol.growth = pol._auto_growth if pol.config.growth else None
     pol.config.mlfq_at = mlfq_at
     pol._mlfq_at = parse_regions(mlfq_at)
-    pol._install_rule(1.0)
+    pol._install_rule()
 
 
 def _score(pol, fold: _Fold, regions: dict | None = None) -> _Acc:

@@ -314,7 +314,6 @@ class CMLFQPolicy(_Base):
         self._auto_key: tuple[int, int] | None = None
         self.drift = LengthDrift(cfg.drift_steps) if cfg.drift else None
         self.growth = GrowthTable() if cfg.growth else None
-        self._scale = 1.0  # the length level the installed rule is expressed in
         self._drift_dirty = False
         self._levels: dict[int, float] = {}  # drift level per routed step, until the next refit
         if self.drift is not None and (tree is not None or cfg.tree_path):
@@ -357,17 +356,14 @@ class CMLFQPolicy(_Base):
         if self.auto and self.auto_choice is None:
             # Nothing validated yet: an empty tree never moves a request, so MLFQ decides until it learns.
             self._mlfq_at = ALL_REGIONS if tree.node_count() <= 1 else parse_regions(str(self.config.mlfq_at or ""))
-        self._install_rule(self._scale)
+        self._install_rule()
 
-    def _install_rule(self, scale: float) -> None:
-        # The tree holds lengths in units of the reference level; the rule compares them against the
-        # thresholds in the same units (every other part of the rule is scale-free).
+    def _install_rule(self) -> None:
+        # The tree holds lengths in units of the reference level; a request's own multiplier (drift and
+        # growth switches) reaches the core with each decision (tree.decide's scale).
         cfg = self.config
         self._tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
                             float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
-        if scale != 1.0:
-            self._tree.scale_rule(scale)
-        self._scale = scale
 
     # --- learning ---
     def _level_of(self, traj: Trajectory) -> float:
@@ -482,12 +478,11 @@ class CMLFQPolicy(_Base):
             self._levels.clear()
             self.growth = GrowthTable() if cfg.growth else None
             old = self.tree
-            self._scale = 1.0
             self.tree = PrefixTree(min_samples=cfg.min_samples, window=cfg.window, max_nodes=cfg.max_nodes,
                                    sizes=self.sizes, backend=old.backend)
             self._rebuild()
         else:
-            self._install_rule(1.0)
+            self._install_rule()
 
     def inherit(self, old: CMLFQPolicy) -> None:
         """Carry another policy's learned state over (the simulator re-plans with new buckets): its tree,
@@ -503,7 +498,6 @@ class CMLFQPolicy(_Base):
         self._by_step = {k: list(v) for k, v in old._by_step.items()}
         self._auto_key = None
         self.auto_choice, self.auto_log = old.auto_choice, list(old.auto_log)
-        self._scale = 1.0
         self.tree = old.tree
 
     def _mlfq_decision(self, req: RequestInfo, current: int) -> int | None:
@@ -522,10 +516,10 @@ class CMLFQPolicy(_Base):
         migrate when both land in the same bucket and it differs from the current one (with the
         overrun and move-cost switches); a first placement takes the centre's bucket."""
         ctx, dctx = req.context_tokens, req.decision_contexts
-        scale = self._scale
+        scale = 1.0
         if self.drift is not None or self.growth is not None:
             # A multiplier on the remaining lengths the tree predicts for this request; the rule runs
-            # unchanged in the tree's units (contexts and thresholds divided by it).
+            # unchanged in the tree's units (contexts divided by it here, thresholds in the core's call).
             scale = 1.0
             if self.drift is not None:
                 scale = self._levels.get(req.step, 0.0)
@@ -538,10 +532,7 @@ class CMLFQPolicy(_Base):
             if scale != 1.0:  # express the request in the tree's units
                 ctx = round(ctx / scale)
                 dctx = [round(c / scale) for c in dctx]
-            if scale != self._scale:
-                self._scale = scale
-                self.tree.scale_rule(scale)
-        bucket, from_global = self.tree.decide(req.prompt_id, ids, ctx, dctx, current, placing)
+        bucket, from_global = self.tree.decide(req.prompt_id, ids, ctx, dctx, current, placing, scale)
         self.decisions += 1
         self.lookups_from_global += from_global
         return bucket
