@@ -158,3 +158,19 @@ def test_simulator_runs_with_auto():
                        env=env)
     assert p.returncode == 0, p.stderr
     assert '"tokens_per_s"' in p.stdout
+
+
+def test_background_validation_chooses_what_the_synchronous_one_does():
+    train, evals = _split(heavy_tail_trace(steps=4, per_step=100, seed=7), 3)
+    sync = make_policy("cmlfq", HEAVY_BUCKETS)
+    sync.fit(train)
+    bg = make_policy("cmlfq", HEAVY_BUCKETS, auto_background=True)
+    bg.fit(train)
+    bg.wait_auto(60)
+    assert bg.auto_choice is not None and bg.auto_choice.as_dict() == sync.auto_choice.as_dict()
+    assert bg.config.center == sync.config.center and bg.config.state_key == sync.config.state_key
+    for t in evals[:50]:
+        pts = decision_points(t)
+        assert bg.start(pts[0]) == sync.start(pts[0])
+        for r in pts[1:]:
+            assert bg.tool_return(r, 1) == sync.tool_return(r, 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -279,6 +280,9 @@ class CMLFQConfig:
     # Regions where MLFQ's decision is taken instead of the tree's: "all", or "/"-separated depths 0-3
     # (3 = three or more tool returns) with an optional "o" = the context overruns the current bucket.
     mlfq_at: str = ""
+    # Validate in a background thread (the live dispatcher: no stall at the step boundary); the choice
+    # applies at the first decision after it is ready. Off: at the boundary itself (replay, simulator).
+    auto_background: bool = False
     backend: str = "auto"
     tree_path: str | None = None  # load this tree file (empty tree + warning if it is missing or broken)
 
@@ -312,6 +316,8 @@ class CMLFQPolicy(_Base):
         self.auto_log: list[AutoChoice] = []  # every choice made, oldest first (bounded)
         self._by_step: dict[int, list[Trajectory]] = {}  # visible trajectories of the newest steps
         self._auto_key: tuple[int, int] | None = None
+        self._auto_worker: threading.Thread | None = None
+        self._auto_ready: tuple[AutoChoice | None] | None = None  # a background choice not yet applied
         self.drift = LengthDrift(cfg.drift_steps) if cfg.drift else None
         self.growth = GrowthTable() if cfg.growth else None
         self._drift_dirty = False
@@ -438,10 +444,39 @@ class CMLFQPolicy(_Base):
         n = sum(len(v) for v in self._by_step.values())
         if self._auto_key is not None and keep[-1] == self._auto_key[0] and n < 2 * self._auto_key[1]:
             return
+        if self._auto_worker is not None and self._auto_worker.is_alive():
+            return  # the previous step's validation is still running (background mode): next boundary
         self._auto_key = (keep[-1], n)
         cfg = self.config
-        choice = choose(self._by_step, self.buckets, cfg, self._pinned, cfg.auto_steps, cfg.auto_sample,
-                        cfg.auto_train)
+        args = ({k: list(v) for k, v in self._by_step.items()}, self.buckets, replace(cfg), dict(self._pinned),
+                cfg.auto_steps, cfg.auto_sample, cfg.auto_train)
+        if not cfg.auto_background:
+            self._take_choice(choose(*args))
+            return
+
+        def work() -> None:
+            try:
+                self._auto_ready = (choose(*args),)
+            except Exception as e:  # noqa: BLE001 - a failed validation keeps the current switches
+                log.warning("cmlfq auto: validation failed (%s: %s); keeping the switches", type(e).__name__, e)
+
+        self._auto_worker = threading.Thread(target=work, name="cmlfq-auto", daemon=True)
+        self._auto_worker.start()
+
+    def wait_auto(self, timeout: float | None = None) -> None:
+        """Wait for a background validation and apply its choice (tests, shutdown)."""
+        w = self._auto_worker
+        if w is not None:
+            w.join(timeout)
+        self._poll_auto()
+
+    def _poll_auto(self) -> None:
+        ready, self._auto_ready = self._auto_ready, None
+        if ready is not None:
+            self._take_choice(ready[0])
+
+    def _take_choice(self, choice: AutoChoice | None) -> None:
+        cfg = self.config
         if choice is None:
             # Nothing to validate on (one step of one prompt, say): the tree has learned something, so run
             # the switches as set rather than MLFQ everywhere (the empty tree's stand-in).
@@ -556,12 +591,16 @@ class CMLFQPolicy(_Base):
         return replace(req, decision_contexts=dctx)
 
     def start(self, req: RequestInfo) -> int:
+        if self._auto_ready is not None:
+            self._poll_auto()
         req = self._track(req)
         if not self.config.start_lookup or (self._mlfq_at and (0, False) in self._mlfq_at):
             return 0
         return self._decide(req, 0, [], placing=True)
 
     def tool_return(self, req: RequestInfo, current: int) -> int:
+        if self._auto_ready is not None:
+            self._poll_auto()
         req = self._track(req)
         if self._mlfq_at:
             b = self._mlfq_decision(req, current)
