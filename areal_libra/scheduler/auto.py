@@ -39,7 +39,8 @@ TREE_GRID: dict[str, tuple] = {"state_key": ("tool,size,status", ""), "drift": (
 RULE_GRID: dict[str, tuple] = {"center": (0.3, 0.5, None), "move_cost": (0.05, 0.5), "overrun": (False, True),
                                "growth": (0.0, 0.5)}
 TUNED = tuple(TREE_GRID) + tuple(RULE_GRID)
-MIGRATION_CAP = 1.0  # eligible: validated migrated token ratio < this x MLFQ's (or none migrated)
+MIGRATION_CAP = 0.9  # eligible: validated migrated token ratio < this x MLFQ's (or none migrated): a margin, as
+# validation runs on other steps than the ones routed next
 MARGIN = 0.003  # a setting replaces the best so far only if it validates this much more accurate
 TOP_RULES = 4  # rule settings carried into the second stage
 REGION_MIN = 20  # decisions a region needs before MLFQ may take it over
