@@ -32,3 +32,34 @@ def heavy_tail_trace(steps: int = 6, per_step: int = 250, seed: int = 0) -> list
                 segs.append(Segment(gen, ToolReturn(tool, payload, "success" if ok else "failure")))
             out.append(Trajectory(f"h{seed}-s{s}-t{i}", f"h{seed}-s{s}-p{i}", s, prompt, tuple(segs)))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python tests/_heavy_tail_trace.py --out DIR [--seed S] [--steps N] [--per-step M]: write
+    DIR/step_{i}.jsonl.gz (for evaluation/routing.py; README section "cmlfq")."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from areal_libra.trace import write_traces
+
+    ap = argparse.ArgumentParser(description="heavy-tailed, non-recurring agentic trace (C-MLFQ auto test)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--per-step", type=int, default=250)
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.per_step < 1:
+        print("heavy_tail_trace: --steps and --per-step must be >= 1", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trajs = heavy_tail_trace(args.steps, args.per_step, args.seed)
+    for s in range(args.steps):
+        write_traces(out / f"step_{s}.jsonl.gz", [t for t in trajs if t.step == s])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
