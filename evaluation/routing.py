@@ -2,12 +2,14 @@
 
     python evaluation/routing.py --train FILES --eval FILES --buckets T1,T2,T3 \
         [--policies cmlfq,mlfq,predictor,oracle] [--cmlfq key=val,...] [--variant NAME:key=val,...] [--json]
+        [--auto-log]
 
 Builds the prefix tree (and trains the predictor) from --train, then replays --eval step by step under
 the visibility rule of shared/reference/trace-format.md: a trajectory sees the training traces and the
 evaluated trajectories of earlier steps, never those of its own step. Prints, per policy, the metrics
 defined there. --cmlfq sets the switches of the cmlfq row; --variant adds a C-MLFQ row with other switches (CMLFQConfig fields), e.g.
-`--variant paper:center=none,move_cost=0`.
+`--variant paper:center=none,move_cost=0`. C-MLFQ runs in auto mode unless a tuned switch is set (or
+auto=false); --auto-log prints what it chose at each step boundary.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
     python evaluation/routing_bench.py [--data DIR] [--decisions N] [--cmlfq key=value,...] [--json]
 
 Builds the tree from every PolyTrace Search-R1 step (steps 0-5), then times C-MLFQ decisions at the
-real decision points of those trajectories:
+real decision points of those trajectories (in auto mode, the default, with the switches it chose when the
+tree was built; printed after the table):
 - decision: CMLFQPolicy.tool_return(req, current) end to end from Python (state mapping, interning,
   lookup, bucket rule), each call timed alone, median and P90;
 - lookup: PrefixTree.lookup_ids alone (Python -> core call), each call timed alone;

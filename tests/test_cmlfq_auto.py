@@ -51,6 +51,7 @@ def test_mlfq_regions_parse_and_all_regions_is_exactly_mlfq():
     assert parse_regions("") == frozenset() and parse_regions("all") == ALL_REGIONS
     assert parse_regions("0/2o 3") == {(0, False), (2, True), (3, False)}
     assert format_regions(parse_regions("3o/1")) == "1/3o" and format_regions(ALL_REGIONS) == "all"
+    assert make_policy("cmlfq", HEAVY_BUCKETS, auto=False, mlfq_at=0).config.mlfq_at == "0"  # CLI value 0
     for bad in ("4", "0o", "x"):
         with pytest.raises(ValueError, match="mlfq_at"):
             parse_regions(bad)

@@ -307,7 +307,8 @@ class CMLFQPolicy(_Base):
         kw = dict(min_samples=cfg.min_samples, window=cfg.window, max_nodes=cfg.max_nodes, sizes=self.sizes,
                   backend=cfg.backend)
         self._mask = self._parse_mask(cfg.state_key)
-        self._mlfq_at = parse_regions(str(cfg.mlfq_at or ""))
+        cfg.mlfq_at = "" if cfg.mlfq_at is None else str(cfg.mlfq_at)  # a CLI may pass "0" as an int
+        self._mlfq_at = parse_regions(cfg.mlfq_at)
         defaults = CMLFQConfig()
         explicit = {k: getattr(cfg, k) for k in TUNED if getattr(cfg, k) != getattr(defaults, k)}
         self.auto = not explicit if cfg.auto is None else bool(cfg.auto)
@@ -361,7 +362,7 @@ class CMLFQPolicy(_Base):
         self._tree = tree
         if self.auto and self.auto_choice is None:
             # Nothing validated yet: an empty tree never moves a request, so MLFQ decides until it learns.
-            self._mlfq_at = ALL_REGIONS if tree.node_count() <= 1 else parse_regions(str(self.config.mlfq_at or ""))
+            self._mlfq_at = ALL_REGIONS if tree.node_count() <= 1 else parse_regions(self.config.mlfq_at)
         self._install_rule()
 
     def _install_rule(self) -> None:
@@ -481,7 +482,7 @@ class CMLFQPolicy(_Base):
             # Nothing to validate on (one step of one prompt, say): the tree has learned something, so run
             # the switches as set rather than MLFQ everywhere (the empty tree's stand-in).
             if self.auto_choice is None and self._mlfq_at == ALL_REGIONS:
-                self._mlfq_at = parse_regions(str(cfg.mlfq_at or ""))
+                self._mlfq_at = parse_regions(cfg.mlfq_at)
             return
         self.auto_choice = choice
         self.auto_log = (self.auto_log + [choice])[-64:]
