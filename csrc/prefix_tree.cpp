@@ -161,15 +161,24 @@ class TreeCore {
     prompt_first_ = prompt_first;
   }
 
-  int bucket_of(double x) const {
-    auto it = std::lower_bound(th_.begin(), th_.end(), x);
-    return std::min<int>(static_cast<int>(it - th_.begin()), static_cast<int>(th_.size()) - 1);
+  static int bucket_of(const std::vector<double>& th, double x) {
+    auto it = std::lower_bound(th.begin(), th.end(), x);
+    return std::min<int>(static_cast<int>(it - th.begin()), static_cast<int>(th.size()) - 1);
   }
 
+  // scale != 1: the request's remaining lengths are `scale` times the tree's (the policy's drift and growth
+  // switches); the caller passes its contexts in the tree's units and the thresholds are divided here.
   py::tuple decide(const std::string& prompt, const std::vector<int32_t>& ids, int64_t ctx,
-                   const std::vector<int64_t>& dctx, int current, bool placing) {
+                   const std::vector<int64_t>& dctx, int current, bool placing, double scale) {
     if (th_.empty()) throw std::invalid_argument("set_rule() first");
-    current = std::max(0, std::min(current, static_cast<int>(th_.size()) - 1));
+    if (!(scale > 0)) throw std::invalid_argument("scale must be > 0");
+    std::vector<double> scaled;
+    if (scale != 1.0) {
+      scaled.resize(th_.size());
+      for (size_t i = 0; i < th_.size(); ++i) scaled[i] = th_[i] / scale;
+    }
+    const std::vector<double>& th = scale != 1.0 ? scaled : th_;
+    current = std::max(0, std::min(current, static_cast<int>(th.size()) - 1));
     const bool cond = condition_ && dctx.size() == ids.size() + 1;
     std::vector<int64_t> floors;
     if (cond) {
@@ -180,12 +189,12 @@ class TreeCore {
     if (r.count == 0) return py::make_tuple(current, r.from_global);
     // Predicted final length = context at the node's decision point + its remaining length.
     const double base = static_cast<double>(cond ? dctx[r.depth] : ctx);
-    const int b_center = bucket_of(base + (use_mean_ ? r.mean : static_cast<double>(r.pq)));
+    const int b_center = bucket_of(th, base + (use_mean_ ? r.mean : static_cast<double>(r.pq)));
     if (placing) return py::make_tuple(b_center, r.from_global);
     int target = current;
-    if (b_center == bucket_of(base + static_cast<double>(r.p90)))
+    if (b_center == bucket_of(th, base + static_cast<double>(r.p90)))
       target = b_center;
-    else if (overrun_ && static_cast<double>(ctx) > th_[current])
+    else if (overrun_ && static_cast<double>(ctx) > th[current])
       target = b_center;
     if (target != current && move_cost_ > 0 &&
         (base + r.mean) - static_cast<double>(ctx) < move_cost_ * static_cast<double>(ctx))
@@ -438,7 +447,7 @@ PYBIND11_MODULE(_prefix_tree, m) {
       .def("set_rule", &TreeCore::set_rule, py::arg("thresholds"), py::arg("use_mean"), py::arg("q"),
            py::arg("move_cost"), py::arg("overrun"), py::arg("condition"), py::arg("prompt_first"))
       .def("decide", &TreeCore::decide, py::arg("prompt"), py::arg("ids"), py::arg("ctx"), py::arg("dctx"),
-           py::arg("current"), py::arg("placing"))
+           py::arg("current"), py::arg("placing"), py::arg("scale") = 1.0)
       .def("dump", &TreeCore::dump)
       .def("restore", &TreeCore::restore);
 }

@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --set {bad[0]!r} is not of the form key=value", file=sys.stderr)
         return 2
     root = Path(args.fileroot or tempfile.mkdtemp(prefix="live_ab."))
-    log = (lambda m: print(m, file=sys.stderr, flush=True))
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
     try:
         res = {mode: summarize(run_one(mode, args.steps, root, args.set, log), args.skip)
                for mode in ("libra", "static")}

@@ -2,12 +2,14 @@
 
     python evaluation/routing.py --train FILES --eval FILES --buckets T1,T2,T3 \
         [--policies cmlfq,mlfq,predictor,oracle] [--cmlfq key=val,...] [--variant NAME:key=val,...] [--json]
+        [--auto-log]
 
 Builds the prefix tree (and trains the predictor) from --train, then replays --eval step by step under
 the visibility rule of docs/trace-format.md: a trajectory sees the training traces and the
 evaluated trajectories of earlier steps, never those of its own step. Prints, per policy, the metrics
 defined there. --cmlfq sets the switches of the cmlfq row; --variant adds a C-MLFQ row with other switches (CMLFQConfig fields), e.g.
-`--variant paper:center=none,move_cost=0`.
+`--variant paper:center=none,move_cost=0`. C-MLFQ runs in auto mode unless a tuned switch is set (or
+auto=false); --auto-log prints what it chose at each step boundary.
 """
 
 from __future__ import annotations
@@ -138,13 +140,18 @@ def start_references(train, evals, buckets: list[int]) -> tuple[float, float]:
     return (fresh / n, causal / n) if n else (0.0, 0.0)
 
 
-def evaluate(train, evals, buckets: list[int], policies: list[tuple[str, str, dict]]) -> dict:
+def evaluate(train, evals, buckets: list[int], policies: list[tuple[str, str, dict]],
+             auto_log: dict | None = None) -> dict:
+    """Metrics per row; auto_log (if given) receives, per C-MLFQ row in auto mode, every choice it made
+    (the first at the end of --train, then one after each scored step; the last one is never used)."""
     out = {}
     for label, name, switches in policies:
         pol = make_policy(name, buckets, **switches)
         pol.fit(train)
         m = replay(pol, evals)
         out[label] = {k: getattr(m, k) for k in METRICS}
+        if auto_log is not None and getattr(pol, "auto", False):
+            auto_log[label] = list(pol.auto_log)
     return out
 
 
@@ -158,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], help="extra C-MLFQ row NAME:key=value,...")
     ap.add_argument("--skip-bad", action="store_true", help="skip malformed trace lines (counted on stderr)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--auto-log", action="store_true",
+                    help="also print what C-MLFQ's auto mode chose at each step boundary (JSON: key 'auto')")
     ap.add_argument("--reference", action="store_true",
                     help="also print reference accuracies: the (depth, context) majority table and start placements by "
                          "the prompt's sibling majority (text output only)")
@@ -178,17 +187,24 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("the --eval files hold no trajectories")
         if stats.get("bad_lines"):
             print(f"routing: skipped {stats['bad_lines']} malformed trace lines", file=sys.stderr)
-        result = evaluate(train, evals, buckets, rows)
+        chosen: dict | None = {} if args.auto_log else None
+        result = evaluate(train, evals, buckets, rows, chosen)
     except (UsageError, TraceError, ValueError) as e:
         print(f"routing: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"policies": result, "n_trajectories": len(evals)}))
+        out = {"policies": result, "n_trajectories": len(evals)}
+        if chosen is not None:
+            out["auto"] = {k: [c.as_dict() for c in v] for k, v in chosen.items()}
+        print(json.dumps(out))
         return 0
     print(f"{len(evals)} trajectories evaluated ({len(train)} for training), buckets {args.buckets}")
     print(f"{'policy':<16}" + "".join(f"{m:>{len(m) + 3}}" for m in METRICS))
     for label, m in result.items():
         print(f"{label:<16}" + "".join(f"{m[k]:>{len(k) + 3}.4f}" for k in METRICS))
+    for label, choices in (chosen or {}).items():
+        for c in choices:
+            print(f"auto {label}, chosen on visible steps {c.steps}: {c.describe()}")
     if args.reference:
         ref = depth_context_reference(train, evals, buckets)
         print(f"reference: a (tool returns so far, context/128) -> majority bucket table from --train scores "

@@ -3,7 +3,8 @@
     python evaluation/routing_bench.py [--data DIR] [--decisions N] [--cmlfq key=value,...] [--json]
 
 Builds the tree from every PolyTrace Search-R1 step (steps 0-5), then times C-MLFQ decisions at the
-real decision points of those trajectories:
+real decision points of those trajectories (in auto mode, the default, with the switches it chose when the
+tree was built; printed after the table):
 - decision: CMLFQPolicy.tool_return(req, current) end to end from Python (state mapping, interning,
   lookup, bucket rule), each call timed alone, median and P90;
 - lookup: PrefixTree.lookup_ids alone (Python -> core call), each call timed alone;
@@ -59,6 +60,8 @@ def bench(backend: str, trajs, reqs: list[RequestInfo], repeat: int = 3, switche
             tree.lookup_ids(pid, ids, q, floors, cfg.prompt_first)
             look.append(clock() - t0)
     out = {"backend": backend, "nodes": tree.node_count(), "decisions_timed": len(dec)}
+    if pol.auto_choice is not None:  # what auto mode chose when the tree was built (then timed with it)
+        out["auto"] = pol.auto_choice.as_dict()
     out["decision_median_us"], out["decision_p90_us"] = _quantiles(dec)
     out["lookup_median_us"], out["lookup_p90_us"] = _quantiles(look)
     if backend == "cpp":
@@ -97,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         core = f"{r['core_lookup_us']:.3f}" if "core_lookup_us" in r else "-"
         print(f"{r['backend']:<8}{r['nodes']:>8}{r['decision_median_us']:>13.2f} / {r['decision_p90_us']:<8.2f}"
               f"{r['lookup_median_us']:>11.2f} / {r['lookup_p90_us']:<8.2f}{core:>11}")
+    for r in rows:
+        if "auto" in r:
+            sw = ",".join(f"{k}={v}" for k, v in r["auto"]["switches"].items())
+            print(f"{r['backend']}: auto chose {sw},mlfq_at={r['auto']['mlfq_at'] or '-'}")
     if not cpp_available():
         print("C++ core not built: only the Python fallback was timed", file=sys.stderr)
     return 0

@@ -155,8 +155,12 @@ class PyTreeCore:
         self.rule = (list(thresholds), use_mean, q, move_cost, overrun, condition, prompt_first)
 
     def decide(self, prompt: str, ids: list[int], ctx: int, dctx: list[int], current: int,
-               placing: bool) -> tuple[int, bool]:
+               placing: bool, scale: float = 1.0) -> tuple[int, bool]:
         th, use_mean, q, move_cost, overrun, condition, prompt_first = self.rule
+        if not scale > 0:
+            raise ValueError("scale must be > 0")
+        if scale != 1.0:  # thresholds in the tree's units (as the C++ core)
+            th = [t / scale for t in th]
         last = len(th) - 1
         current = max(0, min(current, last))
         cond = condition and len(dctx) == len(ids) + 1

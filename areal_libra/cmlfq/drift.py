@@ -33,6 +33,9 @@ class LengthDrift:
         self.rate = 0.0
         self.ref: int | None = None
         self.source = "none"  # which estimator produced `rate`: within_prompt, step_means or none
+        # Validation only (scheduler/auto.py): a held-out step older than the fitted ones is routed as
+        # itself, since its outcomes are not in the fit.
+        self.past_ok = False
         # (prompt, step) -> [sum of generated tokens, count]; step -> [sum, count]
         self._cells: dict[tuple[str, int], list[int]] = {}
         self._steps: dict[int, list[int]] = {}
@@ -95,7 +98,7 @@ class LengthDrift:
     def routed_step(self, step: int) -> int:
         """The step a request is treated as: never one whose outcomes are already visible (a caller that
         does not tag steps, or tags them 0, is taken to run the step after the newest visible one)."""
-        return step if self.ref is None or step > self.ref else self.ref + 1
+        return step if self.ref is None or step > self.ref or self.past_ok else self.ref + 1
 
     def level(self, step: int) -> float:
         """Length level of `step` relative to the newest visible step (1.0 before anything is visible)."""

@@ -13,11 +13,13 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
+from areal_libra.cmlfq.auto import ALL_REGIONS, TREE_GRID, TUNED, AutoChoice, choose, parse_regions
 from areal_libra.cmlfq.drift import GrowthTable, LengthDrift, growth_factor
 from areal_libra.cmlfq.states import SizeClasses, ToolState
 from areal_libra.cmlfq.tree import PrefixTree, decision_contexts
@@ -266,6 +268,21 @@ class CMLFQConfig:
     # At a tool return, scale the node's remaining lengths by (this request's growth past its prompt /
     # the prompt's typical growth at the same depth) ** growth (0: off). Per-sample persistence.
     growth: float = 0.0
+    # Auto mode (scheduler/auto.py): at each step boundary choose center, move_cost, overrun, growth,
+    # state_key, drift and window by leave-one-step-out validation on the visible steps, and let MLFQ decide
+    # in the regions (depth, overrun) where its decisions validate better. None = on unless one of those
+    # switches is set away from its default (explicit settings then run as given); True with explicit
+    # switches keeps them pinned and chooses the rest; False = the switches as set.
+    auto: bool | None = None
+    auto_steps: int = 3  # the newest visible steps validated on (one fold each)
+    auto_sample: int = 192  # held-out trajectories per fold (whole prompts, CRC order)
+    auto_train: int = 512  # training trajectories per visible step in a fold
+    # Regions where MLFQ's decision is taken instead of the tree's: "all", or "/"-separated depths 0-3
+    # (3 = three or more tool returns) with an optional "o" = the context overruns the current bucket.
+    mlfq_at: str = ""
+    # Validate in a background thread (the live dispatcher: no stall at the step boundary); the choice
+    # applies at the first decision after it is ready. Off: at the boundary itself (replay, simulator).
+    auto_background: bool = False
     backend: str = "auto"
     tree_path: str | None = None  # load this tree file (empty tree + warning if it is missing or broken)
 
@@ -289,13 +306,21 @@ class CMLFQPolicy(_Base):
         self.sizes = SizeClasses(cfg.size_small, cfg.size_medium)
         kw = dict(min_samples=cfg.min_samples, window=cfg.window, max_nodes=cfg.max_nodes, sizes=self.sizes,
                   backend=cfg.backend)
-        parts = {p.strip() for p in cfg.state_key.split(",") if p.strip()}
-        if not parts <= {"tool", "size", "status"}:
-            raise ValueError(f"state_key must list tool, size and/or status, got {cfg.state_key!r}")
-        self._mask = None if len(parts) == 3 else ("tool" in parts, "size" in parts, "status" in parts)
+        self._mask = self._parse_mask(cfg.state_key)
+        cfg.mlfq_at = "" if cfg.mlfq_at is None else str(cfg.mlfq_at)  # a CLI may pass "0" as an int
+        self._mlfq_at = parse_regions(cfg.mlfq_at)
+        defaults = CMLFQConfig()
+        explicit = {k: getattr(cfg, k) for k in TUNED if getattr(cfg, k) != getattr(defaults, k)}
+        self.auto = not explicit if cfg.auto is None else bool(cfg.auto)
+        self._pinned = explicit if self.auto else {}
+        self.auto_choice: AutoChoice | None = None
+        self.auto_log: list[AutoChoice] = []  # every choice made, oldest first (bounded)
+        self._by_step: dict[int, list[Trajectory]] = {}  # visible trajectories of the newest steps
+        self._auto_key: tuple[int, int] | None = None
+        self._auto_worker: threading.Thread | None = None
+        self._auto_ready: tuple[AutoChoice | None] | None = None  # a background choice not yet applied
         self.drift = LengthDrift(cfg.drift_steps) if cfg.drift else None
         self.growth = GrowthTable() if cfg.growth else None
-        self._scale = 1.0  # the length level the installed rule is expressed in
         self._drift_dirty = False
         self._levels: dict[int, float] = {}  # drift level per routed step, until the next refit
         if self.drift is not None and (tree is not None or cfg.tree_path):
@@ -317,6 +342,13 @@ class CMLFQPolicy(_Base):
         self.decisions = 0
         self.lookups_from_global = 0
 
+    @staticmethod
+    def _parse_mask(state_key: str) -> tuple[bool, bool, bool] | None:
+        parts = {p.strip() for p in state_key.split(",") if p.strip()}
+        if not parts <= {"tool", "size", "status"}:
+            raise ValueError(f"state_key must list tool, size and/or status, got {state_key!r}")
+        return None if len(parts) == 3 else ("tool" in parts, "size" in parts, "status" in parts)
+
     @property
     def tree(self) -> PrefixTree:
         return self._tree
@@ -328,17 +360,17 @@ class CMLFQPolicy(_Base):
         if self._mask is not None:
             tree.state_map = self._masked
         self._tree = tree
-        self._install_rule(self._scale)
+        if self.auto and self.auto_choice is None:
+            # Nothing validated yet: an empty tree never moves a request, so MLFQ decides until it learns.
+            self._mlfq_at = ALL_REGIONS if tree.node_count() <= 1 else parse_regions(self.config.mlfq_at)
+        self._install_rule()
 
-    def _install_rule(self, scale: float) -> None:
-        # The tree holds lengths in units of the reference level; the rule compares them against the
-        # thresholds in the same units (every other part of the rule is scale-free).
+    def _install_rule(self) -> None:
+        # The tree holds lengths in units of the reference level; a request's own multiplier (drift and
+        # growth switches) reaches the core with each decision (tree.decide's scale).
         cfg = self.config
         self._tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
                             float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
-        if scale != 1.0:
-            self._tree.scale_rule(scale)
-        self._scale = scale
 
     # --- learning ---
     def _level_of(self, traj: Trajectory) -> float:
@@ -346,6 +378,8 @@ class CMLFQPolicy(_Base):
 
     def _insert(self, traj: Trajectory) -> None:
         self._recent.append(traj)
+        if self.auto:
+            self._by_step.setdefault(traj.step, []).append(traj)
         if self.drift is not None:
             self.drift.add(traj)
             self._drift_dirty = True
@@ -380,6 +414,7 @@ class CMLFQPolicy(_Base):
         for t in trajs:
             self._insert(t)
         self._refit_drift()
+        self._auto_choose()
 
     def finish(self, traj: Trajectory) -> None:
         self._contexts.pop(traj.trajectory_id, None)
@@ -397,6 +432,118 @@ class CMLFQPolicy(_Base):
             self._insert(t)
         self._pending = []
         self._refit_drift()
+        self._auto_choose()
+
+    # --- auto mode ---
+    def _auto_choose(self) -> None:
+        """Once per step: re-choose the switches when a newer step became visible (or, for a caller that
+        does not tag steps, when the visible history doubled since the last choice)."""
+        if not self.auto or not self._by_step:
+            return
+        keep = sorted(self._by_step)[-max(1, self.config.auto_steps):]
+        self._by_step = {k: self._by_step[k] for k in keep}
+        n = sum(len(v) for v in self._by_step.values())
+        if self._auto_key is not None and keep[-1] == self._auto_key[0] and n < 2 * self._auto_key[1]:
+            return
+        if self._auto_worker is not None and self._auto_worker.is_alive():
+            return  # the previous step's validation is still running (background mode): next boundary
+        self._auto_key = (keep[-1], n)
+        cfg = self.config
+        args = ({k: list(v) for k, v in self._by_step.items()}, self.buckets, replace(cfg), dict(self._pinned),
+                cfg.auto_steps, cfg.auto_sample, cfg.auto_train)
+        if not cfg.auto_background:
+            self._take_choice(choose(*args))
+            return
+
+        def work() -> None:
+            try:
+                self._auto_ready = (choose(*args),)
+            except Exception as e:  # noqa: BLE001 - a failed validation keeps the current switches
+                log.warning("cmlfq auto: validation failed (%s: %s); keeping the switches", type(e).__name__, e)
+
+        self._auto_worker = threading.Thread(target=work, name="cmlfq-auto", daemon=True)
+        self._auto_worker.start()
+
+    def wait_auto(self, timeout: float | None = None) -> None:
+        """Wait for a background validation and apply its choice (tests, shutdown)."""
+        w = self._auto_worker
+        if w is not None:
+            w.join(timeout)
+        self._poll_auto()
+
+    def _poll_auto(self) -> None:
+        ready, self._auto_ready = self._auto_ready, None
+        if ready is not None:
+            self._take_choice(ready[0])
+
+    def _take_choice(self, choice: AutoChoice | None) -> None:
+        cfg = self.config
+        if choice is None:
+            # Nothing to validate on (one step of one prompt, say): the tree has learned something, so run
+            # the switches as set rather than MLFQ everywhere (the empty tree's stand-in).
+            if self.auto_choice is None and self._mlfq_at == ALL_REGIONS:
+                self._mlfq_at = parse_regions(cfg.mlfq_at)
+            return
+        self.auto_choice = choice
+        self.auto_log = (self.auto_log + [choice])[-64:]
+        log.debug("cmlfq auto: %s", choice.describe())
+        self.apply_switches(choice.switches, choice.mlfq_at)
+
+    def apply_switches(self, switches: dict, mlfq_at: str = "") -> None:
+        """Switch to other values of the tuned switches (auto.TUNED) between steps. A change of the tree's
+        shape (state_key, drift, window) or turning growth on rebuilds the tree from the recent window."""
+        cfg = self.config
+        unknown = set(switches) - set(TUNED)
+        if unknown:
+            raise ValueError(f"not a tuned cmlfq switch: {sorted(unknown)}")
+        reshape = any(k in switches and switches[k] != getattr(cfg, k) for k in TREE_GRID)
+        regrow = bool(switches.get("growth", cfg.growth)) and self.growth is None
+        for k, v in switches.items():
+            setattr(cfg, k, v)
+        cfg.mlfq_at = mlfq_at
+        self._mlfq_at = parse_regions(mlfq_at)
+        if not cfg.growth:
+            self.growth = None
+        if reshape or regrow:
+            self._mask = self._parse_mask(cfg.state_key)
+            self.drift = LengthDrift(cfg.drift_steps) if cfg.drift else None
+            if self.drift is not None:
+                self.drift.add_all(self._recent)
+                self.drift.refit()
+            self._drift_dirty = False
+            self._levels.clear()
+            self.growth = GrowthTable() if cfg.growth else None
+            old = self.tree
+            self.tree = PrefixTree(min_samples=cfg.min_samples, window=cfg.window, max_nodes=cfg.max_nodes,
+                                   sizes=self.sizes, backend=old.backend)
+            self._rebuild()
+        else:
+            self._install_rule()
+
+    def inherit(self, old: CMLFQPolicy) -> None:
+        """Carry another policy's learned state over (the simulator re-plans with new buckets): its tree,
+        recent window, auto history and switches; the next step boundary re-validates."""
+        for k in TUNED:
+            setattr(self.config, k, getattr(old.config, k))
+        self.config.mlfq_at = old.config.mlfq_at
+        self._mlfq_at = parse_regions(old.config.mlfq_at)
+        self._mask = self._parse_mask(self.config.state_key)
+        self.drift, self.growth = old.drift, old.growth
+        self._levels.clear()
+        self._recent = deque(old._recent, maxlen=self.config.rebuild_window)
+        self._by_step = {k: list(v) for k, v in old._by_step.items()}
+        self._auto_key = None
+        self.auto_choice, self.auto_log = old.auto_choice, list(old.auto_log)
+        self.tree = old.tree
+
+    def _mlfq_decision(self, req: RequestInfo, current: int) -> int | None:
+        """MLFQ's decision when the request's region is one where MLFQ decides, else None."""
+        if not req.tool_returns:
+            return 0 if (0, False) in self._mlfq_at else None
+        over = req.context_tokens > self.buckets[min(current, self._last)]
+        if (min(len(req.tool_returns), 3), over) not in self._mlfq_at:
+            return None
+        return max(current, self.bucket_of(req.context_tokens)) if over else current
 
     # --- decisions ---
     def _decide(self, req: RequestInfo, current: int, ids: list[int], placing: bool = False) -> int:
@@ -405,10 +552,10 @@ class CMLFQPolicy(_Base):
         migrate when both land in the same bucket and it differs from the current one (with the
         overrun and move-cost switches); a first placement takes the centre's bucket."""
         ctx, dctx = req.context_tokens, req.decision_contexts
-        scale = self._scale
+        scale = 1.0
         if self.drift is not None or self.growth is not None:
             # A multiplier on the remaining lengths the tree predicts for this request; the rule runs
-            # unchanged in the tree's units (contexts and thresholds divided by it).
+            # unchanged in the tree's units (contexts divided by it here, thresholds in the core's call).
             scale = 1.0
             if self.drift is not None:
                 scale = self._levels.get(req.step, 0.0)
@@ -421,10 +568,7 @@ class CMLFQPolicy(_Base):
             if scale != 1.0:  # express the request in the tree's units
                 ctx = round(ctx / scale)
                 dctx = [round(c / scale) for c in dctx]
-            if scale != self._scale:
-                self._scale = scale
-                self.tree.scale_rule(scale)
-        bucket, from_global = self.tree.decide(req.prompt_id, ids, ctx, dctx, current, placing)
+        bucket, from_global = self.tree.decide(req.prompt_id, ids, ctx, dctx, current, placing, scale)
         self.decisions += 1
         self.lookups_from_global += from_global
         return bucket
@@ -448,13 +592,21 @@ class CMLFQPolicy(_Base):
         return replace(req, decision_contexts=dctx)
 
     def start(self, req: RequestInfo) -> int:
+        if self._auto_ready is not None:
+            self._poll_auto()
         req = self._track(req)
-        if not self.config.start_lookup:
+        if not self.config.start_lookup or (self._mlfq_at and (0, False) in self._mlfq_at):
             return 0
         return self._decide(req, 0, [], placing=True)
 
     def tool_return(self, req: RequestInfo, current: int) -> int:
+        if self._auto_ready is not None:
+            self._poll_auto()
         req = self._track(req)
+        if self._mlfq_at:
+            b = self._mlfq_decision(req, current)
+            if b is not None:
+                return b
         return self._decide(req, current, self.tree.return_ids(req.tool_returns))
 
     def _masked(self, st: ToolState) -> ToolState:

@@ -7,7 +7,7 @@ without seeing each other's outcomes; only after the whole step is scored do the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 
 from areal_libra.cmlfq.policy import RequestInfo
@@ -57,14 +57,20 @@ class _Acc:
     trajs: int = 0
 
 
-def route_trajectory(policy, traj: Trajectory, acc: _Acc, reveal_length: bool) -> None:
-    """Drive one trajectory through the policy's decision points and score them."""
+def route_trajectory(policy, traj: Trajectory, acc: _Acc, reveal_length: bool,
+                     points: list[RequestInfo] | None = None,
+                     observe: Callable[[RequestInfo, int | None, int], None] | None = None) -> None:
+    """Drive one trajectory through the policy's decision points and score them. `points`: precomputed
+    decision_points(traj); observe(req, current, new) sees every decision (current None at the start)."""
     final = traj.final_length
     oracle = policy.bucket_of(final)
-    points = decision_points(traj)
+    if points is None:
+        points = decision_points(traj)
     if reveal_length:
         points = [replace(p, final_length=final) for p in points]
     b = policy.start(points[0])
+    if observe is not None:
+        observe(points[0], None, b)
     acc.decisions += 1
     acc.correct += b == oracle
     returns = iter(points[1:])  # one decision point per segment that ends in a tool call
@@ -77,6 +83,8 @@ def route_trajectory(policy, traj: Trajectory, acc: _Acc, reveal_length: bool) -
             continue
         req = next(returns)
         nb = policy.tool_return(req, b)
+        if observe is not None:
+            observe(req, b, nb)
         if nb != b:
             acc.moves += 1
             acc.moved_tokens += req.context_tokens

@@ -150,16 +150,12 @@ class PrefixTree:
         self._rule = (list(map(float, thresholds)), use_mean, q, move_cost, overrun, condition, prompt_first)
         self._core.set_rule(*self._rule)
 
-    def scale_rule(self, scale: float) -> None:
-        """Re-install the rule with its thresholds divided by `scale`: the tree's units when the policy
-        scales a request's remaining lengths by `scale` (its drift and growth switches)."""
-        th, *rest = self._rule
-        self._core.set_rule([t / scale for t in th], *rest)
-
     def decide(self, prompt_id: str, ids: list[int], ctx: int, dctx: Sequence[int], current: int,
-               placing: bool = False) -> tuple[int, bool]:
-        """One C-MLFQ decision in the core: (bucket, whether the global subtree answered)."""
-        return self._core.decide(prompt_id, ids, ctx, dctx, current, placing)
+               placing: bool = False, scale: float = 1.0) -> tuple[int, bool]:
+        """One C-MLFQ decision in the core: (bucket, whether the global subtree answered). scale: the
+        request's multiplier on the tree's remaining lengths (contexts already divided by it); the core
+        divides the thresholds by it for this call only."""
+        return self._core.decide(prompt_id, ids, ctx, dctx, current, placing, scale)
 
     def rebuild(self, trajs: Iterable[Trajectory], scale_of: Callable[[Trajectory], float] | None = None) -> None:
         """Forget everything and re-insert `trajs` in order (the caller bounds the window); scale_of(traj)

@@ -145,6 +145,10 @@ class LiveTree:
             with self.dispatcher.lock:
                 with self._lock:
                     late = [t for s, t in self._learned if s > cut]
+                # The policy may have rebuilt its own tree meanwhile (auto mode changed the tree's shape),
+                # or keeps drift-scaled samples (it rebuilds itself at each step): then its tree stays.
+                if self.policy.tree is not old or getattr(self.policy, "drift", None) is not None:
+                    return
                 for t in late:
                     fresh.insert(t)
                 self.policy.tree = fresh
@@ -154,10 +158,14 @@ class LiveTree:
             log.warning("live tree rebuild failed (%s); keeping the current tree", self.last_error)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for a running rebuild (tests, shutdown)."""
+        """Wait for a running rebuild and the policy's background auto choice (tests, shutdown)."""
         w = self._worker
         if w is not None:
             w.join(timeout)
+        wait_auto = getattr(self.policy, "wait_auto", None)
+        if wait_auto is not None:
+            with self.dispatcher.lock:
+                wait_auto(timeout)
 
     def metrics(self) -> dict:
         tree = self.tree

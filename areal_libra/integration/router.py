@@ -97,6 +97,7 @@ class RequestRouter:
         if cfg.policy == "cmlfq":
             switches = dict(cfg.cmlfq)
             switches["rebuild_every"] = 0  # the live tree rebuilds off the request path instead
+            switches.setdefault("auto_background", True)  # auto mode validates off the request path too
         policy = make_policy(cfg.policy, [Bucket(g.max_len, g.tp) for g in self.groups], **switches)
         self.dispatcher = Dispatcher(
             policy,

@@ -29,7 +29,9 @@ class LibraOptions:
 
 
 TREE_BACKEND = "auto"  # the scheduler's C++ prefix tree when built, else its Python core
-# A request whose context already overruns its bucket follows the mean when mean and P90 disagree.
+# A request whose context already overruns its bucket follows the mean when mean and P90 disagree. The
+# knob cmlfq_mode=auto runs C-MLFQ's auto mode instead (the live default, cmlfq/auto.py): the simulator's
+# published figures were measured with these fixed switches.
 CMLFQ_SWITCHES: dict = {"overrun": True}
 
 
@@ -414,12 +416,17 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
         return PolicyRouter(make_policy("least_loaded", limits))
     if not opts.cmlfq:
         return BucketLoadRouter(limits)
-    tree = getattr(getattr(old, "policy", None), "tree", None)
-    pol = (make_policy("cmlfq", limits, tree=tree, **CMLFQ_SWITCHES) if tree is not None
-           else make_policy("cmlfq", limits, backend=TREE_BACKEND, **CMLFQ_SWITCHES))
+    old_pol = getattr(old, "policy", None)
+    tree = getattr(old_pol, "tree", None)
+    knobs = knobs or SimKnobs()
+    switches = {} if knobs.cmlfq_mode == "auto" else CMLFQ_SWITCHES
+    pol = (make_policy("cmlfq", limits, tree=tree, **switches) if tree is not None
+           else make_policy("cmlfq", limits, backend=TREE_BACKEND, **switches))
+    if tree is not None and getattr(pol, "auto", False) and hasattr(old_pol, "inherit"):
+        pol.inherit(old_pol)  # keep the auto history and switches across a re-plan
     if tree is None and fit:
         pol.fit(fit)  # the live system starts from the prefix tree of its profiling traces
-    return PolicyRouter(pol, spill_cfg=_spill_cfg(knobs or SimKnobs()))
+    return PolicyRouter(pol, spill_cfg=_spill_cfg(knobs))
 
 
 def libra_system(name: str, env: Env) -> SystemSpec:

@@ -37,8 +37,11 @@ class SimKnobs:
     elastic_persist: int = 6  # steps an elastic verdict must persist before the pool acts
     elastic_project: bool = True  # the elastic policy's overshoot check
     replan: bool = True  # periodic re-planning in every Libra rung
+    cmlfq_mode: str = "fixed"  # fixed: the published switches (overrun on); auto: C-MLFQ's auto mode
 
     def __post_init__(self) -> None:
+        if self.cmlfq_mode not in ("fixed", "auto"):
+            raise ValueError(f"knob cmlfq_mode must be fixed or auto, got {self.cmlfq_mode!r}")
         if self.planner_mode not in ("async", "window"):
             raise ValueError(f"knob planner_mode must be async or window, got {self.planner_mode!r}")
         if self.hybrid_dp_div < 1 or self.elastic_persist < 1:
