@@ -70,6 +70,12 @@ def load_config(libra: Any) -> LiveElasticConfig:
     return LiveElasticConfig(**raw)
 
 
+def hybrids_serve(libra: Any) -> bool:
+    """Whether this run's hybrid replicas serve rollout (then the trainer needs the request router)."""
+    cfg = load_config(libra)
+    return bool(cfg.enabled and cfg.serve and cfg.hybrids > 0)
+
+
 class ElasticPoolControl:
     """pool_view / join / release over the core's pool, for the shared LibraController (via the LiveCluster)."""
 
@@ -146,8 +152,7 @@ class LiveElastic:
         self.router, self.inference = router, inference
         self.serve = bool(cfg.serve and inference is not None and router is not None)
         if cfg.serve and not self.serve:
-            log.warning("libra.elastic.serve: hybrids do not serve rollout without the request router "
-                        "(libra.scheduler.policy round_robin); they idle while in rollout")
+            log.warning("libra.elastic.serve: no request router or inference engine; hybrids idle in rollout")
         self.registry = None
         if self.serve:
             from areal_libra.integration.elastic_serving import ServeRegistry

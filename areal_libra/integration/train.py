@@ -26,10 +26,11 @@ def build_dataset(libra, areal_cfg):
     return load_math_dataset(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
 
 
-def install_router(trainer, libra, run_dir: Path, metrics) -> object | None:
-    """Hook the project's dispatcher into AReaL's request path unless the policy is plain round-robin."""
+def install_router(trainer, libra, run_dir: Path, metrics, force: bool = False) -> object | None:
+    """Hook the project's dispatcher into AReaL's request path unless the policy is plain round-robin
+    (`force`: even then, e.g. for elastic hybrids, whose servers come and go through the router)."""
     policy = str(libra.get("scheduler", {}).get("policy", "round_robin"))
-    if policy == "round_robin":
+    if policy == "round_robin" and not force:
         return None
     from areal_libra.integration.router import build_router
 
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     with PPOTrainer(config, train_dataset=dataset, valid_dataset=None) as trainer:
         trainer.stats_logger.add_sink(metrics.on_commit)
-        router = install_router(trainer, libra, run_dir, metrics)
+        from areal_libra.integration.elastic_live import hybrids_serve
+
+        router = install_router(trainer, libra, run_dir, metrics, force=hybrids_serve(libra))
         if router is not None:
             sinks.append(router.on_trajectory)
             router.attach_engine(trainer.rollout)  # a server that missed a weight update stays out
