@@ -88,6 +88,20 @@ class LiveElasticConfig:
     policy: dict[str, Any] = field(default_factory=dict)  # ElasticConfig fields
     runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields
     worker_start_timeout_s: float = 600.0
+    # Who decides joins/releases: "controller" = the shared LibraController (areal_libra/control, with its
+    # persistence filter) through LiveElastic.join/release; "pool" = LiveElastic's own ElasticController.
+    decide_in: str = "controller"
+    serve: bool = True  # a hybrid in rollout serves requests (needs the request router: policy != round_robin)
+    server_threads: int = 1  # CPU threads of a hybrid's embedded server
+    server_max_running: int = 64
+    rollout_group: str = ""  # router group a hybrid's server joins ("": the one with the largest max_len)
+    serve_ack_timeout_s: float = 30.0  # a draining hybrid waits this long for the trainer to stop routing to it
+
+    def __post_init__(self) -> None:
+        if self.decide_in not in ("controller", "pool"):
+            raise ValueError(f"libra.elastic.decide_in must be 'controller' or 'pool', got {self.decide_in!r}")
+        if self.hybrids < 0 or self.server_threads < 1 or self.server_max_running < 1:
+            raise ValueError("libra.elastic: hybrids >= 0, server_threads >= 1 and server_max_running >= 1")
 
 
 @dataclass

@@ -184,6 +184,28 @@ class Dispatcher:
     acquire = begin
     release = end
 
+    # --- membership (a hybrid replica's server comes and goes with the elastic pool) ---
+    def add_server(self, addr: str, group: int) -> None:
+        """Route to `addr` from now on, as a server of group index `group`."""
+        with self._lock:
+            if addr in self._group_of and addr in self.groups[self._group_of[addr]].addresses:
+                raise ValueError(f"server {addr} is already in group {self.groups[self._group_of[addr]].name}")
+            self.groups[group].addresses.append(addr)
+            self._group_of[addr] = group
+            self._inflight.setdefault(addr, 0)
+            self._routed.setdefault(addr, 0)
+            self._unhealthy.discard(addr)
+
+    def remove_server(self, addr: str) -> bool:
+        """No new request goes to `addr`; its in-flight ones still end normally (load accounting kept).
+        A trajectory stuck to it moves on its next request. Returns whether it was a member."""
+        with self._lock:
+            gi = self._group_of.get(addr)
+            if gi is None or addr not in self.groups[gi].addresses:
+                return False
+            self.groups[gi].addresses.remove(addr)
+            return True
+
     # --- health ---
     def mark_unhealthy(self, addr: str) -> None:
         with self._lock:

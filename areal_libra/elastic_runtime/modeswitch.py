@@ -142,13 +142,34 @@ class HttpRollout:
             time.sleep(0.2)
         self.register(self.url)
 
+    def _settle(self, url: str, quiet_s: float = 0.3, limit_s: float = 10.0) -> None:
+        """A request routed here just before the unregistration can still arrive after the pause (a paused
+        server would hold it until stopped, and its client would time out): abort whatever arrives until
+        the server has been empty for `quiet_s`."""
+        deadline = time.monotonic() + limit_s
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/get_server_info", timeout=5) as r:
+                    info = json.loads(r.read())
+                busy = int(info.get("num_running_requests", 0)) + int(info.get("num_waiting_requests", 0))
+            except (OSError, ValueError):
+                return  # gone, or no counts to read (then the pause's abort is all we can do)
+            if busy:
+                _post(url + "/abort_request", {"abort_all": True})
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= quiet_s:
+                return
+            time.sleep(0.05)
+
     def drain(self) -> list[str]:
         if self.url is None:
             return []
         url = self.url
         self.unregister(url)  # no new requests are routed here
-        # Running requests come back with finish reason "abort"; AReaL's client re-sends them.
+        # Running requests come back with finish reason "abort"; AReaL's client re-sends them elsewhere.
         _post(url + "/pause_generation", {"mode": "abort"})
+        self._settle(url)
         if self._stop_fn is not None:
             self._stop_fn()
         self.url = None

@@ -12,17 +12,24 @@ Configuration: `libra.elastic` (or, while the config tree has no such group, the
 variable AREAL_LIBRA_ELASTIC), fields of `LiveElasticConfig`, e.g.
 `{"enabled": true, "hybrids": 1, "join_at_step": 2, "release_after": 3}`.
 
-What it does: starts a TCPStore (loopback) and `hybrids` worker processes (`areal_worker`, each its own
+What it does: starts a TCPStore (loopback) and `hybrids` worker processes (`elastic_worker`, each its own
 FSDPEngine built from the run's AReaL config), installs the FSDP hook on the actor engine (domain
-reduction, batch sharing, snapshots), and before each training step asks the policy — fed with the
-measured train time and the rest of the iteration as rollout time — or the fixed schedule
-(`join_at_step` / `release_after`, for demonstrations) whether to join or release. Per-step `elastic/*`
-keys go to metrics.jsonl through `metrics.add_source`.
+reduction, batch sharing, snapshots). A hybrid in rollout serves requests on its own embedded server,
+registered with the trainer's AReaL engine and request router (`elastic_serving.ServeRegistry`: routable
+once it holds the latest weights, drained with no request lost when it joins). Before each training step
+it measures T_train, T_rollout (from the trainer's wait for its batch, `elastic.measure.rollout_time`) and
+the rollout servers' pressure; the decisions come from
+- the shared LibraController (`decide_in: controller`, the default): the LiveCluster calls
+  `pool_view()`, `join(n)`, `release(n)` and reads `observation(step)`;
+- LiveElastic's own ElasticController (`decide_in: pool`);
+- or the fixed schedule (`join_at_step` / `release_after`, for demonstrations), which wins over both.
+Per-step `elastic/*` keys go to metrics.jsonl through `metrics.add_source`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -32,11 +39,15 @@ from pathlib import Path
 from typing import Any
 
 from areal_libra.config import LiveElasticConfig
+from areal_libra.control.controller import PoolView, StepObservation
+from areal_libra.elastic.measure import rollout_time
 from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
-from areal_libra.elastic.state import ReplicaState
+from areal_libra.elastic.state import JOINING, ReplicaState
 from areal_libra.elastic_runtime.controller import ElasticController
 from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
 from areal_libra.integration.elastic_hook import FSDPElasticHook
+
+log = logging.getLogger(__name__)
 
 
 def load_config(libra: Any) -> LiveElasticConfig:
@@ -59,13 +70,75 @@ def load_config(libra: Any) -> LiveElasticConfig:
     return LiveElasticConfig(**raw)
 
 
+def hybrids_serve(libra: Any) -> bool:
+    """Whether this run's hybrid replicas serve rollout (then the trainer needs the request router)."""
+    cfg = load_config(libra)
+    return bool(cfg.enabled and cfg.serve and cfg.hybrids > 0)
+
+
+class ElasticPoolControl:
+    """pool_view / join / release over the core's pool, for the shared LibraController (via the LiveCluster)."""
+
+    def __init__(self, core: ElasticCore, cfg: LiveElasticConfig, router: Any = None, inference: Any = None,
+                 registry: Any = None, device: str = "cpu") -> None:
+        self.core, self.cfg, self.router, self.inference = core, cfg, router, inference
+        self.registry, self.device = registry, device
+        self.asked = {"join": 0, "release": 0}
+
+    def ready(self, rid: str) -> bool:
+        return self.core.kv.has(f"hb/{rid}/0")
+
+    def _server_size(self, tp: int, threads: int) -> int:
+        # Accelerators of a server: its TP degree on GPU, its threads on CPU ("TP t = t threads").
+        return max(1, int(tp)) if self.device != "cpu" else max(1, int(threads), int(tp))
+
+    def pool_view(self) -> PoolView:
+        pool = self.core.pool
+        training = pool.in_state(ReplicaState.TRAINING)
+        idle = [h for h in pool.in_state(ReplicaState.ROLLOUT) if self.ready(h.rid)]
+        unit = self._server_size(1, self.cfg.server_threads)
+        rollout = 0
+        if self.router is not None:
+            hybrid = {addr for addr, _ in self.registry.serving().values()} if self.registry is not None else set()
+            for g, addrs in zip(self.router.groups, self.router.group_addrs):
+                rollout += self._server_size(g.tp, g.threads) * sum(a not in hybrid for a in addrs)
+            rollout += unit * len(hybrid)
+        elif self.inference is not None:
+            rollout = len(self.inference.addresses)
+        return PoolView(training=len(training), idle=len(idle), train_replicas=1 + len(training),
+                        rollout_gpus=rollout, unit_gpus=unit,
+                        busy=bool(pool.in_state(*JOINING, ReplicaState.RELEASING)))
+
+    def join(self, n: int, step: int | None = None) -> int:
+        """Ask up to n idle (ready) hybrid replicas to join training; returns how many were asked."""
+        if n <= 0:
+            return 0
+        idle = sorted(h.rid for h in self.core.pool.in_state(ReplicaState.ROLLOUT) if self.ready(h.rid))
+        done = sum(self.core.request_join(rid) for rid in idle[:n])
+        self.asked["join"] += done
+        return done
+
+    def release(self, n: int, step: int | None = None) -> int:
+        """Ask up to n training hybrid replicas to go back to rollout (newest id first); returns how many."""
+        if n <= 0:
+            return 0
+        active = sorted((h.rid for h in self.core.pool.in_state(ReplicaState.TRAINING)), reverse=True)
+        done = sum(self.core.request_release(rid) for rid in active[:n])
+        self.asked["release"] += done
+        return done
+
+
 class LiveElastic:
-    def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig) -> None:
+    def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
+                 router: Any = None, batch_size: int = 1, device: str = "cpu") -> None:
+        """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
+        do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained)."""
         import torch.distributed as dist
 
         if int(engine.data_parallel_world_size) != 1:
             raise ValueError("the live elastic pool supports a single-rank core (fsdp:d1) for now")
         self.cfg = cfg
+        self.device = device
         self.dir = run_dir / "elastic"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -76,30 +149,99 @@ class LiveElastic:
         self.hook = FSDPElasticHook.install(engine, self.core)
         self.hook.before_step = self._before_step
         self.controller = ElasticController(self.core, ElasticPolicy(ElasticConfig(**cfg.policy)))
+        self.router, self.inference = router, inference
+        self.serve = bool(cfg.serve and inference is not None and router is not None)
+        if cfg.serve and not self.serve:
+            log.warning("libra.elastic.serve: no request router or inference engine; hybrids idle in rollout")
+        self.registry = None
+        if self.serve:
+            from areal_libra.integration.elastic_serving import ServeRegistry
+
+            self.registry = ServeRegistry("127.0.0.1", self.store.port, rt.namespace, self.rids, inference, router,
+                                          group=cfg.rollout_group)
+        self.pressure = None
+        if inference is not None:
+            from areal_libra.integration.elastic_serving import PressureSampler
+
+            self.pressure = PressureSampler(lambda: list(inference.addresses))
         self.procs: list[subprocess.Popen] = []
         env = dict(os.environ)
         # Workers block on store keys in 2 s slices; c10d logs a warning per slice otherwise.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         for rid in self.rids:
-            log = open(self.dir / f"{rid}.log", "w")  # noqa: SIM115 - lives as long as the worker
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "areal_libra.integration.elastic_worker", "--store", f"127.0.0.1:{self.store.port}",
-                 "--rid", rid, "--snapshot-dir", str(self.dir / "snapshots"),
-                 "--config", str(run_dir / "areal_config.yaml")],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            cmd = [sys.executable, "-m", "areal_libra.integration.elastic_worker",
+                   "--store", f"127.0.0.1:{self.store.port}", "--rid", rid,
+                   "--snapshot-dir", str(self.dir / "snapshots"), "--config", str(run_dir / "areal_config.yaml"),
+                   "--runtime", json.dumps(cfg.runtime)]
+            if self.serve:
+                cmd += ["--serve", "--server-threads", str(cfg.server_threads), "--server-max-running",
+                        str(cfg.server_max_running), "--ack-timeout", str(cfg.serve_ack_timeout_s)]
+            log_f = open(self.dir / f"{rid}.log", "w")  # noqa: SIM115 - lives as long as the worker
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        self.batch_size = max(1, int(batch_size))
         self.first_real: dict[str, int] = {}
         self.t_train = 0.0
         self.t_iter_start: float | None = None
         self.last_decision = ""
+        self.wait_s: float | None = None  # the trainer's wait for this step's batch (prepare_batch)
+        self.backlog = 0
+        self.last_obs: StepObservation | None = None
+        self.pool = ElasticPoolControl(self.core, cfg, router, inference, self.registry, device)
+        self._routed0: dict[str, int] = {}
         (self.dir / "config.json").write_text(json.dumps(asdict(cfg)))
 
-    def _ready(self, rid: str) -> bool:
-        return self.core.kv.has(f"hb/{rid}/0")
+    # -- measurements ------------------------------------------------------------------------------
+    def watch_rollout(self, actor: Any, executor: Any = None) -> None:
+        """Time the trainer's wait for each batch (`actor.prepare_batch`) and, after it, the finished groups
+        left over beyond the batch (the workflow executor's pending results)."""
+        original = actor.prepare_batch
 
-    def _before_step(self, step: int, t_train_s: float) -> None:
+        def prepare_batch(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            self.wait_s = time.perf_counter() - t0
+            pending = getattr(getattr(executor, "dispatcher", None), "_pending_results", None)
+            self.backlog = len(pending) if pending is not None else 0
+            return out
+
+        actor.prepare_batch = prepare_batch
+
+    def _measure(self, step: int, t_train_s: float) -> StepObservation | None:
         now = time.monotonic()
         t_iter = now - self.t_iter_start if self.t_iter_start is not None else None
         self.t_iter_start = now
+        q, a = self.pressure.take() if self.pressure is not None else (0.0, 0.0)
+        if t_iter is None:
+            return None
+        if self.wait_s is not None:
+            t_roll = rollout_time(t_train_s, self.wait_s, self.backlog, self.batch_size)
+        else:  # no prepare_batch seen: the rest of the iteration is the rollout side's share
+            t_roll = max(t_iter - t_train_s, 1e-6)
+        self.last_obs = StepObservation(step=step, interval_s=t_iter, train_s=t_train_s, rollout_s=t_roll,
+                                        queue_pressure=q, active_pressure=a)
+        return self.last_obs
+
+    def observation(self) -> StepObservation | None:
+        """The latest step's measurements (for the LiveCluster's StepObservation)."""
+        return self.last_obs
+
+    # -- the pool as the shared controller sees it (ElasticPoolControl) -------------------------------
+    def pool_view(self) -> PoolView:
+        return self.pool.pool_view()
+
+    def join(self, n: int, step: int | None = None) -> int:
+        return self.pool.join(n, step)
+
+    def release(self, n: int, step: int | None = None) -> int:
+        return self.pool.release(n, step)
+
+    def _ready(self, rid: str) -> bool:
+        return self.pool.ready(rid)
+
+    # -- per step ----------------------------------------------------------------------------------
+    def _before_step(self, step: int, t_train_s: float) -> None:
+        obs = self._measure(step, t_train_s)
         for ev in self.core.events:
             if ev["event"] == "first_real_gradient":
                 self.first_real.setdefault(ev["rid"], ev["step"])
@@ -113,16 +255,36 @@ class LiveElastic:
                         and step >= self.first_real[rid] + c.release_after):
                     self.core.request_release(rid)
             return
-        if t_iter is None:
-            return
-        # The asynchronous loop's iteration = train time + time waiting for rollout output.
-        t_rollout = max(t_iter - t_train_s, 1e-6)
-        d = self.controller.on_step(t_train_s, t_rollout, 0.0)
+        if c.decide_in != "pool" or obs is None:
+            return  # the shared LibraController decides (through join/release)
+        d = self.controller.on_step(obs.train_s, obs.rollout_s, obs.active_pressure)
         self.last_decision = f"{d.action}:{d.reason}"
 
     def step_metrics(self) -> dict[str, float]:
         out = self.hook.step_metrics()
         out["elastic/hybrid_processes_alive"] = float(sum(p.poll() is None for p in self.procs))
+        o = self.last_obs
+        if o is not None:
+            out.update({"elastic/t_train_s": o.train_s, "elastic/t_rollout_s": o.rollout_s,
+                        "elastic/queue_pressure": o.queue_pressure, "elastic/rollout_pressure": o.active_pressure})
+        if self.wait_s is not None:
+            out["elastic/rollout_wait_s"] = self.wait_s
+            out["elastic/rollout_backlog"] = float(self.backlog)
+        if self.registry is not None:
+            serving = self.registry.serving()
+            out["elastic/hybrids_serving"] = float(len(serving))
+            out["elastic/serve_registrations"] = float(self.registry.registrations)
+            out["elastic/serve_removals"] = float(self.registry.removals)
+            # Requests the router sent to hybrid servers since the last step (and in total).
+            counts = dict(self.router.addr_requests)
+            hyb = set(self.registry.active_ever)
+            routed = sum(max(0, counts.get(a, 0) - self._routed0.get(a, 0)) for a in hyb)
+            self._routed0 = {a: counts.get(a, 0) for a in hyb}
+            out["elastic/hybrid_routed"] = float(routed)
+            out["elastic/hybrid_routed_total"] = float(sum(counts.get(a, 0) for a in hyb))
+        if self.last_decision:
+            out["elastic/policy_join"] = float(self.last_decision.startswith("join"))
+            out["elastic/policy_release"] = float(self.last_decision.startswith("release"))
         return out
 
     def close(self) -> None:
@@ -134,12 +296,25 @@ class LiveElastic:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+            if self.registry is not None:
+                self.registry.close()
+            if self.pressure is not None:
+                self.pressure.close()
 
 
 def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> LiveElastic | None:
     cfg = load_config(libra)
     if not cfg.enabled:
         return None
-    live = LiveElastic(trainer.actor, Path(run_dir), cfg)
+    rollout = getattr(trainer, "rollout", None)
+    inference = getattr(rollout, "_engine", rollout)  # RemoteSGLangEngine wraps the RemoteInfEngine
+    if inference is not None and not hasattr(inference, "addresses"):
+        inference = None
+    router = getattr(inference, "request_router", None) if inference is not None else None
+    device = str(libra.get("device", "cpu")) if libra is not None else "cpu"
+    batch = int(trainer.config.train_dataset.batch_size) if hasattr(trainer, "config") else 1
+    live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
+                       device=device)
+    live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live

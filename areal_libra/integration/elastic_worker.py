@@ -5,14 +5,15 @@
 
 Builds the actor's FSDPEngine from the run's AReaL config (its own single-rank torch.distributed world)
 and runs `HybridWorker` with `AReaLEngineReplica`: it joins when the core's leader asks, trains on the
-batch shards the core's hook hands it, and leaves on release. The rollout side (starting/draining an
-embedded server on release/join) is passed in by the launcher through `modeswitch.HttpRollout`; this
-entry point runs without one.
+batch shards the core's hook hands it, and leaves on release. With `--serve` it serves rollout while in
+rollout: `modeswitch.HttpRollout` with an embedded server on its own current weights inside this process,
+registered with the trainer's router and drained on join (elastic_serving.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--snapshot-dir", required=True)
     ap.add_argument("--config", required=True, help="the run's AReaL config (areal_config.yaml)")
+    ap.add_argument("--serve", action="store_true", help="serve rollout requests while in rollout")
+    ap.add_argument("--server-threads", type=int, default=1)
+    ap.add_argument("--server-max-running", type=int, default=64)
+    ap.add_argument("--ack-timeout", type=float, default=30.0)
+    ap.add_argument("--runtime", default="{}", help="RuntimeConfig fields as JSON (the trainer's)")
     args = ap.parse_args(argv)
     host, _, port = args.store.rpartition(":")
     if not host or not port.isdigit():
@@ -67,8 +73,26 @@ def main(argv: list[str] | None = None) -> int:
     from areal.api.cli_args import GRPOConfig, load_expr_config
 
     config, _ = load_expr_config(["--config", args.config], GRPOConfig)
+    from areal_libra.elastic_runtime.core import RuntimeConfig
+
+    try:
+        rt = RuntimeConfig(**json.loads(args.runtime))
+    except (ValueError, TypeError) as e:
+        print(f"areal_worker: --runtime: {e}", file=sys.stderr)
+        return 2
     engine = build_engine(config.actor, batch_size=config.train_dataset.batch_size)
-    run_worker(host, int(port), args.rid, args.rank, args.snapshot_dir, engine)
+    rollout = None
+    if args.serve:
+        from areal_libra.elastic_runtime.kv import KV, connect
+        from areal_libra.elastic_runtime.modeswitch import HttpRollout
+        from areal_libra.integration.elastic_serving import inprocess_launch, serve_channel
+
+        register, unregister = serve_channel(KV(connect(host, int(port)), rt.namespace), args.rid,
+                                             args.server_threads, args.server_max_running, args.ack_timeout)
+        root = os.path.join(os.path.dirname(os.path.abspath(args.snapshot_dir)), f"serve_{args.rid}")
+        rollout = HttpRollout(inprocess_launch(engine, root, args.server_threads, args.server_max_running),
+                              register, unregister, ready_timeout_s=120.0)
+    run_worker(host, int(port), args.rid, args.rank, args.snapshot_dir, engine, rollout=rollout, cfg=rt)
     return 0
 
 

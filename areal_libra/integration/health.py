@@ -85,6 +85,18 @@ class HealthMonitor:
             self._oks[addr] = 0
         self._set(addr, False, reason)
 
+    def add(self, addr: str) -> None:
+        with self._lock:
+            if addr not in self.addresses:
+                self.addresses = [*self.addresses, addr]  # a new list: the probe loop iterates the old one
+            self._fails[addr] = self._oks[addr] = 0
+            self._down.pop(addr, None)
+
+    def remove(self, addr: str) -> None:
+        with self._lock:
+            self.addresses = [a for a in self.addresses if a != addr]
+            self._down.pop(addr, None)
+
     # --- probing ---
     def check_once(self) -> None:
         for addr in self.addresses:

@@ -127,14 +127,25 @@ class LiveCluster:
         return int(self.elastic.release(n)) if self.elastic is not None else 0
 
 
-def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)) -> StepObservation:
-    """A StepObservation from one committed step: AReaL's timeperf/* timings and our step wall time.
-    T_train is everything the trainer does between batches (log-probs, advantages, the step, the weight
-    update); T_rollout is its wait for the batch."""
+def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0),
+                measured: StepObservation | None = None) -> StepObservation:
+    """A StepObservation from one committed step. T_train is everything the trainer does between batches
+    (log-probs, advantages, the step, the weight update, AReaL's timeperf/*); T_rollout follows the elastic
+    policy's shared rule (areal_libra.elastic.measure.rollout_time) from the trainer's wait for the batch.
+    `measured`: the elastic pool's own measurement of the step (it also counts the backlog of finished groups
+    and samples the servers' queues), preferred when there is one."""
+    from areal_libra.elastic.measure import rollout_time
+
+    interval = float(rec.get("step_time_s", 0.0))
+    if measured is not None:
+        return StepObservation(step=step, interval_s=interval, train_s=measured.train_s,
+                               rollout_s=measured.rollout_s, queue_pressure=measured.queue_pressure,
+                               active_pressure=measured.active_pressure)
     train = sum(float(rec.get(f"timeperf/{k}", 0.0)) for k in
                 ("recompute_logp", "ref_logp", "compute_advantage", "train_step", "update_weights"))
-    return StepObservation(step=step, interval_s=float(rec.get("step_time_s", 0.0)), train_s=train,
-                           rollout_s=float(rec.get("timeperf/rollout", 0.0)), queue_pressure=pressure[0],
+    wait = float(rec.get("timeperf/rollout", 0.0))
+    return StepObservation(step=step, interval_s=interval, train_s=train,
+                           rollout_s=rollout_time(train, wait, backlog=0, batch=1), queue_pressure=pressure[0],
                            active_pressure=pressure[1])
 
 
@@ -156,7 +167,9 @@ class LiveControl:
     def on_step(self, step: int, rec: dict) -> dict[str, float]:
         """Called once per committed step with that step's flat record; returns plan/* metrics."""
         pressure = self.pressure_fn() if self.pressure_fn is not None else (0.0, 0.0)
-        obs = observation(step, rec, pressure)
+        elastic = self.cluster.elastic
+        measured = elastic.observation() if elastic is not None and hasattr(elastic, "observation") else None
+        obs = observation(step, rec, pressure, measured)
         out: dict[str, float] = {}
         if self.ctl is None:
             if step >= self.profile_steps and len(self.cluster.finished) >= self.cfg.min_history:

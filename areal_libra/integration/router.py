@@ -125,6 +125,7 @@ class RequestRouter:
         self._stale_warned: set[str] = set()
         self._missed_update: set[str] = set()
         self._warned_addresses = False
+        self._retired: set[str] = set()  # servers taken out of routing (remove_server)
         self.health = HealthMonitor(
             self.all_addresses,
             self._on_health,
@@ -200,6 +201,42 @@ class RequestRouter:
             with self._lock:
                 self._missed_update.add(a)
             self.health.report_failure(a, "weight update failed")
+
+    def add_server(self, addr: str, group: str | None = None) -> str:
+        """Route to a new server from now on (a hybrid replica serving rollout); `group` by name, None: the
+        group with the largest threshold. Returns the group's name."""
+        gi = len(self.groups) - 1 if not group else next(
+            (i for i, g in enumerate(self.groups) if g.name == group), None)
+        if gi is None:
+            raise ValueError(f"no rollout group named {group!r} (groups: {[g.name for g in self.groups]})")
+        with self._lock:
+            self._retired.discard(addr)
+            self._missed_update.discard(addr)
+            self._version_down.pop(addr, None)
+        self.dispatcher.add_server(addr, gi)
+        with self._lock:
+            self.group_addrs[gi].append(addr)
+            self.group_of[addr] = gi
+            self.all_addresses.append(addr)
+            self.addr_requests.setdefault(addr, 0)
+        self.health.add(addr)
+        return self.groups[gi].name
+
+    def remove_server(self, addr: str) -> bool:
+        """Stop routing to addr (it is leaving: drained, then stopped). Requests in flight there finish or
+        come back aborted, and are re-sent elsewhere with their tokens so far (`watch`)."""
+        with self._lock:
+            self._retired.add(addr)
+        if not self.dispatcher.remove_server(addr):
+            return False
+        with self._lock:
+            gi = self.group_of.get(addr)
+            if gi is not None and addr in self.group_addrs[gi]:
+                self.group_addrs[gi].remove(addr)
+            if addr in self.all_addresses:
+                self.all_addresses.remove(addr)
+        self.health.remove(addr)
+        return True
 
     def down_addresses(self) -> set[str]:
         """Servers that are out (patch 10 skips them for pause/continue/disk weight updates)."""
@@ -291,7 +328,8 @@ class RequestRouter:
 
     async def watch(self, req, addr: str, send):
         """Await the request, giving up when its server is marked down (a hung server never answers)."""
-        if self.health.is_down(addr):
+        if self.health.is_down(addr) or addr in self._retired:
+            # A retired server's requests come back aborted (drain) and are re-sent: elsewhere.
             send.close()
             raise ServerDown(addr)
         task = asyncio.ensure_future(send)
@@ -613,6 +651,42 @@ class RemoteRouter:
 
     async def failover(self, req, addr: str, exc: BaseException) -> str:
         return await self._get().failover(req, addr, exc)
+
+    def add_server(self, addr: str, group: str | None = None) -> str:
+        """Route to a new server from now on (a hybrid replica serving rollout); `group` by name, None: the
+        group with the largest threshold. Returns the group's name."""
+        gi = len(self.groups) - 1 if not group else next(
+            (i for i, g in enumerate(self.groups) if g.name == group), None)
+        if gi is None:
+            raise ValueError(f"no rollout group named {group!r} (groups: {[g.name for g in self.groups]})")
+        with self._lock:
+            self._retired.discard(addr)
+            self._missed_update.discard(addr)
+            self._version_down.pop(addr, None)
+        self.dispatcher.add_server(addr, gi)
+        with self._lock:
+            self.group_addrs[gi].append(addr)
+            self.group_of[addr] = gi
+            self.all_addresses.append(addr)
+            self.addr_requests.setdefault(addr, 0)
+        self.health.add(addr)
+        return self.groups[gi].name
+
+    def remove_server(self, addr: str) -> bool:
+        """Stop routing to addr (it is leaving: drained, then stopped). Requests in flight there finish or
+        come back aborted, and are re-sent elsewhere with their tokens so far (`watch`)."""
+        with self._lock:
+            self._retired.add(addr)
+        if not self.dispatcher.remove_server(addr):
+            return False
+        with self._lock:
+            gi = self.group_of.get(addr)
+            if gi is not None and addr in self.group_addrs[gi]:
+                self.group_addrs[gi].remove(addr)
+            if addr in self.all_addresses:
+                self.all_addresses.remove(addr)
+        self.health.remove(addr)
+        return True
 
     def down_addresses(self) -> set[str]:
         return self._get().down_addresses()

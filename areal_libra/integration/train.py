@@ -34,10 +34,11 @@ def routing_policy(libra) -> str:
     return policy
 
 
-def install_router(trainer, libra, run_dir: Path, metrics) -> object | None:
-    """Hook the project's dispatcher into AReaL's request path unless the policy is plain round-robin."""
+def install_router(trainer, libra, run_dir: Path, metrics, force: bool = False) -> object | None:
+    """Hook the project's dispatcher into AReaL's request path unless the policy is plain round-robin
+    (`force`: even then, e.g. for elastic hybrids, whose servers come and go through the router)."""
     policy = routing_policy(libra)
-    if policy == "round_robin":
+    if policy == "round_robin" and not force:
         return None
     if str(libra.get("scheduler", {}).get("policy")) != policy:
         libra = OmegaConf.merge(libra, {"scheduler": {"policy": policy}})
@@ -119,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     with PPOTrainer(config, train_dataset=dataset, valid_dataset=None) as trainer:
         trainer.stats_logger.add_sink(metrics.on_commit)
-        router = install_router(trainer, libra, run_dir, metrics)
+        from areal_libra.integration.elastic_live import hybrids_serve
+
+        router = install_router(trainer, libra, run_dir, metrics, force=hybrids_serve(libra))
         if router is not None:
             sinks.append(router.on_trajectory)
             router.attach_engine(trainer.rollout)  # a server that missed a weight update stays out

@@ -16,6 +16,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+from areal_libra.elastic.measure import rollout_time
 from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import RolloutServer, SimRequest
 from areal_libra.sim.workloads import Workload
@@ -418,10 +419,8 @@ class Simulation:
         # only for a straggler the staleness bound forces into this batch) rollout is ahead by the share of
         # groups already waiting beyond this batch.
         rec["wait_s"], rec["backlog"], rec["waited_for"] = info["wait_s"], info["backlog"], info["waited_for"]
-        if info["waited_for"] == "count" and info["wait_s"] > 0.02 * info["train_s"]:
-            rec["t_rollout_s"] = info["train_s"] + info["wait_s"]
-        else:
-            rec["t_rollout_s"] = info["train_s"] * max(0.5, 1.0 - info["backlog"] / max(1, self.batch))
+        rec["t_rollout_s"] = rollout_time(info["train_s"], info["wait_s"], info["backlog"], self.batch,
+                                          waited_for_count=info["waited_for"] == "count")
         self._last_step_t, self._last_busy = self.t, busy
         self.records.append(rec)
         end_step = getattr(self.router, "end_step", None)

@@ -1,0 +1,254 @@
+"""A hybrid replica's rollout server in a live run: the registration channel and the pressure sampler.
+
+Channel (keys in the elastic pool's store, next to the protocol keys of elastic_runtime/core.py):
+
+    serve/<rid>               hybrid -> trainer  {"seq", "addr", "up": true|false, "size", "max_running"}
+    serve_ack/<rid>/<seq>     trainer -> hybrid  seen: "pending" (up) or "removed" (down: no longer routed)
+    serve_ack/<rid>/<seq>/active  trainer -> hybrid  the server took the latest weights and is routable
+
+Up (the hybrid entered rollout, `modeswitch.HttpRollout.start`): its server runs on its own weights; the
+trainer's `ServeRegistry` adds the address to the AReaL engine's `addresses` right before the next weight
+update (so that update reaches it), and to the request router once that update has landed: the router
+never sends it a request on weights older than the trainer's current version.
+Down (the hybrid joins training, `HttpRollout.drain`): the registry removes the address from the router
+(no new request) and from the engine's `addresses` (no further updates, pauses), then acks; only then
+does the hybrid abort its in-flight requests, which return to AReaL's client with their tokens so far
+and are re-sent to another server (`RequestRouter.watch` treats a removed server as down). None lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from areal_libra.elastic.measure import pressures
+from areal_libra.elastic_runtime.kv import KV, connect
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------ hybrid side
+def serve_channel(kv: KV, rid: str, size: int, max_running: int, ack_timeout_s: float = 30.0
+                  ) -> tuple[Callable[[str], None], Callable[[str], None]]:
+    """(register, unregister) for `modeswitch.HttpRollout` on hybrid `rid`, over the pool's store."""
+    current: dict[str, int] = {}
+
+    def _addr(url: str) -> str:
+        return url.removeprefix("http://").removeprefix("https://")
+
+    def register(url: str) -> None:
+        seq = kv.add(f"serve_seq/{rid}", 1)
+        current["seq"] = seq
+        kv.set(f"serve/{rid}", {"seq": seq, "addr": _addr(url), "up": True, "size": size,
+                                "max_running": max_running})
+
+    def unregister(url: str) -> None:
+        seq = kv.add(f"serve_seq/{rid}", 1)
+        kv.set(f"serve/{rid}", {"seq": seq, "addr": _addr(url), "up": False})
+        try:
+            # Until the trainer stopped routing here, an abort would only be re-sent to this server.
+            kv.wait(f"serve_ack/{rid}/{seq}", ack_timeout_s, poll_s=min(2.0, ack_timeout_s))
+        except TimeoutError:
+            log.warning("%s: trainer did not ack the removal of %s in %.0fs; draining anyway", rid, url,
+                        ack_timeout_s)
+
+    return register, unregister
+
+
+def inprocess_launch(engine: Any, root: str, threads: int, max_running: int, seed: int = 0
+                     ) -> Callable[[Any], tuple[str, Callable[[], None]]]:
+    """`launch(replica)` for HttpRollout: save the hybrid engine's current weights (HF format) and serve them
+    with an embedded server inside this process (no second interpreter to start on a small machine)."""
+    count = [0]
+
+    def launch(replica: Any) -> tuple[str, Callable[[], None]]:
+        from areal.api.io_struct import SaveLoadMeta
+
+        from areal_libra.server.inprocess import InProcessServer
+
+        count[0] += 1
+        path = os.path.join(root, f"weights{count[0]}")
+        engine.save(SaveLoadMeta(path=path, weight_format="hf", with_optim=False, tokenizer=engine.tokenizer))
+        srv = InProcessServer(path, max_running_requests=max_running, threads=threads, seed=seed)
+
+        def stop() -> None:
+            srv.close()
+            shutil.rmtree(path, ignore_errors=True)
+
+        return f"http://{srv.addr}", stop
+
+    return launch
+
+
+# ------------------------------------------------------------------ trainer side
+class ServeRegistry:
+    """Keeps the AReaL engine's `addresses` and the request router in step with the hybrids' servers.
+
+    `inference` is the RemoteInfEngine (the object holding `addresses`); `router` the RequestRouter."""
+
+    def __init__(self, host: str, port: int, namespace: str, rids: list[str], inference: Any, router: Any,
+                 group: str = "", poll_s: float = 0.1) -> None:
+        self.kv = KV(connect(host, port), namespace)
+        self.rids = list(rids)
+        self.inference, self.router, self.group = inference, router, group
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self.seen: dict[str, int] = {}
+        self.pending: dict[str, tuple[str, int, dict[str, Any]]] = {}  # rid -> (addr, seq, info)
+        self.updating: dict[str, tuple[str, int, dict[str, Any]]] = {}  # in an update in flight
+        self.active: dict[str, tuple[str, dict[str, Any]]] = {}  # rid -> (addr, info): routable
+        self.active_ever: set[str] = set()  # every address that was routable (metrics: requests routed there)
+        self.registrations = 0
+        self.removals = 0
+        self.failed: list[str] = []
+        self._acks: list[tuple[str, int, str]] = []
+        self._stop = threading.Event()
+        self._wrap_update()
+        self._thread = threading.Thread(target=self._run, name="elastic-serve", daemon=True)
+        self._thread.start()
+
+    # -- the weight update is where a new server comes in ---------------------------------------------
+    def _wrap_update(self) -> None:
+        eng = self.inference
+        original = eng.update_weights_from_disk
+
+        def update_weights_from_disk(meta: Any) -> Any:
+            with self._lock:
+                batch, self.pending = self.pending, {}
+                for rid, (addr, seq, info) in batch.items():
+                    if addr not in eng.addresses:
+                        eng.addresses.append(addr)  # this update reaches it
+                    self.updating[rid] = (addr, seq, info)
+            fut = original(meta)
+            if batch:
+                fut.add_done_callback(lambda f, b=batch: self._updated(b, f))
+            return fut
+
+        eng.update_weights_from_disk = update_weights_from_disk  # instance attribute: this engine only
+
+    def _updated(self, batch: dict[str, tuple[str, int, dict[str, Any]]], fut: Any) -> None:
+        try:
+            res = fut.result()
+            failed = set(res[1]) if isinstance(res, tuple) else set()
+        except Exception as e:  # noqa: BLE001 - the update raised for everyone; the trainer sees it
+            log.warning("weight update failed; hybrid servers %s stay out: %s", [a for a, _, _ in batch.values()], e)
+            failed = {a for a, _, _ in batch.values()}
+        with self._lock:
+            for rid, (addr, seq, info) in batch.items():
+                if self.updating.get(rid, (None,))[0] != addr:
+                    continue  # withdrawn while the update ran
+                del self.updating[rid]
+                if addr in failed:
+                    self.failed.append(addr)
+                    if addr in self.inference.addresses:
+                        self.inference.addresses.remove(addr)
+                    continue
+                self.router.add_server(addr, self.group or None)
+                self.active[rid] = (addr, info)
+                self.active_ever.add(addr)
+                self.registrations += 1
+                self._acks.append((rid, seq, "active"))  # sent by the poll thread (one store client per thread)
+
+    # -- the channel ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - the store went away at shutdown
+                if not self._stop.is_set():
+                    log.warning("elastic serve registry: %s", e)
+
+    def poll(self) -> None:
+        with self._lock:
+            acks, self._acks = self._acks, []
+        for rid, seq, what in acks:
+            self.kv.set(f"serve_ack/{rid}/{seq}/{what}", 1)
+        vals = self.kv.get_many([f"serve/{rid}" for rid in self.rids])
+        for rid in self.rids:
+            msg = vals.get(f"serve/{rid}")
+            if msg is None or int(msg["seq"]) <= self.seen.get(rid, 0):
+                continue
+            self.seen[rid] = int(msg["seq"])
+            if msg["up"]:
+                with self._lock:
+                    self.pending[rid] = (msg["addr"], int(msg["seq"]), msg)
+                self.kv.set(f"serve_ack/{rid}/{msg['seq']}", "pending")
+            else:
+                self._remove(rid, msg["addr"])
+                self.kv.set(f"serve_ack/{rid}/{msg['seq']}", "removed")
+
+    def _remove(self, rid: str, addr: str) -> None:
+        with self._lock:
+            for table in (self.pending, self.updating):
+                if table.get(rid, (None,))[0] == addr:
+                    del table[rid]
+            was_active = self.active.get(rid, (None,))[0] == addr
+            if was_active:
+                del self.active[rid]
+        if was_active:
+            self.router.remove_server(addr)
+            self.removals += 1
+        if addr in self.inference.addresses:
+            self.inference.addresses.remove(addr)
+
+    def serving(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        with self._lock:
+            return dict(self.active)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+class PressureSampler:
+    """Samples the serving rollout servers' running/waiting counts (`/server_info`) in the background;
+    `take()` gives the step's (queue_pressure, active_pressure) and starts the next window."""
+
+    def __init__(self, addresses: Callable[[], list[str]], interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
+        self.addresses, self.interval_s, self.timeout_s = addresses, interval_s, timeout_s
+        self._samples: list[tuple[int, int, int]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="rollout-pressure", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> tuple[int, int, int] | None:
+        import json
+
+        running = waiting = capacity = 0
+        ok = False
+        for addr in self.addresses():
+            try:
+                with urllib.request.urlopen(f"http://{addr}/server_info", timeout=self.timeout_s) as r:
+                    info = json.loads(r.read())
+            except (OSError, ValueError):
+                self.errors += 1
+                continue
+            ok = True
+            running += int(info.get("num_running_requests", 0))
+            waiting += int(info.get("num_waiting_requests", 0))
+            capacity += int(info.get("max_running_requests", 0) or 0)
+        return (running, waiting, capacity) if ok else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            s = self.sample()
+            if s is not None:
+                with self._lock:
+                    self._samples.append(s)
+
+    def take(self) -> tuple[float, float]:
+        with self._lock:
+            samples, self._samples = self._samples, []
+        return pressures(samples)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self.interval_s + self.timeout_s * 4 + 1)
+
