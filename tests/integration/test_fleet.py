@@ -1,0 +1,296 @@
+"""Live reconfiguration of rollout server groups (areal_libra.integration.fleet) with real embedded servers,
+AReaL's real RemoteSGLangEngine and the project's RequestRouter on loopback, under continuous request
+load: servers are added and removed while requests are in flight, new servers serve the current weights,
+a server SIGKILLed mid-reconfiguration loses no request, and a group that cannot start leaves the old
+layout serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from areal_libra.config import DispatchConfig
+from areal_libra.integration.fleet import REGISTRY_FILE, FleetError, ServerFleet, read_registry
+from areal_libra.integration.groups import RolloutGroup
+from areal_libra.integration.router import GROUPS_FILE, RequestRouter, read_groups_file
+
+pytestmark = pytest.mark.slow  # five embedded servers on loopback
+
+NEW_TOKENS = 40
+TP1 = RolloutGroup("tp1", tp=1, count=1, threads=1, max_running=64, max_len=128)
+TP2 = RolloutGroup("tp2", tp=2, count=1, threads=2, max_running=64, max_len=256)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_pair, embedded_servers):
+    """Four TP1 servers on model a, started together: a (test 1), b (test 2), e and f (tests 3 and 4)."""
+    from areal_libra.integration.launcher import ServerSpec
+
+    hs = embedded_servers(tiny_model_pair[0], [ServerSpec(tp=1, threads=1, max_running=64, group="tp1")] * 4,
+                          timeout=240)
+    return dict(zip("abef", hs))
+
+
+def make_engine(addrs: list[str], name: str):
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+
+    cfg = InferenceEngineConfig(backend=f"sglang:d{len(addrs)}t1", experiment_name=name, trial_name="t",
+                                max_concurrent_rollouts=64, consumer_batch_size=64, setup_timeout=60,
+                                request_timeout=60, request_retries=1)
+    eng = RemoteSGLangEngine(cfg)
+    eng.initialize(addr=list(addrs))
+    return eng
+
+
+def make_router(groups, addrs, run_dir: Path, policy: str = "least_loaded") -> RequestRouter:
+    cfg = DispatchConfig(policy=policy, health_interval_s=0.5, health_timeout_s=2.0, fail_after=1,
+                         watch_interval_s=0.2, wandb=False)
+    return RequestRouter(groups, addrs, cfg, run_dir=run_dir)
+
+
+class Load:
+    """Keeps `concurrency` requests in flight through engine.agenerate (hence the router) until stopped."""
+
+    def __init__(self, eng, concurrency: int = 4) -> None:
+        self.eng, self.concurrency = eng, concurrency
+        self.issued = 0
+        self.results: list[tuple[int, str]] = []
+        self.errors: list[str] = []
+        self.inflight = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _one(self, i: int) -> None:
+        from areal.api.cli_args import GenerationHyperparameters
+        from areal.api.io_struct import ModelRequest
+
+        while not self._stop.is_set():
+            req = ModelRequest(rid=uuid.uuid4().hex, input_ids=[5 + i, 7, 9, 11 + self.issued % 50],
+                               gconfig=GenerationHyperparameters(max_new_tokens=NEW_TOKENS, max_tokens=256,
+                                                                 temperature=1.0, ignore_eos=True))
+            self.issued += 1
+            self.inflight += 1
+            try:
+                resp = await self.eng.agenerate(req)
+                self.results.append((len(resp.output_tokens), resp.stop_reason))
+            except Exception as e:  # noqa: BLE001 - recorded and asserted on
+                self.errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                self.inflight -= 1
+
+    async def _main(self) -> None:
+        await asyncio.gather(*(self._one(i) for i in range(self.concurrency)))
+
+    def start(self) -> Load:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while len(self.results) < self.concurrency and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        assert not self._thread.is_alive()
+
+    def check(self) -> None:
+        """Nothing lost: every request issued came back complete (a moved request keeps its tokens)."""
+        assert self.errors == []
+        assert len(self.results) == self.issued > 0
+        assert all(n == NEW_TOKENS and r == "length" for n, r in self.results), self.results
+
+
+def server_requests(addr: str) -> int:
+    with urllib.request.urlopen(f"http://{addr}/get_server_info", timeout=10) as r:
+        st = json.loads(r.read())["engine_stats"]
+    return int(st["finished_requests"]) + int(st["aborted_requests"])
+
+
+def greedy(addr: str) -> tuple[list[int], list[float], str]:
+    body = {"input_ids": [3, 1, 4, 1, 5, 9, 2, 6], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+    req = urllib.request.Request(f"http://{addr}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        out = json.loads(r.read())
+    lps = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+    return out["output_ids"], lps, str(out["meta_info"]["weight_version"])
+
+
+def layout(run_dir: Path) -> dict[str, list[str]]:
+    groups, addrs = read_groups_file(run_dir / GROUPS_FILE)
+    return {g.name: a for g, a in zip(groups, addrs)}
+
+
+def test_add_then_remove_servers_under_load(servers, tiny_model_pair, tmp_path) -> None:
+    """1xTP1 -> 1xTP1+1xTP2 -> 1xTP2 while requests are in flight: nothing lost, the new server takes
+    traffic, the removed one is drained and stopped, files and engine addresses follow."""
+    a = servers["a"]
+    router = make_router([TP1], [[a.addr]], tmp_path)
+    eng = make_engine([a.addr], "fleet-a")
+    eng.set_request_router(router)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [a], [TP1], tmp_path)
+    load = Load(eng).start()
+    try:
+        assert load.inflight > 0
+        grown = fleet.reconfigure([TP1, TP2], step=3)
+        (c_addr,) = grown["started"]
+        assert grown["stopped"] == [] and grown["groups"] == "embedded:d1t1+d1t2"
+        assert eng._engine.addresses == [a.addr, c_addr] and router.all_addresses == [a.addr, c_addr]
+        assert layout(tmp_path) == {"tp1": [a.addr], "tp2": [c_addr]}
+        deadline = time.monotonic() + 60
+        while router.addr_requests.get(c_addr, 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert router.addr_requests[c_addr] >= 3  # the new server gets traffic
+        assert load.inflight > 0 and router.inflight(a.addr) > 0  # the next switch drains a busy server
+        shrunk = fleet.reconfigure([TP2], step=4)
+        routed_a = router.addr_requests[a.addr]
+        time.sleep(1.0)
+        assert router.addr_requests[a.addr] == routed_a  # nothing routed to the removed server any more
+    finally:
+        load.stop()
+        eng.destroy()
+        router.close()
+    assert shrunk["started"] == [] and shrunk["stopped"] == [a.addr] and shrunk["reconfig_s"] > 0
+    assert not a.alive() and eng._engine.addresses == [c_addr] and router.all_addresses == [c_addr]
+    assert layout(tmp_path) == {"tp2": [c_addr]}
+    reg = read_registry(tmp_path)
+    assert [(r["addr"], r["group"], r["owner"], r["state"]) for r in reg] == [(c_addr, "tp2", "trainer", "serving")]
+    c = fleet.servers[0]
+    assert c.pid == c.handle.proc.pid and c.alive()
+    load.check()
+    tot = router.totals()
+    assert tot["routed"] == load.issued == sum(tot["group_requests"].values())  # every request came back
+    assert server_requests(c_addr) == router.addr_requests[c_addr]  # the new server served what it got
+    events = [json.loads(x) for x in (tmp_path / "fleet.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events] == [3, 4]
+    fleet.close(stop_servers=True)
+    assert not c.alive()
+
+
+def test_new_servers_serve_the_current_weights(servers, tiny_model_pair, tmp_path) -> None:
+    """A disk weight update (AReaL's real path: checkpoint, name_resolve, /update_weights_from_disk), then a
+    reconfiguration: the new server reports the engine's version and gives the same greedy tokens and
+    logprobs as the updated old server (and not those of the initial weights)."""
+    from areal.api.cli_args import NameResolveConfig
+    from areal.api.io_struct import WeightUpdateMeta
+    from areal.utils import name_resolve, names
+
+    b = servers["b"]
+    before = greedy(b.addr)
+    router = make_router([TP1], [[b.addr]], tmp_path, policy="cmlfq")
+    eng = make_engine([b.addr], "fleet-b")
+    eng.set_request_router(router)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [b], [TP1], tmp_path)
+    name_resolve.reconfigure(NameResolveConfig(type="nfs", nfs_record_root=str(tmp_path / "name_resolve")))
+    try:
+        meta = WeightUpdateMeta.from_disk("fleet-b", "t", str(tmp_path / "ckpt")).with_version(1)
+        assert meta.clear_checkpoint_after_load  # AReaL deletes it after loading; the fleet keeps it
+        shutil.copytree(tiny_model_pair[1], meta.path)  # what the actor's save would write
+        fut = eng.update_weights_from_disk(meta)
+        name_resolve.add(names.update_weights_from_disk("fleet-b", "t", eng.get_version()), str(time.time()),
+                         keepalive_ttl=120)
+        fut.result(timeout=120)
+        eng.set_version(1)
+        assert Path(meta.path).is_dir()
+        updated = greedy(b.addr)
+        assert updated[:2] != before[:2]  # the update took: model b answers differently
+        out = fleet.reconfigure([RolloutGroup("tp1", tp=1, count=2, threads=1, max_running=64, max_len=128)],
+                                step=1)
+        (d_addr,) = out["started"]
+        new = greedy(d_addr)
+        assert new[2] == "1"  # the engine's version
+        assert new[0] == updated[0]
+        assert new[1] == pytest.approx(updated[1], abs=1e-4)
+        # and it serves through the engine with the current version stamp
+        load = Load(eng, concurrency=2).start()
+        load.stop()
+        load.check()
+        assert router.addr_requests.get(d_addr, 0) > 0
+    finally:
+        eng.destroy()
+        router.close()
+    fleet.close(stop_servers=True)
+    assert not Path(meta.path).exists()  # the kept checkpoint goes with the fleet
+
+
+def test_a_group_that_cannot_start_leaves_the_old_layout(servers, tiny_model_pair, tmp_path) -> None:
+    e, f = servers["e"], servers["f"]
+    two = RolloutGroup("tp1", tp=1, count=2, threads=1, max_running=64, max_len=128)
+    router = make_router([two], [[e.addr, f.addr]], tmp_path)
+    eng = make_engine([e.addr, f.addr], "fleet-d")
+    eng.set_request_router(router)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [e, f], [two], tmp_path,
+                        start_timeout_s=0.3)
+    files = {p: (tmp_path / p).read_text() for p in (GROUPS_FILE, REGISTRY_FILE)}
+    try:
+        with pytest.raises(FleetError) as bad:
+            fleet.reconfigure([RolloutGroup("tp0", tp=0, count=1, max_len=128)], step=1)
+        assert "tp must be a positive integer" in str(bad.value) and "\n" not in str(bad.value)
+        with pytest.raises(FleetError) as slow:
+            fleet.reconfigure([two, TP2], step=1)  # cannot become healthy in 0.3 s
+        assert "cannot start TP2 (tp2)" in str(slow.value) and "\n" not in str(slow.value)
+        assert router.all_addresses == eng._engine.addresses == [e.addr, f.addr]
+        assert {p: (tmp_path / p).read_text() for p in files} == files
+        load = Load(eng, concurrency=2).start()
+        load.stop()
+        load.check()
+    finally:
+        eng.destroy()
+        router.close()
+    started = list((tmp_path / "logs").glob("server*_tp2_*.log"))
+    assert len(started) == 1  # it was started, and stopped again:
+    assert all(h.alive() for h in (e, f)) and len(fleet.servers) == 2
+
+
+def test_sigkill_of_a_draining_server_loses_no_request(servers, tiny_model_pair, tmp_path) -> None:
+    """2xTP1 -> 1xTP1: the server being drained is SIGKILLed with requests on it; they resume on the kept
+    server and the reconfiguration completes."""
+    e, f = servers["e"], servers["f"]
+    two = RolloutGroup("tp1", tp=1, count=2, threads=1, max_running=64, max_len=128)
+    router = make_router([two], [[e.addr, f.addr]], tmp_path)
+    eng = make_engine([e.addr, f.addr], "fleet-c")
+    eng.set_request_router(router)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [e, f], [two], tmp_path,
+                        drain_timeout_s=60)
+    killed: list[tuple[str, int]] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            gone = [h for h in (e, f) if h.addr not in router.all_addresses]
+            if gone and router.inflight(gone[0].addr) > 0:
+                killed.append((gone[0].addr, router.inflight(gone[0].addr)))
+                gone[0].kill()
+                return
+            time.sleep(0.01)
+
+    load = Load(eng, concurrency=6).start()
+    try:
+        t = threading.Thread(target=killer, daemon=True)
+        t.start()
+        out = fleet.reconfigure([TP1], step=7)
+        t.join(timeout=10)
+        time.sleep(0.5)
+    finally:
+        load.stop()
+        eng.destroy()
+        router.close()
+    assert killed, "the leaving server had no request in flight to lose"
+    victim, on_it = killed[0]
+    assert out["stopped"] == [victim] and out["started"] == []
+    kept = e.addr if victim == f.addr else f.addr
+    assert router.all_addresses == eng._engine.addresses == [kept]
+    load.check()
+    assert router.totals()["failovers"] >= 1
+    assert layout(tmp_path) == {"tp1": [kept]}
+    assert [r["addr"] for r in read_registry(tmp_path)] == [kept]
