@@ -74,7 +74,7 @@ class Load:
         from areal.api.io_struct import ModelRequest
 
         while not self._stop.is_set():
-            req = ModelRequest(rid=uuid.uuid4().hex, input_ids=[5 + i, 7, 9, 11 + self.issued % 50],
+            req = ModelRequest(rid=uuid.uuid4().hex, input_ids=[5 + i, 7, 9, 11 + self.issued % 30],
                                gconfig=GenerationHyperparameters(max_new_tokens=NEW_TOKENS, max_tokens=256,
                                                                  temperature=1.0, ignore_eos=True))
             self.issued += 1
