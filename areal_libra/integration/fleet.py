@@ -385,9 +385,9 @@ class ServerFleet:
             self.servers = [s for row in rows for s in row] + leaving
             self._write_files(draining=leaving)
             moved = self._drain(leaving)
+            self.router.forget([s.addr for s in leaving])  # first: a stopped server is no health event
             for s in leaving:
                 s.stop()
-            self.router.forget([s.addr for s in leaving])
             self.servers = [s for row in rows for s in row]
             self._write_files()
             self.reconfigurations += 1
