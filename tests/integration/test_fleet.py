@@ -278,3 +278,36 @@ def test_sigkill_of_a_draining_server_loses_no_request(servers, tiny_model_pair,
     assert router.totals()["failovers"] >= 1
     assert layout(tmp_path) == {"tp1": [kept]}
     assert [r["addr"] for r in read_registry(tmp_path)] == [kept]
+
+
+def test_launcher_supervises_and_cleans_up_from_the_registry(tmp_path) -> None:
+    """launch.py reads servers.json: a dead serving server counts as dead, a server the trainer left behind
+    is killed at exit, a pid whose command line names another port is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    from areal_libra.integration.fleet import pid_running
+    from areal_libra.launch import dead_servers, kill_leftover_servers
+    from areal_libra.utils import atomic_write_text
+
+    def sleeper(port: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--port", str(port)],
+                                start_new_session=True)
+
+    left, other, gone = sleeper(40001), sleeper(40002), sleeper(40003)
+    gone.kill()
+    gone.wait()
+    try:
+        reg = [{"addr": "127.0.0.1:40001", "pid": left.pid, "state": "serving"},
+               {"addr": "127.0.0.1:49999", "pid": other.pid, "state": "serving"},  # pid recycled elsewhere
+               {"addr": "127.0.0.1:40003", "pid": gone.pid, "state": "serving"}]
+        atomic_write_text(tmp_path / REGISTRY_FILE, json.dumps({"servers": reg}))
+        assert dead_servers(tmp_path, []) == (["127.0.0.1:40003"], 3)
+        assert kill_leftover_servers(tmp_path) == [left.pid]
+        left.wait(timeout=10)
+        assert not pid_running(left.pid) and pid_running(other.pid) and os.path.exists(f"/proc/{other.pid}")
+    finally:
+        for p in (left, other):
+            p.kill()
+            p.wait()
