@@ -14,13 +14,21 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from areal_libra.config import DispatchConfig
-from areal_libra.integration.fleet import REGISTRY_FILE, FleetError, ServerFleet, read_registry
+from areal_libra.integration.fleet import (
+    REGISTRY_FILE,
+    FleetError,
+    ServerFleet,
+    build_fleet,
+    read_registry,
+    write_registry,
+)
 from areal_libra.integration.groups import RolloutGroup
-from areal_libra.integration.router import GROUPS_FILE, RequestRouter, read_groups_file
+from areal_libra.integration.router import GROUPS_FILE, RequestRouter, read_groups_file, write_groups_file
 
 pytestmark = pytest.mark.slow  # four embedded servers on loopback
 
@@ -213,8 +221,14 @@ def test_a_group_that_cannot_start_leaves_the_old_layout(servers, tiny_model_pai
     router = make_router([two], [[e.addr, f.addr]], tmp_path)
     eng = make_engine([e.addr, f.addr], "fleet-d")
     eng.set_request_router(router)
-    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [e, f], [two], tmp_path,
-                        start_timeout_s=0.3)
+    # as in a run: the launcher wrote the groups file and the registry; the trainer builds the fleet
+    write_groups_file(tmp_path, [two], [e.addr, f.addr])
+    write_registry(tmp_path, [e, f])
+    (tmp_path / "libra_config.yaml").write_text("device: cpu\n")
+    trainer = SimpleNamespace(rollout=eng, config=SimpleNamespace(actor=SimpleNamespace(path=tiny_model_pair[0])))
+    fleet = build_fleet(trainer, router, tmp_path, start_timeout_s=0.3)
+    assert [(s.addr, s.pid, s.owner) for s in fleet.servers] == [(h.addr, h.proc.pid, "launcher") for h in (e, f)]
+    assert fleet.backend == "embedded" and fleet.log_dir == tmp_path / "servers"
     files = {p: (tmp_path / p).read_text() for p in (GROUPS_FILE, REGISTRY_FILE)}
     try:
         with pytest.raises(FleetError) as bad:
@@ -231,7 +245,7 @@ def test_a_group_that_cannot_start_leaves_the_old_layout(servers, tiny_model_pai
     finally:
         eng.destroy()
         router.close()
-    started = list((tmp_path / "logs").glob("server*_tp2_*.log"))
+    started = list((tmp_path / "servers").glob("server*_tp2_*.log"))
     assert len(started) == 1  # it was started, and stopped again:
     assert all(h.alive() for h in (e, f)) and len(fleet.servers) == 2
 
