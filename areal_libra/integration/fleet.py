@@ -143,7 +143,7 @@ class ServerFleet:
         run_dir: str | Path | None = None,
         start_timeout_s: float = 600.0,
         drain_timeout_s: float = 60.0,
-        evict_timeout_s: float = 60.0,
+        evict_timeout_s: float = 10.0,  # evicted requests give up within the watch interval
     ) -> None:
         if router is None or not hasattr(router, "set_layout"):
             raise FleetError("live reconfiguration needs the project's request router "
