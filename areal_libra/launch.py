@@ -141,7 +141,8 @@ def _read_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
     return out, seen + len(out)
 
 
-def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, quiet: bool) -> int:
+def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, quiet: bool,
+              run_dir: Path | None = None) -> int:
     """Show step, reward, tokens/s and ETA until the trainer exits; fail fast if a server dies."""
     from rich.progress import (
         BarColumn,
@@ -157,6 +158,7 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
     ]
     seen = 0
+    run_dir = metrics_path.parent if run_dir is None else run_dir
     with Progress(*columns, disable=quiet, transient=False) as progress:
         task = progress.add_task("train", total=total, info="starting trainer ...")
         while True:
@@ -174,11 +176,50 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
                     print(f"step {r.get('step')}/{total} {info}", flush=True)
             if rc is not None:
                 return rc
-            dead = [s for s in servers if not s.alive()]
-            if dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1" and len(dead) == len(servers):
+            for s in servers:
+                s.alive()  # reaps a server of ours the trainer stopped (a reconfiguration)
+            dead, total = dead_servers(run_dir, servers)
+            if dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1" and len(dead) == total:
                 proc.send_signal(signal.SIGTERM)
-                raise LaunchError(f"all rollout servers died (first: {dead[0].addr}); see their logs")
+                raise LaunchError(f"all rollout servers died (first: {dead[0]}); see their logs")
             time.sleep(0.5)
+
+
+def dead_servers(run_dir: Path, servers) -> tuple[list[str], int]:
+    """(addresses of dead serving servers, how many serve): from <run_dir>/servers.json, which the trainer
+    keeps current when it reconfigures the rollout groups; the launcher's own servers without it."""
+    from areal_libra.integration.fleet import pid_running, read_registry
+
+    reg = [r for r in read_registry(run_dir) if r.get("state") == "serving" and r.get("pid")]
+    if not reg:
+        return [s.addr for s in servers if not s.alive()], len(servers)
+    return [r["addr"] for r in reg if not pid_running(int(r["pid"]))], len(reg)
+
+
+def kill_leftover_servers(run_dir: Path) -> list[int]:
+    """SIGKILL the process group of every server in servers.json that still runs (started by the trainer,
+    which may have died without stopping them). A pid counts only if its command line still names the
+    server's port, so a recycled pid is left alone."""
+    from areal_libra.integration.fleet import pid_running, read_registry
+
+    killed = []
+    for r in read_registry(run_dir):
+        pid, addr = r.get("pid"), str(r.get("addr", ""))
+        if not pid or not pid_running(int(pid)):
+            continue
+        try:
+            cmd = Path(f"/proc/{int(pid)}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        port = addr.rpartition(":")[2].encode()
+        if b"--port" not in cmd or cmd[cmd.index(b"--port") + 1 : cmd.index(b"--port") + 2] != [port]:
+            continue
+        try:
+            os.killpg(int(pid), signal.SIGKILL)
+            killed.append(int(pid))
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed
 
 
 def run(argv: list[str]) -> int:
@@ -218,6 +259,9 @@ def run(argv: list[str]) -> int:
         from areal_libra.integration.router import write_groups_file
 
         write_groups_file(log_dir, rollout_groups(c), addrs)  # which address serves which group
+        from areal_libra.integration.fleet import write_registry
+
+        write_registry(log_dir, servers)  # pids; the trainer keeps it current when it reconfigures
         with open(log_dir / "trainer.log", "w") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "areal_libra.integration.train", "--run-dir", str(log_dir)],
@@ -235,6 +279,7 @@ def run(argv: list[str]) -> int:
             raise LaunchError(f"trainer exited with code {rc}; full log: {log_dir / 'trainer.log'}")
     finally:
         shutdown(servers)
+        kill_leftover_servers(log_dir)  # servers the trainer started and did not stop
     print(f"areal_libra: done; metrics in {metrics_path}", flush=True)
     return 0
 

@@ -183,12 +183,16 @@ class LibraController:
             self.events.append(ControlEvent(step, "kept", f"measured {measured:.1f}s; predicted {t_cur_pred:.1f}s "
                                             f"now vs {new.makespan_s:.1f}s new"))
             return False
+        try:
+            cluster.apply_plan(new, step)
+        except (RuntimeError, ValueError) as e:  # the old layout still serves (live: FleetError)
+            self.events.append(ControlEvent(step, "reconfig_failed", str(e)))
+            return False
         self.events.append(ControlEvent(step, "replan", f"({self.replan_policy.last_reason}): {new.rollout_alloc()} "
                                         f"train {new.train_alloc()} (measured {measured:.1f}s -> predicted "
                                         f"{t_new:.1f}s)"))
         self.plan = new
         self.last_predicted_s = t_new
-        cluster.apply_plan(new, step)
         self.replans += 1
         self.intervals.clear()
         self.last_change = self.last_replan = step

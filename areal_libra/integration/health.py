@@ -97,11 +97,26 @@ class HealthMonitor:
             self.addresses = [a for a in self.addresses if a != addr]
             self._down.pop(addr, None)
 
+    def set_addresses(self, addresses: Iterable[str]) -> None:
+        """Probe these servers from now on (a reconfiguration added or removed some)."""
+        keep = list(dict.fromkeys(addresses))
+        with self._lock:
+            self.addresses = keep  # a new list: a probe round in progress finishes on the old one
+            for d in (self._fails, self._oks):
+                for a in [a for a in d if a not in keep]:
+                    del d[a]
+                for a in keep:
+                    d.setdefault(a, 0)
+            for a in [a for a in self._down if a not in keep]:
+                del self._down[a]
+
     # --- probing ---
     def check_once(self) -> None:
         for addr in self.addresses:
             ok = self.probe_fn(addr, self.timeout_s)
             with self._lock:
+                if addr not in self._fails:  # removed by set_addresses meanwhile
+                    continue
                 if ok:
                     self._fails[addr] = 0
                     self._oks[addr] = self._oks.get(addr, 0) + 1

@@ -107,7 +107,7 @@ class LiveCluster:
         groups = self.groups_for(plan)
         t0 = time.monotonic()
         if self.fleet is not None:
-            self.fleet.reconfigure(groups, step)
+            self.fleet.reconfigure(groups, step)  # FleetError: the old layout still serves
         self.reconfig_s = time.monotonic() - t0
         self.reconfigs += 1
         self.groups = groups
@@ -153,8 +153,9 @@ class LiveControl:
     """Owns the controller in the trainer: first plan after the profile steps, then one on_step per step."""
 
     def __init__(self, cfg: ControlConfig, source: LivePlanSource, cluster: LiveCluster, profile_steps: int = 1,
-                 pressure_fn: Any = None, events_path: Path | None = None) -> None:
+                 pressure_fn: Any = None, events_path: Path | None = None, fleet: Any = None) -> None:
         self.events_path = events_path
+        self.fleet = fleet
         if profile_steps < 1:
             raise ControlError(f"libra.control.profile_steps must be >= 1, got {profile_steps}")
         self.cfg, self.source, self.cluster = cfg, source, cluster
@@ -221,6 +222,14 @@ class LiveControl:
 
     def step_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+    def close(self, figure: Path) -> None:
+        """End of run: the allocation figure, then the fleet's weight hook and kept checkpoint."""
+        try:
+            self.write_figure(figure)
+        finally:
+            if self.fleet is not None:
+                self.fleet.close()
 
     def write_figure(self, path: Path) -> Path | None:
         """Allocation and throughput over steps (PNG), written at the end of the run."""

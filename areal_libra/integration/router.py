@@ -83,33 +83,22 @@ class RequestRouter:
     ) -> None:
         cfg = config or DispatchConfig()
         self.config = cfg
-        if len(groups) != len(addresses):
-            raise ValueError(f"{len(groups)} groups but {len(addresses)} address lists")
-        order = sorted(range(len(groups)), key=lambda i: groups[i].max_len)
-        self.groups = [groups[i] for i in order]
-        self.group_addrs = [list(addresses[i]) for i in order]
-        for g, a in zip(self.groups, self.group_addrs):
-            if not a:
-                raise ValueError(f"rollout group {g.name} has no server address")
+        self.groups, self.group_addrs = self._ordered(groups, addresses)
         self.group_of = {a: gi for gi, addrs in enumerate(self.group_addrs) for a in addrs}
         self.all_addresses = [a for addrs in self.group_addrs for a in addrs]
-        switches = {}
-        if cfg.policy == "cmlfq":
-            switches = dict(cfg.cmlfq)
-            switches["rebuild_every"] = 0  # the live tree rebuilds off the request path instead
-            switches.setdefault("auto_background", True)  # auto mode validates off the request path too
-        policy = make_policy(cfg.policy, [Bucket(g.max_len, g.tp) for g in self.groups], **switches)
-        self.dispatcher = Dispatcher(
-            policy,
-            [ServerGroup(g.name, g.tp, g.max_len, list(a)) for g, a in zip(self.groups, self.group_addrs)],
-            sticky=cfg.sticky,
-        )
+        self.dispatcher = self._make_dispatcher(self.groups, self.group_addrs, None)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.live = LiveTree(
             self.dispatcher, self.run_dir, cfg.rebuild_every_steps, cfg.rebuild_window, online=cfg.online_siblings
         )
         self.restored = bool(restore and self.run_dir is not None and self.live.restore(self.run_dir))
         self._lock = threading.Lock()
+        # Held while a request is placed and while the layout is switched (reconfiguration), so a request
+        # never sees half of an old and half of a new layout.
+        self._layout_lock = threading.RLock()
+        self._addr_inflight: dict[str, int] = {}  # requests in flight per server (drain waits on it)
+        self._retired: dict[str, str] = {}  # server -> group name, out of the layout but maybe draining
+        self._evicted: set[str] = set()  # retired servers whose in-flight requests must move now
         self._tracks: dict[str, _Track] = {}
         self.addr_requests: dict[str, int] = dict.fromkeys(self.all_addresses, 0)  # sends per server
         # Where each finished trajectory's requests ran: {trajectory_id: [(tool returns seen, server), ...]}
@@ -125,7 +114,8 @@ class RequestRouter:
         self._stale_warned: set[str] = set()
         self._missed_update: set[str] = set()
         self._warned_addresses = False
-        self._retired: set[str] = set()  # servers taken out of routing (remove_server)
+        self._removed: set[str] = set()  # single servers taken out of routing (remove_server: hybrids)
+        self._added: dict[str, str | None] = {}  # single servers routed to (add_server: hybrids) -> group
         self.health = HealthMonitor(
             self.all_addresses,
             self._on_health,
@@ -137,6 +127,111 @@ class RequestRouter:
         )
         if health:
             self.health.start()
+
+    @staticmethod
+    def _ordered(
+        groups: Sequence[RolloutGroup], addresses: Sequence[Sequence[str]]
+    ) -> tuple[list[RolloutGroup], list[list[str]]]:
+        if len(groups) != len(addresses):
+            raise ValueError(f"{len(groups)} groups but {len(addresses)} address lists")
+        order = sorted(range(len(groups)), key=lambda i: groups[i].max_len)
+        gs = [groups[i] for i in order]
+        addrs = [list(addresses[i]) for i in order]
+        for g, a in zip(gs, addrs):
+            if not a:
+                raise ValueError(f"rollout group {g.name} has no server address")
+        return gs, addrs
+
+    def _make_dispatcher(self, groups: list[RolloutGroup], addrs: list[list[str]], tree) -> Dispatcher:
+        cfg = self.config
+        switches = {}
+        if cfg.policy == "cmlfq":
+            switches = dict(cfg.cmlfq)
+            switches["rebuild_every"] = 0  # the live tree rebuilds off the request path instead
+            switches.setdefault("auto_background", True)  # auto mode validates off the request path too
+            if tree is not None:
+                switches["tree"] = tree  # a new layout keeps what the tree has learned
+        policy = make_policy(cfg.policy, [Bucket(g.max_len, g.tp) for g in groups], **switches)
+        return Dispatcher(
+            policy,
+            [ServerGroup(g.name, g.tp, g.max_len, list(a)) for g, a in zip(groups, addrs)],
+            sticky=cfg.sticky,
+        )
+
+    # --- live reconfiguration (areal_libra.integration.fleet) ---
+    def set_layout(self, groups: Sequence[RolloutGroup], addresses: Sequence[Sequence[str]]) -> list[str]:
+        """Switch to new rollout groups: every request placed from now on (new trajectories, next turns,
+        failovers) goes to the new layout. Servers left out get no new request; their in-flight requests
+        finish there (or move, see evict). Returns the servers left out."""
+        groups, addrs = self._ordered(groups, addresses)
+        # Servers added one by one (elastic hybrids serving rollout) are not the fleet's: they stay routed.
+        for a, gname in list(self._added.items()):
+            gi = next((i for i, g in enumerate(groups) if g.name == gname), len(groups) - 1)
+            if all(a not in x for x in addrs):
+                addrs[gi] = [*addrs[gi], a]
+        self.live.wait(timeout=30)  # a rebuild in progress swaps its tree into the policy it started on
+        old_policy = self.dispatcher.policy
+        tree = getattr(old_policy, "tree", None) if self.config.policy == "cmlfq" else None
+        disp = self._make_dispatcher(groups, addrs, tree)
+        if tree is None and self.config.policy not in ("cmlfq", "round_robin", "least_loaded"):
+            log.warning("router: the %s policy starts with no history in the new layout", self.config.policy)
+        new_all = [a for x in addrs for a in x]
+        with self._layout_lock, self.dispatcher.lock, self._lock:
+            for a in self.health.down():
+                disp.mark_unhealthy(a)
+            for a, n in self._addr_inflight.items():
+                for _ in range(n if a in new_all else 0):
+                    disp.begin(a)
+            old_names = [g.name for g in self.groups]
+            left = [a for a in self.all_addresses if a not in new_all]
+            for a in left:
+                self._retired[a] = old_names[self.group_of[a]]
+            for a in new_all:
+                self._retired.pop(a, None)
+                self._evicted.discard(a)
+            index = {g.name: gi for gi, g in enumerate(groups)}
+            for tr in self._tracks.values():
+                tr.group = index.get(old_names[tr.group], -1) if 0 <= tr.group < len(old_names) else -1
+            now = time.monotonic()
+            self.groups, self.group_addrs = groups, addrs
+            self.group_of = {a: gi for gi, x in enumerate(addrs) for a in x}
+            self.all_addresses = new_all
+            self._inflight = [sum(self._addr_inflight.get(a, 0) for a in x) for x in addrs]
+            self._area = [0.0] * len(groups)
+            self._t_load = [now] * len(groups)
+            for a in new_all:
+                self.addr_requests.setdefault(a, 0)
+            self.dispatcher = disp
+            self.live.dispatcher, self.live.policy = disp, disp.policy
+        self.health.set_addresses(new_all + list(self._retired))
+        log.info("router: new layout %s", {g.name: x for g, x in zip(groups, addrs)})
+        return left
+
+    def inflight(self, addr: str) -> int:
+        """Requests in flight on a server (routed, not yet done or moved)."""
+        with self._lock:
+            return self._addr_inflight.get(addr, 0)
+
+    def evict(self, addrs: Sequence[str]) -> None:
+        """Move the in-flight requests of retired servers now: each is aborted there and resumes on a server
+        of the current layout with its tokens so far (the failover path)."""
+        with self._lock:
+            self._evicted.update(a for a in addrs if a in self._retired)
+
+    def forget(self, addrs: Sequence[str]) -> None:
+        """Retired servers that were shut down: no more probing or bookkeeping."""
+        with self._lock:
+            for a in addrs:
+                if a in self.group_of:
+                    raise ValueError(f"server {a} is still in the layout")
+                self._retired.pop(a, None)
+                self._evicted.discard(a)
+                self._addr_inflight.pop(a, None)
+        self.health.set_addresses(self.all_addresses + list(self._retired))
+
+    def _gone(self, addr: str) -> bool:
+        # A removed hybrid server's requests come back aborted (drain) and are re-sent: elsewhere.
+        return self.health.is_down(addr) or addr in self._evicted or addr in self._removed
 
     # --- wiring ---
     def attach_engine(self, engine) -> None:
@@ -210,7 +305,8 @@ class RequestRouter:
         if gi is None:
             raise ValueError(f"no rollout group named {group!r} (groups: {[g.name for g in self.groups]})")
         with self._lock:
-            self._retired.discard(addr)
+            self._removed.discard(addr)
+            self._added[addr] = group
             self._missed_update.discard(addr)
             self._version_down.pop(addr, None)
         self.dispatcher.add_server(addr, gi)
@@ -226,7 +322,8 @@ class RequestRouter:
         """Stop routing to addr (it is leaving: drained, then stopped). Requests in flight there finish or
         come back aborted, and are re-sent elsewhere with their tokens so far (`watch`)."""
         with self._lock:
-            self._retired.add(addr)
+            self._removed.add(addr)
+            self._added.pop(addr, None)
         if not self.dispatcher.remove_server(addr):
             return False
         with self._lock:
@@ -244,21 +341,25 @@ class RequestRouter:
 
     # --- load accounting: the dispatcher's counts plus a time-weighted mean per group for the metrics ---
     def _load_change(self, addr: str, delta: int) -> None:
-        gi = self.group_of.get(addr)
-        if gi is None:
-            return
         now = time.monotonic()
         with self._lock:
+            gi = self.group_of.get(addr)
+            if gi is None:
+                return
             self._area[gi] += self._inflight[gi] * (now - self._t_load[gi])
             self._t_load[gi] = now
             self._inflight[gi] = max(0, self._inflight[gi] + delta)
 
     def _begin(self, addr: str) -> None:
         self.dispatcher.begin(addr)
+        with self._lock:
+            self._addr_inflight[addr] = self._addr_inflight.get(addr, 0) + 1
         self._load_change(addr, +1)
 
     def _end(self, addr: str) -> None:
         self.dispatcher.end(addr)
+        with self._lock:
+            self._addr_inflight[addr] = max(0, self._addr_inflight.get(addr, 0) - 1)
         self._load_change(addr, -1)
 
     # --- routing ---
@@ -280,32 +381,33 @@ class RequestRouter:
             )
         tid = str(meta["trajectory_id"])
         n_tools = len(meta.get("tool_returns") or ())
-        addr = self.dispatcher.route(meta)
-        self._begin(addr)
-        placed = self.dispatcher.placement(tid)
-        bucket = placed[0] if placed else self.group_of[addr]
-        gi = self.group_of[addr]
-        with self._lock:
-            self.addr_requests[addr] = self.addr_requests.get(addr, 0) + 1
-            tr = self._tracks.get(tid)
-            if tr is None:
-                tr = self._tracks[tid] = _Track([[bucket, 0]], n_tools, gi, addr, anonymous)
-            else:
-                if n_tools > tr.n_tools:
-                    tr.decisions.append([bucket, 0])
-                    tr.n_tools = n_tools
-                    if gi != tr.group:
-                        ctx = int(meta.get("context_tokens", len(req.input_ids)))
+        with self._layout_lock:
+            addr = self.dispatcher.route(meta)
+            self._begin(addr)
+            placed = self.dispatcher.placement(tid)
+            bucket = placed[0] if placed else self.group_of[addr]
+            gi = self.group_of[addr]
+            with self._lock:
+                self.addr_requests[addr] = self.addr_requests.get(addr, 0) + 1
+                tr = self._tracks.get(tid)
+                if tr is None:
+                    tr = self._tracks[tid] = _Track([[bucket, 0]], n_tools, gi, addr, anonymous)
+                else:
+                    if n_tools > tr.n_tools:
+                        tr.decisions.append([bucket, 0])
+                        tr.n_tools = n_tools
+                        if 0 <= tr.group != gi:  # -1: its group left the layout (no migration)
+                            ctx = int(meta.get("context_tokens", len(req.input_ids)))
+                            for c in (self._step, self._totals):
+                                c.migrations += 1
+                                c.migrated_tokens += ctx
+                    elif 0 <= tr.group != gi:
                         for c in (self._step, self._totals):
-                            c.migrations += 1
-                            c.migrated_tokens += ctx
-                elif gi != tr.group:
-                    for c in (self._step, self._totals):
-                        c.fallback_moves += 1
-                tr.group, tr.addr = gi, addr
-            tr.placements.append((n_tools, addr))
-            for c in (self._step, self._totals):
-                c.routed += 1
+                            c.fallback_moves += 1
+                    tr.group, tr.addr = gi, addr
+                tr.placements.append((n_tools, addr))
+                for c in (self._step, self._totals):
+                    c.routed += 1
         return addr
 
     def done(self, req, addr: str, output_tokens: Sequence[int], stop_reason: str | None) -> None:
@@ -313,7 +415,8 @@ class RequestRouter:
         meta, anonymous = self._meta(req)
         tid = str(meta["trajectory_id"])
         n = len(output_tokens)
-        name = self.groups[self.group_of[addr]].name if addr in self.group_of else "?"
+        with self._layout_lock:
+            name = self.groups[self.group_of[addr]].name if addr in self.group_of else self._retired.get(addr, "?")
         with self._lock:
             for c in (self._step, self._totals):
                 c.group_tokens[name] = c.group_tokens.get(name, 0) + n
@@ -328,8 +431,7 @@ class RequestRouter:
 
     async def watch(self, req, addr: str, send):
         """Await the request, giving up when its server is marked down (a hung server never answers)."""
-        if self.health.is_down(addr) or addr in self._retired:
-            # A retired server's requests come back aborted (drain) and are re-sent: elsewhere.
+        if self._gone(addr):
             send.close()
             raise ServerDown(addr)
         task = asyncio.ensure_future(send)
@@ -338,7 +440,7 @@ class RequestRouter:
                 finished, _ = await asyncio.wait({task}, timeout=self.config.watch_interval_s)
                 if finished:
                     return task.result()
-                if self.health.is_down(addr):
+                if self._gone(addr):
                     task.cancel()
                     self._abort_on(addr, getattr(req, "rid", None))
                     raise ServerDown(addr)
@@ -389,19 +491,21 @@ class RequestRouter:
         deadline = time.monotonic() + self.config.failover_wait_s
         while True:
             try:
-                new = self.dispatcher.route(meta)
+                with self._layout_lock:
+                    new = self.dispatcher.route(meta)
+                    self._begin(new)
+                    gnew = self.group_of[new]
                 break
             except NoHealthyServer:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
-        self._begin(new)
         with self._lock:
             for c in (self._step, self._totals):
                 c.failovers += 1
             self.addr_requests[new] = self.addr_requests.get(new, 0) + 1
             if tr is not None:
-                tr.group, tr.addr = self.group_of[new], new
+                tr.group, tr.addr = gnew, new
                 tr.placements.append((tr.n_tools, new))
         log.warning("request %s moved from %s to %s after %s", getattr(req, "rid", "?"), addr, new, type(exc).__name__)
         return new
@@ -660,7 +764,8 @@ class RemoteRouter:
         if gi is None:
             raise ValueError(f"no rollout group named {group!r} (groups: {[g.name for g in self.groups]})")
         with self._lock:
-            self._retired.discard(addr)
+            self._removed.discard(addr)
+            self._added[addr] = group
             self._missed_update.discard(addr)
             self._version_down.pop(addr, None)
         self.dispatcher.add_server(addr, gi)
@@ -676,7 +781,8 @@ class RemoteRouter:
         """Stop routing to addr (it is leaving: drained, then stopped). Requests in flight there finish or
         come back aborted, and are re-sent elsewhere with their tokens so far (`watch`)."""
         with self._lock:
-            self._retired.add(addr)
+            self._removed.add(addr)
+            self._added.pop(addr, None)
         if not self.dispatcher.remove_server(addr):
             return False
         with self._lock:

@@ -60,12 +60,10 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
 
     typed = libra_config(libra)
     fleet = None
-    if router is not None:
-        try:
-            from areal_libra.integration.fleet import build_fleet
-        except ImportError:  # TEMPORARY until the fleet lands: plans are recorded, not applied
-            build_fleet = None
-        fleet = build_fleet(trainer, router, run_dir) if build_fleet is not None else None
+    if router is not None:  # libra mode always routes (C-MLFQ), so the fleet can switch layouts
+        from areal_libra.integration.fleet import build_fleet
+
+        fleet = build_fleet(trainer, router, run_dir)
     groups = read_groups_file(run_dir / GROUPS_FILE)[0] if (run_dir / GROUPS_FILE).exists() else []
     cluster = LiveCluster(fleet, elastic, history_len=typed.control.history,
                           max_running=groups[0].max_running if groups else 256,
@@ -73,6 +71,7 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
     sinks.append(cluster.on_trajectory)
     pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
     control = LiveControl(control_config(typed), plan_source(typed, config, str(config.actor.path)), cluster,
+                          fleet=fleet,
                           profile_steps=typed.control.profile_steps, pressure_fn=pressure,
                           events_path=run_dir / "control_events.jsonl")
 
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train(workflow=str(libra.workflow), workflow_kwargs=workflow_kwargs)
         finally:
             if control is not None:
-                control.write_figure(run_dir / "allocation.png")
+                control.close(run_dir / "allocation.png")
             if elastic is not None:
                 elastic.close()
             if router is not None and hasattr(router, "close"):

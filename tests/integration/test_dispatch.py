@@ -399,3 +399,54 @@ def test_control_requests_take_a_dead_server_out_instead_of_failing() -> None:
         assert live in router.down_addresses()
     finally:
         srv.shutdown()
+
+
+def test_set_layout_switches_placement_keeps_the_tree_and_drains_retired_servers() -> None:
+    """A reconfiguration (areal_libra.integration.fleet): new placements go to the new layout only, the
+    learned tree carries over, in-flight requests on a retired server are counted until done, and an evicted
+    one gives up at once (it resumes elsewhere through failover)."""
+    router = make_router()
+    teach(router)
+    tree = router.dispatcher.policy.tree
+    r = req("t-old", 10, [])
+    old = router.route(r, None)
+    assert old in ("127.0.0.1:1", "127.0.0.1:2") and router.inflight(old) == 1
+    keep = "127.0.0.1:2" if old == "127.0.0.1:1" else "127.0.0.1:1"
+    left = router.set_layout([RolloutGroup("short", tp=1, count=1, max_len=150), RolloutGroup("big", tp=4, max_len=400)],
+                             [[keep], ["127.0.0.1:7"]])
+    assert sorted(left) == sorted([old, "127.0.0.1:3"])
+    assert router.dispatcher.policy.tree is tree and [g.max_len for g in router.dispatcher.groups] == [150, 400]
+    assert router.all_addresses == [keep, "127.0.0.1:7"] and set(router.health.addresses) == {keep, "127.0.0.1:7",
+                                                                                              old, "127.0.0.1:3"}
+    # the old trajectory's next turn and new trajectories land in the new layout; a successful calc return
+    # still predicts a long answer (same tree): the big group
+    r1 = req("t-old", 35, [tool("success")], model=20)
+    assert router.route(r1, None) == "127.0.0.1:7"
+    assert {router.route(req(f"n{i}", 10, []), None) for i in range(4)} == {keep}
+    # its group "short" is in both layouts: the move to "big" at the tool return is a real migration
+    assert router.step_metrics()["cmlfq/migrations"] == 1
+    # the first request is still on the retired server: counted until done
+    assert router.inflight(old) == 1
+    router.done(r, old, [1] * 5, "stop")
+    assert router.inflight(old) == 0 and router.totals()["group_tokens"]["short"] == 5
+
+    async def never():
+        await asyncio.sleep(60)
+
+    r2 = req("t-2", 10, [])
+    router._begin(old)  # a request placed just before the switch
+    router.evict([old])
+
+    async def main():
+        t0 = time.monotonic()
+        with pytest.raises(ServerDown):
+            await router.watch(r2, old, never())
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 2.0
+    assert asyncio.run(router.failover(r2, old, ServerDown(old))) == keep
+    assert router.inflight(old) == 0
+    router.forget([old, "127.0.0.1:3"])
+    assert set(router.health.addresses) == {keep, "127.0.0.1:7"}
+    with pytest.raises(ValueError, match="still in the layout"):
+        router.forget([keep])

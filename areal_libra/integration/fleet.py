@@ -1,0 +1,471 @@
+"""Live reconfiguration of the rollout server groups, inside the trainer process.
+
+    fleet = build_fleet(trainer, router, run_dir)            # after install_router (train.py)
+    fleet.reconfigure([RolloutGroup("tp1", 1, 2, ...), RolloutGroup("tp2", 2, 1, ...)], step)
+
+A reconfiguration keeps every server whose kind (TP, threads, batch limit) the new layout still needs and
+only starts and stops the difference. New servers start with the CURRENT weights (the checkpoint of the
+last disk weight update, which the fleet keeps instead of letting AReaL delete it) and must report the
+engine's weight version before they get any request. Then the router's groups and the engine's address
+list switch together, so every request placed from then on goes to the new layout. Servers left out get
+no new request; their in-flight requests finish there, or after `drain_timeout_s` are aborted and resume on
+a server of the new layout with their tokens so far (the router's failover path), and they are shut down.
+`<run_dir>/rollout_groups.json` and `<run_dir>/servers.json` (pid, address, group of every server) follow
+every change; areal_libra/launch.py supervises and cleans up from servers.json.
+
+A server that cannot start (or dies before the switch) fails the reconfiguration with a FleetError (one
+line) and leaves the old layout serving; a server that dies after the switch is the router's business
+(failover), as in a run without reconfiguration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from areal_libra.integration.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
+from areal_libra.integration.launcher import ServerHandle, ServerLaunchError, ServerSpec, launch_servers
+from areal_libra.utils import append_jsonl, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+REGISTRY_FILE = "servers.json"
+FLEET_LOG = "fleet.jsonl"
+
+
+class FleetError(RuntimeError):
+    """A reconfiguration that could not be done; the message is one line, the old layout still serves."""
+
+
+@dataclass
+class FleetServer:
+    """One rollout server the fleet knows: started by the trainer (handle) or by the launcher (pid only)."""
+
+    addr: str
+    group: str
+    tp: int = 1
+    threads: int = 1
+    max_running: int = 256
+    pid: int | None = None
+    handle: ServerHandle | None = None
+    owner: str = "launcher"  # launcher | trainer
+    log_path: str = ""
+
+    @property
+    def kind(self) -> tuple[int, int, int]:
+        """What a server is; one of the same kind can serve any group that asks for it."""
+        return (self.tp, self.threads, self.max_running)
+
+    def alive(self) -> bool:
+        if self.handle is not None:
+            return self.handle.alive()
+        return self.pid is not None and pid_running(self.pid)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.handle is not None:
+            self.handle.terminate(timeout)
+            return
+        if self.pid is None:
+            return
+        # Started by the launcher in its own session: the process group is the server and its children.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while pid_running(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def record(self, state: str) -> dict:
+        return {"addr": self.addr, "group": self.group, "tp": self.tp, "pid": self.pid, "owner": self.owner,
+                "state": state, "log": self.log_path}
+
+
+def pid_running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie, whose parent has not reaped it yet, counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        from areal_libra.utils import pid_alive
+
+        return pid_alive(pid) if not os.path.isdir("/proc") else False
+
+
+@dataclass(frozen=True)
+class _Weights:
+    path: str
+    version: int | None  # None: whatever the engine's version is when they are used
+    owned: bool  # the fleet keeps this checkpoint alive for new servers; it deletes it when superseded
+
+
+def _get_json(addr: str, path: str, timeout: float = 10.0) -> dict:
+    with urllib.request.urlopen(f"http://{addr}{path}", timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _post_json(addr: str, path: str, body: dict, timeout: float = 600.0) -> dict:
+    req = urllib.request.Request(f"http://{addr}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class ServerFleet:
+    """The rollout servers of a run and their live reconfiguration (rank 0 of the trainer)."""
+
+    def __init__(
+        self,
+        engine,
+        router,
+        model_path: str,
+        log_dir: str | Path,
+        backend: str = "embedded",
+        servers: Sequence[FleetServer | ServerHandle] = (),
+        groups: Sequence[RolloutGroup] = (),
+        run_dir: str | Path | None = None,
+        start_timeout_s: float = 600.0,
+        drain_timeout_s: float = 60.0,
+        evict_timeout_s: float = 10.0,  # evicted requests give up within the watch interval
+    ) -> None:
+        if router is None or not hasattr(router, "set_layout"):
+            raise FleetError("live reconfiguration needs the project's request router "
+                             "(libra.scheduler.policy other than round_robin)")
+        self.engine = engine
+        self._inner = getattr(engine, "_engine", engine)  # RemoteInfEngine: addresses, lock, version
+        self.router = router
+        self.model_path = str(model_path)
+        self.log_dir = Path(log_dir)
+        self.backend = backend
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.start_timeout_s = start_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.evict_timeout_s = evict_timeout_s
+        self.groups = list(groups) if groups else list(router.groups)
+        self.servers: list[FleetServer] = [self._as_server(s) for s in servers]
+        by_addr = {s.addr: s for s in self.servers}
+        for g, addrs in zip(router.groups, router.group_addrs):
+            for a in addrs:
+                if a not in by_addr:  # known to the router only: a launcher server without a registry entry
+                    s = FleetServer(a, g.name, g.tp, g.threads, g.max_running)
+                    self.servers.append(s)
+                    by_addr[a] = s
+        self._lock = threading.Lock()  # weights record and in-flight weight updates
+        self._reconf = threading.Lock()  # one reconfiguration at a time
+        self._updating = 0
+        # The servers serve model_path at the engine's version now (a fresh run: version 0).
+        self._weights = _Weights(self.model_path, int(self._inner.get_version()), owned=False)
+        self._orig_update = None
+        self._hook_weight_updates()
+        self.reconfigurations = 0
+        self._write_files()
+
+    def _as_server(self, s: FleetServer | ServerHandle) -> FleetServer:
+        if isinstance(s, FleetServer):
+            return s
+        g = next((g for g in self.groups if g.name == s.spec.group), None)
+        return FleetServer(s.addr, s.spec.group, s.spec.tp, s.spec.threads,
+                           g.max_running if g is not None else s.spec.max_running, s.proc.pid, s, "trainer",
+                           s.log_path)
+
+    # --- current weights -------------------------------------------------------------------------------
+    def _hook_weight_updates(self) -> None:
+        """Record the checkpoint of every disk weight update, and keep it on disk (AReaL deletes it after
+        loading) until the next one lands: a server started later loads it."""
+        inner = self._inner
+        orig = getattr(inner, "update_weights_from_disk", None)
+        if orig is None:
+            return
+        self._orig_update = orig
+
+        def update_weights_from_disk(meta):
+            clear = bool(getattr(meta, "clear_checkpoint_after_load", False))
+            kept = copy.copy(meta)
+            kept.clear_checkpoint_after_load = False
+            with self._lock:
+                self._updating += 1
+            try:
+                fut = orig(kept)
+            except BaseException:
+                with self._lock:
+                    self._updating -= 1
+                raise
+
+            def done(f) -> None:
+                ok = f.exception() is None
+                with self._lock:
+                    self._updating -= 1
+                    prev = self._weights
+                    if ok:
+                        self._weights = _Weights(str(meta.path), meta.version, owned=clear)
+                stale = prev if ok else _Weights(str(meta.path), None, owned=clear)
+                if stale.owned and stale.path != self._weights.path:
+                    shutil.rmtree(stale.path, ignore_errors=True)
+
+            fut.add_done_callback(done)
+            return fut
+
+        inner.update_weights_from_disk = update_weights_from_disk
+
+    def current_weights(self) -> tuple[str, int]:
+        """(checkpoint path, version) a new server must serve: the engine's current version."""
+        with self._lock:
+            w, updating = self._weights, self._updating
+        now = int(self._inner.get_version())
+        if updating:
+            raise FleetError("a weight update is in progress; reconfigure between training steps")
+        if w.version is not None and w.version != now:
+            raise FleetError(
+                f"the current weights (version {now}) are not on disk (the last disk weight update was version "
+                f"{w.version}); live reconfiguration needs actor.weight_update_mode=disk"
+            )
+        if not os.path.isdir(w.path):
+            raise FleetError(f"the checkpoint of weight version {now} is gone ({w.path})")
+        return w.path, now
+
+    # --- reconfiguration -------------------------------------------------------------------------------
+    def _validate(self, groups: Sequence[RolloutGroup]) -> list[RolloutGroup]:
+        if not groups:
+            raise FleetError("reconfigure: at least one rollout group is needed")
+        for g in groups:
+            for what in ("tp", "count", "threads", "max_running"):
+                v = getattr(g, what)
+                if not isinstance(v, int) or v < 1:
+                    raise FleetError(f"reconfigure: group {g.name!r}: {what} must be a positive integer, got {v!r}")
+        max_tokens = max([g.max_len for g in self.groups] + [g.max_len for g in groups] + [1])
+        try:
+            return assign_buckets(list(groups), max_tokens)
+        except GroupConfigError as e:
+            raise FleetError(f"reconfigure: {e}") from None
+
+    def _plan(self, target: list[RolloutGroup]) -> tuple[list[list[FleetServer | None]], list[FleetServer]]:
+        """Per target group its servers (None: to start) and the servers to stop. Kept servers are alive
+        and healthy ones of the right kind, preferring those already in a group of the same name."""
+        down = self.router.down_addresses()
+        pool = [s for s in self.servers if s.alive() and s.addr not in down]
+        slots: list[list[FleetServer | None]] = []
+        for g in target:
+            kind = (g.tp, g.threads, g.max_running)
+            mine = sorted((s for s in pool if s.kind == kind), key=lambda s: s.group != g.name)[: g.count]
+            for s in mine:
+                pool.remove(s)
+            slots.append(list(mine) + [None] * (g.count - len(mine)))
+        kept = {id(s) for row in slots for s in row if s is not None}
+        return slots, [s for s in self.servers if id(s) not in kept]
+
+    def _start(self, target: list[RolloutGroup], slots: list[list[FleetServer | None]], path: str,
+               version: int) -> list[FleetServer]:
+        specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name,
+                            extra_args=("--weight-version", str(version)) if self.backend == "embedded" else ())
+                 for g, row in zip(target, slots) for s in row if s is None]
+        if not specs:
+            return []
+        try:
+            handles = launch_servers(path, specs, str(self.log_dir), backend=self.backend,
+                                     timeout=self.start_timeout_s)
+        except (ServerLaunchError, OSError, ValueError) as e:
+            what = ", ".join(f"TP{s.tp} ({s.group})" for s in specs)
+            raise FleetError(f"reconfigure: cannot start {what}: {_first_line(e)}") from e
+        new = [self._as_server(h) for h in handles]
+        try:
+            for s in new:
+                self._ensure_version(s, path, version)
+        except BaseException:
+            for s in new:
+                s.stop()
+            raise
+        return new
+
+    def _ensure_version(self, s: FleetServer, path: str, version: int) -> None:
+        """The server must report the engine's weight version before it takes requests."""
+        want = str(version)
+        try:
+            got = str(_get_json(s.addr, "/get_weight_version").get("weight_version"))
+            if got != want:
+                r = _post_json(s.addr, "/update_weights_from_disk", {"model_path": path, "weight_version": want})
+                if not r.get("success", False):
+                    raise FleetError(f"reconfigure: server {s.addr} did not load {path}: {r.get('message')}")
+                got = str(_get_json(s.addr, "/get_weight_version").get("weight_version"))
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise FleetError(f"reconfigure: new server {s.addr} ({s.group}) stopped answering: {_first_line(e)}") from e
+        if got != want:
+            raise FleetError(f"reconfigure: new server {s.addr} reports weight version {got}, expected {want}")
+
+    def _switch(self, target: list[RolloutGroup], rows: list[list[FleetServer]], new: list[FleetServer],
+                path: str, version: int) -> list[str]:
+        """Router groups and engine addresses change together, and only while no weight update is under
+        way and the weights the new servers loaded are still current."""
+        addrs = [[s.addr for s in row] for row in rows]
+        flat = [a for row in addrs for a in row]
+        deadline = time.monotonic() + 120
+        while True:
+            with self._lock:
+                now = int(self._inner.get_version())
+                if self._updating == 0 and now == version:
+                    for s in new:
+                        if not s.alive():
+                            raise FleetError(f"reconfigure: new server {s.addr} ({s.group}) died before it "
+                                             "served; the old layout keeps serving")
+                    with self._inner.lock:  # AReaL's engine lock (weight version)
+                        left = self.router.set_layout(target, addrs)
+                        self._inner.addresses = flat
+                    return left
+                busy = self._updating > 0
+            if not busy:  # the weights moved on while the servers started: load the new ones
+                path, version = self.current_weights()
+                for s in new:
+                    self._ensure_version(s, path, version)
+                continue
+            if time.monotonic() > deadline:
+                raise FleetError("reconfigure: a weight update did not finish within 120 s")
+            time.sleep(0.2)
+
+    def _drain(self, leaving: list[FleetServer]) -> int:
+        """Wait for the leaving servers' in-flight requests; move what is left after drain_timeout_s.
+        Returns how many requests were moved."""
+        def busy() -> list[FleetServer]:
+            return [s for s in leaving if self.router.inflight(s.addr) > 0]
+
+        deadline = time.monotonic() + self.drain_timeout_s
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = busy()
+        moved = sum(self.router.inflight(s.addr) for s in left)
+        if left:
+            self.router.evict([s.addr for s in left])
+            deadline = time.monotonic() + self.evict_timeout_s
+            while busy() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for s in busy():
+                log.warning("fleet: %d requests still on %s after eviction; stopping it anyway",
+                            self.router.inflight(s.addr), s.addr)
+        return moved
+
+    def reconfigure(self, groups: Sequence[RolloutGroup], step: int) -> dict:
+        """Switch the rollout servers to `groups` (see the module doc). Returns {"reconfig_s", "started",
+        "stopped", "moved", "groups"}; raises FleetError (one line) with the old layout still serving."""
+        t0 = time.monotonic()
+        with self._reconf:
+            target = self._validate(groups)
+            slots, leaving = self._plan(target)
+            if not leaving and all(s is not None for row in slots for s in row) and target == self.groups:
+                return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [], "stopped": [], "moved": 0,
+                        "groups": format_allocation(self.backend, target)}
+            path, version = self.current_weights()
+            new = self._start(target, slots, path, version)
+            it = iter(new)
+            rows = [[s if s is not None else next(it) for s in row] for row in slots]
+            try:
+                self._switch(target, rows, new, path, version)
+            except BaseException:
+                for s in new:
+                    s.stop()
+                raise
+            for g, row in zip(target, rows):
+                for s in row:
+                    s.group = g.name
+            self.groups = target
+            self.servers = [s for row in rows for s in row] + leaving
+            self._write_files(draining=leaving)
+            moved = self._drain(leaving)
+            self.router.forget([s.addr for s in leaving])  # first: a stopped server is no health event
+            for s in leaving:
+                s.stop()
+            self.servers = [s for row in rows for s in row]
+            self._write_files()
+            self.reconfigurations += 1
+        out = {
+            "reconfig_s": round(time.monotonic() - t0, 3),
+            "started": [s.addr for s in new],
+            "stopped": [s.addr for s in leaving],
+            "moved": moved,
+            "groups": format_allocation(self.backend, target),
+        }
+        log.info("fleet: step %d reconfigured to %s in %.1fs (started %s, stopped %s)", step, out["groups"],
+                 out["reconfig_s"], out["started"], out["stopped"])
+        if self.run_dir is not None:
+            with contextlib.suppress(OSError):
+                append_jsonl(self.run_dir / FLEET_LOG, {"step": step, "t": round(time.time(), 3), **out})
+        return out
+
+    # --- files -----------------------------------------------------------------------------------------
+    def _write_files(self, draining: Sequence[FleetServer] = ()) -> None:
+        if self.run_dir is None:
+            return
+        from areal_libra.integration.router import write_groups_file
+
+        gone = {id(s) for s in draining}
+        body = {"servers": [s.record("draining" if id(s) in gone else "serving") for s in self.servers]}
+        atomic_write_text(self.run_dir / REGISTRY_FILE, json.dumps(body, indent=1) + "\n")
+        by_group: dict[str, list[str]] = {}
+        for s in self.servers:
+            if id(s) not in gone:
+                by_group.setdefault(s.group, []).append(s.addr)
+        groups = [replace(g, count=len(by_group.get(g.name, []))) for g in self.groups]
+        write_groups_file(self.run_dir, groups, [a for g in groups for a in by_group.get(g.name, [])])
+
+    def close(self, stop_servers: bool = False) -> None:
+        """Undo the weight-update hook and delete the kept checkpoint; optionally stop the servers the
+        trainer started (the launcher stops the rest, and servers watch their parent process)."""
+        if self._orig_update is not None:
+            with contextlib.suppress(AttributeError):
+                del self._inner.update_weights_from_disk
+            self._orig_update = None
+        with self._lock:
+            w = self._weights
+        if w.owned:
+            shutil.rmtree(w.path, ignore_errors=True)
+        if stop_servers:
+            for s in self.servers:
+                if s.owner == "trainer":
+                    s.stop()
+
+
+def read_registry(run_dir: str | Path) -> list[dict]:
+    """The servers.json entries (empty when there is none or it cannot be read)."""
+    try:
+        return list(json.loads((Path(run_dir) / REGISTRY_FILE).read_text())["servers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def write_registry(run_dir: str | Path, handles: Sequence[ServerHandle], owner: str = "launcher") -> None:
+    """The launcher's first registry: its servers before the trainer starts."""
+    body = {"servers": [{"addr": h.addr, "group": h.spec.group, "tp": h.spec.tp, "pid": h.proc.pid,
+                         "owner": owner, "state": "serving", "log": h.log_path} for h in handles]}
+    atomic_write_text(Path(run_dir) / REGISTRY_FILE, json.dumps(body, indent=1) + "\n")
+
+
+def build_fleet(trainer, router, run_dir: str | Path, **kwargs) -> ServerFleet:
+    """The fleet of a live run (areal_libra/integration/train.py, after install_router): the launcher's
+    servers from rollout_groups.json + servers.json, the model from the AReaL config."""
+    from omegaconf import OmegaConf
+
+    from areal_libra.integration.router import GROUPS_FILE, read_groups_file
+
+    run_dir = Path(run_dir)
+    groups, addrs = read_groups_file(run_dir / GROUPS_FILE)
+    pids = {r.get("addr"): r.get("pid") for r in read_registry(run_dir)}
+    servers = [FleetServer(a, g.name, g.tp, g.threads, g.max_running, pids.get(a))
+               for g, row in zip(groups, addrs) for a in row]
+    libra = OmegaConf.load(run_dir / "libra_config.yaml") if (run_dir / "libra_config.yaml").exists() else {}
+    backend = "sglang" if libra.get("device", "cpu") == "cuda" else "embedded"
+    return ServerFleet(trainer.rollout, router, str(trainer.config.actor.path), run_dir / "servers", backend,
+                       servers, groups, run_dir, **kwargs)
