@@ -7,6 +7,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+try:  # the HTTP fuzzing's long run: pytest tests/server/test_server_fuzz.py --hypothesis-profile=fuzz-long
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("fuzz-long", max_examples=2000)
+except ImportError:  # hypothesis is a dev requirement
+    pass
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:

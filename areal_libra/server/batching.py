@@ -183,7 +183,9 @@ class BatchEngine:
     def submit(self, req: Request) -> None:
         with self._cv:
             if req.params.sampling_seed is not None:
-                req.seed = int(req.params.sampling_seed)
+                # The sampler hashes the low 32 bits only; reducing here keeps any JSON integer (even
+                # beyond int64) from failing the whole batch's step when it is stored in a tensor.
+                req.seed = int(req.params.sampling_seed) & 0xFFFFFFFF
             else:
                 self._seed_counter += 1
                 req.seed = (self.cfg.seed * 1_000_003 + self._seed_counter) & 0xFFFFFFFF
@@ -469,7 +471,7 @@ class BatchEngine:
             p = req.params
             self._temp[row] = p.temperature
             self._top_p[row] = p.top_p
-            self._top_k[row] = p.top_k
+            self._top_k[row] = min(p.top_k, self.vocab_size)  # > vocab means all; must fit int64
             self._seed[row] = req.seed
             self._freq[row] = p.frequency_penalty
             self._pres[row] = p.presence_penalty

@@ -43,7 +43,7 @@ from typing import Any
 
 from aiohttp import web
 
-from areal_libra.server.protocol import RequestError, finish_text, parse_generate
+from areal_libra.server.protocol import RequestError, finish_text, names, parse_generate, short
 
 logger = logging.getLogger("areal_libra.embedded_server")
 
@@ -82,11 +82,26 @@ async def _json_body(request: web.Request, allow_empty: bool = True) -> dict[str
         raise RequestError("request body must be a JSON object")
     try:
         body = json.loads(raw)
-    except json.JSONDecodeError as e:
+    except RecursionError:
+        raise RequestError("request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and UnicodeDecodeError for bytes that are no UTF-8/16/32
         raise RequestError(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     return body
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str], endpoint: str) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(f"Unknown field(s) in {endpoint} request: {names(unknown)}")
+
+
+def _opt_bool(body: dict[str, Any], key: str) -> bool:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise RequestError(f"{key} must be a boolean, got {short(v)}")
+    return bool(v)
 
 
 def load_model(path: str) -> tuple[Any, Any]:
@@ -134,6 +149,7 @@ class EmbeddedServer:
             weight_version=args.weight_version,
         )
         self.started_at = time.time()
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self._update_lock = asyncio.Lock()
 
     # --------------------------------------------------------------- app
@@ -179,19 +195,22 @@ class EmbeddedServer:
         try:
             body = await _json_body(request, allow_empty=False)
             gi = parse_generate(body, self.args.default_max_new_tokens)
-            ids = gi.input_ids if gi.input_ids is not None else self.tokenizer.encode(gi.text)
             vocab = self.engine.vocab_size
-            bad = next((t for t in ids if t < 0 or t >= vocab), None)
-            if bad is not None:
-                raise RequestError(f"input_ids contains token id {bad} outside the vocabulary [0, {vocab})")
             ctx = self.engine.context_len
-            if len(ids) >= ctx:
+            if gi.input_ids is not None:
+                ids = gi.input_ids
+            else:
+                ids = await self._tokenize(gi.text, ctx)
+            if len(ids) >= ctx:  # checked first: a huge input is refused without a scan over it
                 raise RequestError(
                     f"The input ({len(ids)} tokens) is longer than the model's context length ({ctx} tokens)."
                 )
+            bad = next((t for t in ids if t < 0 or t >= vocab), None)
+            if bad is not None:
+                raise RequestError(f"input_ids contains token id {short(bad)} outside the vocabulary [0, {vocab})")
             bad_stop = next((t for t in gi.params.stop_token_ids if t < 0 or t >= vocab), None)
             if bad_stop is not None:
-                raise RequestError(f"stop_token_ids contains {bad_stop}, outside the vocabulary [0, {vocab})")
+                raise RequestError(f"stop_token_ids contains {short(bad_stop)}, outside the vocabulary [0, {vocab})")
         except RequestError as e:
             return _error(str(e))
         gi.params.max_new_tokens = min(gi.params.max_new_tokens, ctx - len(ids))
@@ -222,6 +241,17 @@ class EmbeddedServer:
             self.engine.call(lambda: self.engine.abort(gi.rid, "Client disconnected"))
             raise
         return web.json_response(self._response(fut.result(), gi.return_logprob, t0))
+
+    async def _tokenize(self, text: str, ctx: int) -> list[int]:
+        # No token spells more than max_token_chars characters, so a longer text cannot fit the context;
+        # it is refused without tokenizing (5 MB of text took ~50 s and blocked every other request).
+        if len(text) > 2 * ctx * self.max_token_chars:
+            raise RequestError(
+                f"The input ({len(text)} characters) is longer than the model's context length ({ctx} tokens)."
+            )
+        if len(text) <= 4096:
+            return self.tokenizer.encode(text)
+        return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text)
 
     def _response(self, req: Any, return_logprob: bool, t0: float) -> dict[str, Any]:
         reason = req.finish_reason or {"type": "abort", "message": "unknown"}
@@ -341,30 +371,34 @@ class EmbeddedServer:
     async def pause_generation(self, request: web.Request) -> web.Response:
         try:
             body = await _json_body(request)
-            unknown = sorted(set(body) - {"mode"})
-            if unknown:
-                raise RequestError(f"Unknown field(s) in /pause_generation request: {', '.join(unknown)}")
-            mode = body.get("mode") or "abort"
-            if mode not in ("abort", "retract", "in_place"):
-                raise RequestError(f"mode must be one of abort, retract, in_place; got {mode!r}")
+            _check_fields(body, {"mode"}, "/pause_generation")
+            mode = body.get("mode")
+            if mode is None:
+                mode = "abort"
+            if not isinstance(mode, str) or mode not in ("abort", "retract", "in_place"):
+                raise RequestError(f"mode must be one of abort, retract, in_place; got {short(mode)}")
         except RequestError as e:
             return _error(str(e))
         await self._engine_call(lambda: self.engine.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        try:
+            _check_fields(await _json_body(request), set(), "/continue_generation")
+        except RequestError as e:
+            return _error(str(e))
         await self._engine_call(self.engine.resume)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
             body = await _json_body(request)
-            unknown = sorted(set(body) - {"rid", "abort_all", "finished_reason", "abort_message"})
-            if unknown:
-                raise RequestError(f"Unknown field(s) in /abort_request request: {', '.join(unknown)}")
-            rid, abort_all = body.get("rid") or "", bool(body.get("abort_all", False))
-            if not abort_all and not isinstance(rid, str):
-                raise RequestError("rid must be a string")
+            _check_fields(body, {"rid", "abort_all", "finished_reason", "abort_message"}, "/abort_request")
+            rid, abort_all = body.get("rid"), _opt_bool(body, "abort_all")
+            if rid is None:
+                rid = ""
+            if not isinstance(rid, str):
+                raise RequestError(f"rid must be a string, got {short(rid)}")
         except RequestError as e:
             return _error(str(e))
         if abort_all:
@@ -388,17 +422,19 @@ class EmbeddedServer:
         }
         try:
             body = await _json_body(request, allow_empty=False)
-            unknown = sorted(set(body) - allowed)
-            if unknown:
-                raise RequestError(f"Unknown field(s) in /update_weights_from_disk request: {', '.join(unknown)}")
+            _check_fields(body, allowed, "/update_weights_from_disk")
             path = body.get("model_path")
-            if not isinstance(path, str) or not path:
+            if not isinstance(path, str) or not path or "\x00" in path:
                 raise RequestError("model_path must be a non-empty string")
-            if body.get("load_format") not in (None, "auto", "safetensors", "pt"):
-                raise RequestError(f"load_format {body.get('load_format')!r} is not supported")
+            fmt = body.get("load_format")
+            if fmt is not None and (not isinstance(fmt, str) or fmt not in ("auto", "safetensors", "pt")):
+                raise RequestError(f"load_format {short(fmt)} is not supported")
+            for key in ("abort_all_requests", "is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph",
+                        "flush_cache"):
+                _opt_bool(body, key)
             version = body.get("weight_version")
-            if version is not None and not isinstance(version, str | int):
-                raise RequestError("weight_version must be a string")
+            if version is not None and (isinstance(version, bool) or not isinstance(version, str | int)):
+                raise RequestError(f"weight_version must be a string, got {short(version)}")
         except RequestError as e:
             return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
 
@@ -421,6 +457,10 @@ class EmbeddedServer:
         )
 
     async def memory_noop(self, request: web.Request) -> web.Response:
+        try:
+            await _json_body(request)  # SGLang's bodies (tags) have no meaning here, but must be JSON
+        except RequestError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"success": True, "message": "No-op on the embedded CPU server."})
 
     async def not_on_cpu(self, request: web.Request) -> web.Response:

@@ -8,6 +8,8 @@ at their neutral value so that AReaL's client (which sends ``image_data: null``)
 
 from __future__ import annotations
 
+import math
+import reprlib
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +33,27 @@ class SamplingParams:
     sampling_seed: int | None = None
 
 
+SAMPLING_EPS = 1e-6  # SGLang's _SAMPLING_EPS: temperatures below it mean greedy
+
+
 class RequestError(ValueError):
     """A client error: reported as HTTP 400 {"error": {"message": ...}}."""
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxdict = 3, 60, 60, 8, 8
+
+
+def short(v: Any) -> str:
+    """A bounded repr of a client value for error messages (a 10 MB string or a 900-deep list must not be
+    echoed back whole, nor recurse)."""
+    return _repr.repr(v)
+
+
+def names(keys: list[str], limit: int = 8) -> str:
+    """Field names for an error message, at most ``limit`` of them, each shortened."""
+    shown = ", ".join(k if len(k) <= 60 else short(k) for k in keys[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
 # Top-level /generate fields: value must equal one of the given neutral values unless supported.
@@ -113,10 +134,10 @@ class GenerateInput:
 def _check_neutral(obj: dict[str, Any], supported: set[str], neutral: dict[str, tuple[Any, ...]], where: str) -> None:
     unknown = sorted(k for k in obj if k not in supported and k not in neutral)
     if unknown:
-        raise RequestError(f"Unknown field(s) in {where}: {', '.join(unknown)}")
+        raise RequestError(f"Unknown field(s) in {where}: {names(unknown)}")
     for k, allowed in neutral.items():
         if k in obj and obj[k] not in allowed:
-            raise RequestError(f"{where} field {k}={obj[k]!r} is not supported by the embedded server")
+            raise RequestError(f"{where} field {k}={short(obj[k])} is not supported by the embedded server")
 
 
 def _num(d: dict[str, Any], key: str, default: float, lo: float | None = None, hi: float | None = None) -> float:
@@ -124,7 +145,12 @@ def _num(d: dict[str, Any], key: str, default: float, lo: float | None = None, h
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
-        raise RequestError(f"sampling_params.{key} must be a number, got {v!r}")
+        raise RequestError(f"sampling_params.{key} must be a number, got {short(v)}")
+    # JSON allows NaN/Infinity and ints beyond float range; either would reach the sampler as NaN/inf.
+    if isinstance(v, int) and abs(v) > 2**53:
+        raise RequestError(f"sampling_params.{key}={short(v)} is out of range [{lo}, {hi}]")
+    if not math.isfinite(v):
+        raise RequestError(f"sampling_params.{key} must be a finite number, got {v}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise RequestError(f"sampling_params.{key}={v} is out of range [{lo}, {hi}]")
     return float(v)
@@ -137,7 +163,7 @@ def _int(d: dict[str, Any], key: str, default: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         if isinstance(v, float) and v.is_integer():
             return int(v)
-        raise RequestError(f"sampling_params.{key} must be an integer, got {v!r}")
+        raise RequestError(f"sampling_params.{key} must be an integer, got {short(v)}")
     return v
 
 
@@ -146,7 +172,7 @@ def _bool(d: dict[str, Any], key: str, default: bool, where: str = "sampling_par
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise RequestError(f"{where}.{key} must be a boolean, got {v!r}")
+        raise RequestError(f"{where}.{key} must be a boolean, got {short(v)}")
     return v
 
 
@@ -182,9 +208,12 @@ def parse_sampling_params(sp: Any, default_max_new_tokens: int) -> SamplingParam
     seed = sp.get("sampling_seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise RequestError("sampling_params.sampling_seed must be an integer")
+    temperature = _num(sp, "temperature", 1.0, 0.0, None)
+    if temperature < SAMPLING_EPS:
+        temperature = 0.0  # greedy, as SGLang does (logits / 1e-40 would overflow to NaN in float32)
     return SamplingParams(
         max_new_tokens=max_new,
-        temperature=_num(sp, "temperature", 1.0, 0.0, None),
+        temperature=temperature,
         top_p=top_p,
         top_k=top_k,
         stop=stop,
@@ -215,6 +244,11 @@ def parse_generate(body: Any, default_max_new_tokens: int = 128) -> GenerateInpu
             raise RequestError("input_ids must be a list of integers (batched requests are not supported)")
     if text is not None and (not isinstance(text, str) or not text):
         raise RequestError("text must be a non-empty string (batched requests are not supported)")
+    if text is not None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates (JSON "\udcff") make the tokenizer raise
+            raise RequestError(f"text is not valid Unicode: {e.reason} at position {e.start}") from None
     start = body.get("logprob_start_len")
     if start is None:
         start = -1

@@ -80,6 +80,7 @@ def sample(logits: torch.Tensor, sp: SamplingBatch) -> tuple[torch.Tensor, torch
         total = sorted_p.sum(-1, keepdim=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
         drop = before >= sp.top_p[:, None] * total
+        drop[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
 

@@ -311,3 +311,99 @@ def test_killing_a_server_mid_rollout_loses_no_trajectory(fleet, tmp_path) -> No
     # after it was marked down, nothing more was sent to it
     events = [json.loads(x) for x in (tmp_path / "dispatch_health.jsonl").read_text().splitlines()]
     assert any(e["addr"] == victim.addr and not e["up"] for e in events)
+
+
+@pytest.fixture(scope="module")
+def spare(fleet, embedded_servers):
+    """One more short-group server, to be killed in the middle of a weight update."""
+    from areal_libra.integration.launcher import ServerSpec
+
+    model, _, _ = fleet
+    return embedded_servers(model, [ServerSpec(tp=SHORT.tp, threads=1, max_running=64, group="short")])[0]
+
+
+def _has_connection(addr: str) -> bool:
+    """An established TCP connection to addr's port (the weight-update request reached its socket)."""
+    port = int(addr.rsplit(":", 1)[1])
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = row.split()[1], row.split()[3]
+        if state == "01" and int(local.split(":")[1], 16) == port:
+            return True
+    return False
+
+
+def test_killing_a_server_mid_weight_update_loses_no_trajectory(fleet, spare, tmp_path) -> None:
+    """AReaL's disk weight update (pause_generation, /update_weights_from_disk on every server, continue) runs
+    while a rollout is in flight, and one server is SIGKILLed while its /update_weights_from_disk request is
+    open. The update completes on the survivors, the dead server stays out, every trajectory completes."""
+    import os
+    import shutil
+    import signal
+
+    from areal.api.cli_args import NameResolveConfig
+    from areal.api.io_struct import WeightUpdateMeta
+    from areal.utils import name_resolve, names
+
+    name_resolve.reconfigure(NameResolveConfig(type="nfs", nfs_record_root=str(tmp_path / "name_resolve")))
+
+    model, handles, root = fleet
+    alive = [h for h in handles if h.alive()] + [spare]  # an earlier test may have killed one
+    new_weights = root / "model_v1"  # same weights under a new path: logprobs stay checkable
+    if not new_weights.exists():
+        shutil.copytree(model, new_weights)
+    short = [h.addr for h in alive if h.spec.group == "short"]
+    long = [h.addr for h in alive if h.spec.group == "long"]
+    cfg = DispatchConfig(cmlfq={"start_lookup": False}, health_interval_s=0.5, health_timeout_s=2.0,
+                         fail_after=1, watch_interval_s=0.2)
+    router = RequestRouter([SHORT, LONG], [short, long], cfg, run_dir=tmp_path)
+    eng = make_engine([h.addr for h in alive])
+    result: dict = {}
+
+    def run_rollout() -> None:
+        try:
+            result["out"], result["trajs"] = rollout(eng, router, model, n_prompts=6, group=4, seed=2)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            result["error"] = e
+
+    try:
+        eng.set_request_router(router)
+        router.attach_engine(eng)
+        worker = threading.Thread(target=run_rollout, daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while router.addr_requests.get(spare.addr, 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.is_alive(), "the rollout ended before the weight update began"
+        version = eng.get_version()
+        # AReaL's FSDP engine: pause_generation, update future, save + announce, wait, continue.
+        eng.pause_generation()
+        os.kill(spare.proc.pid, signal.SIGSTOP)  # holds the victim inside the update request
+        fut = eng.update_weights_from_disk(WeightUpdateMeta(type="disk", path=str(new_weights)))
+        name_resolve.add(names.update_weights_from_disk(eng.config.experiment_name, eng.config.trial_name, version),
+                         str(time.time()))
+        deadline = time.monotonic() + 20
+        while not _has_connection(spare.addr) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _has_connection(spare.addr), "the update request never reached the victim"
+        spare.kill()  # SIGKILL while its /update_weights_from_disk is open
+        fut.result(timeout=120)
+        eng.set_version(version + 1)
+        eng.continue_generation()
+        assert worker.is_alive(), "the rollout ended during the update: nothing was in flight"
+        worker.join(120)
+    finally:
+        eng.destroy()
+        router.close()
+    assert "error" not in result, result.get("error")
+    samples, trajs = split_samples(result["out"]), result["trajs"]
+    assert len(samples) == len(trajs) == 24  # nothing lost
+    assert not spare.alive() and spare.addr in router.down_addresses()
+    assert spare.addr in router._missed_update  # reported by the update itself: it stays out for good
+    assert not router._may_readmit(spare.addr)
+    for h in alive:
+        if h is not spare:  # the survivors took the new weights and still serve
+            info = json.loads(urllib.request.urlopen(f"http://{h.addr}/get_model_info", timeout=10).read())
+            assert info["model_path"] == str(new_weights), (h.addr, info["model_path"])
+    check_intact(model, samples, trajs)
+    tot = router.totals()
+    print(f"mid-update kill: {len(trajs)} trajectories, totals {tot}")
