@@ -193,14 +193,19 @@ class HardwareTruth:
         state = shard * (2 + 4) + shard * 12 / dp  # bf16 weights, fp32 grads, Adam+master split over DP
         return state + 12 * GB <= self.gpu.mem_bytes
 
+    def train_flops(self, seq_lens: list[int] | tuple[int, ...]) -> float:
+        """FLOPs of one PPO step on these sequences: proximal forward (2) + forward/backward (6) per token."""
+        m = self.model
+        tokens = float(sum(seq_lens))
+        sq = float(sum(s * s for s in seq_lens))
+        return 8.0 * m.active_params * tokens + 8.0 * m.layers * m.attn_dim * sq
+
     def train_step_s(self, seq_lens: list[int] | tuple[int, ...], tp: int, pp: int, dp: int,
                      micro_batches: int | None = None) -> float:
         """One PPO/GRPO step: a forward for the proximal log-probs plus forward+backward, on tp*pp*dp GPUs."""
         m, c = self.model, self.c
         n = tp * pp * dp
-        tokens = float(sum(seq_lens))
-        sq = float(sum(s * s for s in seq_lens))
-        flops = 8.0 * m.active_params * tokens + 8.0 * m.layers * m.attn_dim * sq
+        flops = self.train_flops(seq_lens)
         mfu = c.train_mfu / (1.0 + c.train_tp_overhead * math.log2(max(tp, 1)))
         if tp > self.gpu.gpus_per_node:
             mfu /= 1.0 + c.train_tp_internode_overhead
