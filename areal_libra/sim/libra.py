@@ -80,8 +80,8 @@ def planner_config(env: Env, **fields):
     _, PlannerConfig, _ = _planner()
     per_step = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
     if PLANNER_MODE == "async":
-        return PlannerConfig(global_batch=per_step, mode="async", staleness=AREAL_STALENESS, **fields)
-    return PlannerConfig(global_batch=per_step * PLAN_WINDOW, **fields)
+        return PlannerConfig(global_batch=per_step, mode="async", staleness=env.staleness, **fields)
+    return PlannerConfig(global_batch=per_step * (env.staleness + 1), **fields)
 # Steps a new plan is credited with in the re-plan gate (the planner's default: one step).
 REPLAN_HORIZON = 1
 
@@ -473,6 +473,6 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     layout = layout_from_plan(plan, env.workload.cfg.max_len)
     core, units = make_hybrid(layout, opts.hybrid_replicas) if opts.elastic else (layout, [])
     ctl = LibraController(env, opts, plan, units)
-    spec = SystemSpec(name, core, RunConfig(max_staleness=AREAL_STALENESS),
+    spec = SystemSpec(name, core, RunConfig(max_staleness=env.staleness),
                       lambda lay: _router_for(lay, opts, None, prof), ctl)
     return spec
