@@ -44,7 +44,7 @@ AXES: dict[str, tuple] = {
     "cap": (8192, 16384, 32768, 40960),
     "tool_s": (0.0, 2.0, 8.0, 30.0),
     "eta": (0, 1, 4, 8),
-    "gpus": (48, 128, 512, 1024),
+    "gpus": (48, 192, 1024),
     "host": ("sglang", "vllm-2023"),
 }
 
@@ -118,13 +118,20 @@ def run_point(p: Point, steps: int, seed: int = 0) -> dict:
     return out
 
 
+def steps_for(p: Point, steps: int, min_steps: int = 4) -> int:
+    """Steps at a point: the batch grows with the cluster, so larger clusters run proportionally fewer steps
+    (the same number of trajectories; the drift horizon follows, so the whole growth is still seen)."""
+    return max(min_steps, round(steps * BASE_GPUS / max(BASE_GPUS, p.gpus)))
+
+
 def sweep(base: Point, steps: int, seed: int = 0, axes: dict[str, tuple] = AXES,
           log: Callable[[str], None] | None = None) -> list[dict]:
     todo = points(base, axes)
     results = []
     t0 = time.time()
     for i, (axis, p) in enumerate(todo):
-        r = run_point(p, steps, seed)
+        r = run_point(p, steps_for(p, steps), seed)
+        r["steps"] = steps_for(p, steps)
         r["axis"] = axis
         r["value"] = getattr(p, axis) if axis != "base" else None
         results.append(r)

@@ -22,8 +22,8 @@ Z99 = 2.3263  # standard normal 99th percentile
 class SynthParams:
     median_tokens: float = 4000.0  # median generated tokens per trajectory at step 0
     tail: float = 4.0  # P99 / median of generated tokens at step 0 (before the cap)
-    tokens_per_turn: float = 600.0
-    max_turns: int = 40
+    tokens_per_turn: float = 1500.0  # a few long turns (Search-R1-like); simulation cost grows with turns
+    max_turns: int = 20
     prompt_tokens: float = 800.0  # median prompt
     payload_tokens: float = 300.0  # median tool payload
     tool_s: float = 2.0  # median tool latency per call (0: tools return at once)
@@ -59,13 +59,12 @@ class SyntheticAgentic(Workload):
             turns = max(1, min(p.max_turns, round(total / p.tokens_per_turn)))
             per = max(1, int(total / turns))
             segs = []
-            for k in range(turns):
-                if k == turns - 1:
-                    segs.append(Segment(per, None))
-                    break
-                pay = int(rng.lognormvariate(math.log(p.payload_tokens), 0.6)) if p.payload_tokens > 0 else 0
-                lat = rng.lognormvariate(math.log(p.tool_s), 0.6) if p.tool_s > 0 else 0.0
+            gauss = rng.gauss  # exp(gauss) is a log-normal draw; cheaper than lognormvariate in this hot loop
+            for _ in range(turns - 1):
+                pay = int(p.payload_tokens * math.exp(0.6 * gauss(0.0, 1.0))) if p.payload_tokens > 0 else 0
+                lat = p.tool_s * math.exp(0.6 * gauss(0.0, 1.0)) if p.tool_s > 0 else 0.0
                 segs.append(Segment(per, ToolReturn("tool", pay, "success", lat)))
+            segs.append(Segment(per, None))
             segs_c, fr = self._cap(prompt, segs)
             out.append(Trajectory(self._tid(version, pid), pid, version, prompt, segs_c, fr))
         return out
