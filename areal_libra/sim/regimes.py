@@ -24,6 +24,9 @@ from areal_libra.sim.workloads import WorkloadConfig
 BASE_GPUS = 48
 BASE_BATCH_PROMPTS = 16  # GRPO groups per step at 48 GPUs; scaled with the cluster size
 GROUP_SIZE = 8
+# The batch stops growing at 1,024 trajectories per step (128 prompts, reached at 384 GPUs): a proportional
+# batch at 1,024 GPUs (2,730 trajectories) takes the static sweep alone beyond this machine's time budget.
+MAX_BATCH_PROMPTS = 128
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ def make_point_env(p: Point, steps: int, model: str = "qwen3-14b", gpu: str = "a
         raise ValueError(f"unknown host profile {p.host!r}; known: {', '.join(HOST_PROFILES)}")
     cl = load_cluster(f"{gpu}x{p.gpus}")
     md = load_model(model)
-    prompts = max(1, round(BASE_BATCH_PROMPTS * p.gpus / BASE_GPUS))
+    prompts = max(1, min(MAX_BATCH_PROMPTS, round(BASE_BATCH_PROMPTS * p.gpus / BASE_GPUS)))
     cfg = WorkloadConfig(group_size=GROUP_SIZE, batch_prompts=prompts, max_len=p.cap, horizon=steps, drift=p.drift)
     wl = SyntheticAgentic(cfg, SynthParams(tail=p.tail, tool_s=p.tool_s))
     truth = truth_from_specs(cl.hardware, md, HOST_PROFILES[p.host])
@@ -121,25 +124,46 @@ def run_point(p: Point, steps: int, seed: int = 0) -> dict:
 def steps_for(p: Point, steps: int, min_steps: int = 4) -> int:
     """Steps at a point: the batch grows with the cluster, so larger clusters run proportionally fewer steps
     (the same number of trajectories; the drift horizon follows, so the whole growth is still seen)."""
-    return max(min_steps, round(steps * BASE_GPUS / max(BASE_GPUS, p.gpus)))
+    prompts = min(MAX_BATCH_PROMPTS, BASE_BATCH_PROMPTS * p.gpus / BASE_GPUS)
+    return max(min_steps, round(steps * BASE_BATCH_PROMPTS / max(BASE_BATCH_PROMPTS, prompts)))
+
+
+def _run_indexed(args: tuple) -> tuple[int, dict]:
+    i, axis, p, steps, seed = args
+    n = steps_for(p, steps)
+    r = run_point(p, n, seed)
+    r.update(axis=axis, value=getattr(p, axis) if axis != "base" else None, steps=n)
+    return i, r
 
 
 def sweep(base: Point, steps: int, seed: int = 0, axes: dict[str, tuple] = AXES,
-          log: Callable[[str], None] | None = None) -> list[dict]:
-    todo = points(base, axes)
-    results = []
+          log: Callable[[str], None] | None = None, jobs: int = 1) -> list[dict]:
+    """Run every point (largest clusters first, so parallel workers finish together); results in point order."""
+    todo = [(i, axis, p, steps, seed) for i, (axis, p) in enumerate(points(base, axes))]
+    todo.sort(key=lambda t: -t[2].gpus)
+    results: dict[int, dict] = {}
     t0 = time.time()
-    for i, (axis, p) in enumerate(todo):
-        r = run_point(p, steps_for(p, steps), seed)
-        r["steps"] = steps_for(p, steps)
-        r["axis"] = axis
-        r["value"] = getattr(p, axis) if axis != "base" else None
-        results.append(r)
+
+    def done(r: dict) -> None:
         if log:
-            log(f"[{i + 1}/{len(todo)}] {axis}={r['value']}: libra/static {r['libra_over_static']:.2f}, "
-                f"libra/roofline {r['libra_over_roofline']:.2f}, static/roofline {r['static_over_roofline']:.2f} "
-                f"({time.time() - t0:.0f} s elapsed)")
-    return results
+            log(f"[{len(results)}/{len(todo)}] {r['axis']}={r['value']} ({r['steps']} steps): libra/static "
+                f"{r['libra_over_static']:.2f}, libra/roofline {r['libra_over_roofline']:.2f}, static/roofline "
+                f"{r['static_over_roofline']:.2f} ({time.time() - t0:.0f} s elapsed)")
+
+    if jobs <= 1:
+        for t in todo:
+            i, r = _run_indexed(t)
+            results[i] = r
+            done(r)
+    else:
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(jobs) as ex:
+            for fut in as_completed([ex.submit(_run_indexed, t) for t in todo]):
+                i, r = fut.result()
+                results[i] = r
+                done(r)
+    return [results[i] for i in sorted(results)]
 
 
 def heatmap(path: str, results: list[dict], base: Point, axes: dict[str, tuple] = AXES) -> None:
