@@ -204,4 +204,5 @@ def heatmap(path: str, results: list[dict], base: Point, axes: dict[str, tuple] 
     os.close(fd)
     fig.savefig(tmp, dpi=80)
     plt.close(fig)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600
     os.replace(tmp, path)
