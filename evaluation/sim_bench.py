@@ -104,10 +104,10 @@ def decode_benchmark(truth: HardwareTruth, tp: int, n_prompts: int = 320, output
 
 def main() -> None:
     """python -m evaluation.sim_bench: the simulated decode benchmark next to the public TP table."""
-    from areal_libra.sim.hardware import truth_for
+    from areal_libra.sim.hardware import VLLM_2023, truth_for
 
     ref = {1: 1591, 2: 1862, 4: 2228, 8: 2381}  # public vLLM decode benchmark, Mistral-7B on A100
-    truth = truth_for("a100", "mistral-7b")
+    truth = truth_for("a100", "mistral-7b", VLLM_2023)
     for tp, want in ref.items():
         got = decode_benchmark(truth, tp).decode_tokens_per_s
         print(f"TP{tp}: simulated {got:.0f} tokens/s, public table {want} ({got / want - 1:+.0%})")

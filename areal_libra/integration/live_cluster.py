@@ -64,11 +64,6 @@ class LivePlanSource:
         return price(plan, self.cluster, self.model, history, self.config).makespan_s
 
 
-def plan_signature(plan: Any) -> tuple:
-    """What a plan changes on a live cluster: the rollout mix, the bucket thresholds and the trainer size."""
-    return tuple(plan.tp_counts()), tuple(plan.buckets()), plan.train_gpus
-
-
 class LiveCluster:
     """areal_libra.control.Cluster on the real run."""
 
@@ -90,8 +85,15 @@ class LiveCluster:
     def history(self, n: int) -> list[tuple[int, ...]]:
         return list(self.finished)[-n:]
 
+    def signature(self, plan: Any) -> tuple:
+        """What a plan puts on this cluster: the server groups (the last bucket reaching max_tokens) and the
+        training layout."""
+        t = plan.train
+        return (tuple((g.tp, g.count, g.max_len) for g in self.groups_for(plan)),
+                (t.tp, t.pp, t.dp, t.micro_batch))
+
     def same_layout(self, a: Any, b: Any) -> bool:
-        return plan_signature(a) == plan_signature(b)
+        return self.signature(a) == self.signature(b)
 
     def groups_for(self, plan: Any) -> list[RolloutGroup]:
         """The plan's rollout mix as server groups; the last bucket takes everything up to max_tokens."""

@@ -136,6 +136,7 @@ class Simulation:
         self.train_busy_s = 0.0
         self.train_gpu_s = 0.0
         self.records: list[dict] = []
+        self.trained: list = []  # every trajectory a training step consumed (the roofline's work)
         # (prompt_tokens, final_length, model_tokens) of finished trajectories: what the live system records
         self.finished: deque = deque(maxlen=4000)
         self.finished_trajs: deque = deque(maxlen=4000)
@@ -360,6 +361,7 @@ class Simulation:
             self._blocked_on = "count"
             return
         chosen = set(id(g) for g in batch)
+        self.trained.extend(tr for g in batch for tr in g.trajs)
         self.pending = deque(g for g in self.pending if id(g) not in chosen)
         lens = [tr.final_length for g in batch for tr in g.trajs]
         lay = self.train_layout

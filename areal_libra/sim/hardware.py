@@ -1,20 +1,26 @@
 """The simulator's "hardware truth": how long a decode iteration, a prefill or a training step takes.
 
 Deliberately independent of `areal_libra.cost` (the planner's Cost Evaluator): it shares only the public
-spec sheet (FLOP/s, HBM and link bandwidths, memory, model shapes) and adds effects the planner's
-analytic model leaves out — per-sequence host/scheduler overhead that does not shrink with TP, attention
-FLOPs growing with the resident context, all-reduce latency, memory-fraction limits on KV capacity,
-pipeline bubbles, partially exposed gradient all-reduce, and multiplicative noise. So the planner can
-mispredict, as it does on real hardware.
+spec sheet — `areal_libra/presets/{hardware,models}.yaml`, read here for FLOP/s, HBM and link bandwidths,
+memory and model shapes, never for the planner's efficiency factors — and adds effects the planner's
+analytic model leaves out: separate efficiencies for reading weights and reading KV, attention over the
+resident context, all-reduce latency, memory-fraction limits on KV capacity, pipeline bubbles, partially
+exposed gradient all-reduce, and multiplicative noise. So the planner can mispredict, as it does on real
+hardware.
 
-The constants were chosen so a single server reproduces the public vLLM decode benchmark
-(Mistral-7B on A100, 320 prompts x 2,000 tokens, TP1/2/4/8) within 25%; `tests/test_sim_hardware.py` checks it.
+Grounding. The GPU part (decode, prefill) reproduces per-layer timings measured on one H200 for a
+Qwen3-14B-shaped layer (CUDA-graph decode, as SGLang serves it): `tests/data/h200_measured.json`, checked by
+`tests/sim/test_sim_truth_measured.py` (decode within 15% at batch >= 16, prefill within 25%). The same
+efficiencies apply to every GPU's spec sheet (the A800 is not measured). The host side is not measured:
+SGLANG (the default) exposes a small fixed cost per iteration, as SGLang's overlap scheduler hides its CPU
+work behind the GPU step; VLLM_2023 charges the per-running-sequence CPU cost fitted to the public vLLM TP
+table (Mistral-7B on A100), which `tests/sim/test_sim_hardware.py` checks within 25%.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GB = 1e9
 
@@ -40,10 +46,16 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
+    embed_params: float = 0.0  # input embedding table when untied: a decode step gathers rows, never reads it
 
     @property
     def weight_bytes(self) -> float:
         return 2.0 * self.params
+
+    @property
+    def decode_read_bytes(self) -> float:
+        """Weights one decode step streams from HBM: every layer and the LM head, not the input table."""
+        return 2.0 * (self.params - self.embed_params)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -54,35 +66,53 @@ class ModelShape:
         return self.heads * self.head_dim
 
 
-# Spec sheets (public numbers). The simulator falls back on these when the planner's
-# presets are not importable; otherwise `truth_from_presets` reads the same facts from them.
-GPUS: dict[str, GpuSpec] = {
-    "a800": GpuSpec("a800", 312e12, 2.0e12, 80 * GB, 400 * GB, 100 * GB / 4),
-    "a100": GpuSpec("a100", 312e12, 2.0e12, 80 * GB, 600 * GB, 100 * GB / 4),
-    "h100": GpuSpec("h100", 990e12, 3.35e12, 80 * GB, 900 * GB, 400 * GB / 8),
-}
-MODELS: dict[str, ModelShape] = {
-    "qwen3-14b": ModelShape("qwen3-14b", 14.8e9, 14.8e9, 40, 5120, 40, 8, 128),
-    "qwen3-8b": ModelShape("qwen3-8b", 8.2e9, 8.2e9, 36, 4096, 32, 8, 128),
-    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 30.5e9, 3.3e9, 48, 2048, 32, 4, 128),
-    "mistral-7b": ModelShape("mistral-7b", 7.24e9, 7.24e9, 32, 4096, 32, 8, 128),
-    "qwen2.5-7b": ModelShape("qwen2.5-7b", 7.6e9, 7.6e9, 28, 3584, 28, 4, 128),
-}
+def gpu_spec(hw) -> GpuSpec:
+    """Spec-sheet facts of a planner HardwareSpec (areal_libra.cost.presets)."""
+    return GpuSpec(hw.name, float(hw.flops), float(hw.hbm_bw), float(hw.hbm_bytes), float(hw.intra_bw),
+                   float(hw.inter_bw), int(hw.gpus_per_node))
+
+
+def model_shape(model) -> ModelShape:
+    """Shape facts of a planner ModelSpec (areal_libra.cost.presets)."""
+    emb = 0.0 if model.tie_embeddings else float(model.vocab * model.hidden)
+    return ModelShape(model.name, float(model.params), float(model.active_params), int(model.n_layers),
+                      int(model.hidden), int(model.n_heads), int(model.n_kv_heads), int(model.head_dim), emb)
+
+
+def _sheet(kind: str) -> dict:
+    from areal_libra.cost.presets import _builtin, load_hardware, load_model
+
+    if kind == "hardware":
+        return {k: gpu_spec(load_hardware(k)) for k in _builtin("hardware")}
+    return {k: model_shape(load_model(k)) for k in _builtin("models")}
+
+
+# The one spec sheet: areal_libra/presets/{hardware,models}.yaml (also what the planner's presets read).
+GPUS: dict[str, GpuSpec] = _sheet("hardware")
+MODELS: dict[str, ModelShape] = _sheet("models")
 
 
 @dataclass(frozen=True)
 class TruthConstants:
     """Efficiencies and overheads of the truth model (not exposed to the planner)."""
 
-    hbm_eff: float = 0.78  # achieved fraction of HBM bandwidth in decode
-    decode_flop_eff: float = 0.45
-    prefill_flop_eff: float = 0.55
-    host_overhead_s: float = 4e-3  # per decode iteration: scheduler, sampling launch
-    host_per_seq_s: float = 4.0e-4  # per running sequence per iteration (CPU-side batch bookkeeping)
+    # Fitted to the H200 table (tests/data/h200_measured.json), least squares on relative error over the
+    # decode rows with batch >= 16: weight reads by small-M GEMMs reach 65% of peak HBM bandwidth, the
+    # attention kernel's streaming KV read 84%; GEMMs at batch 256 run at 60% of peak FLOP/s (the table's
+    # large-batch rows), prefill at 63% (the prefill rows: 61-65%).
+    weight_read_eff: float = 0.65
+    kv_read_eff: float = 0.84
+    decode_flop_eff: float = 0.60
+    prefill_flop_eff: float = 0.63
+    host_overhead_s: float = 5e-4  # exposed per decode iteration (sampling, graph launch), not measured
+    host_per_seq_s: float = 0.0  # exposed per running sequence per iteration (CPU-side batch bookkeeping)
     allreduce_latency_s: float = 10e-6  # small-message all-reduce inside a node (custom one-shot kernel)
     mem_fraction: float = 0.88  # SGLang mem_fraction_static
     workspace_bytes: float = 3.0 * GB  # activations / CUDA graphs per GPU
-    train_mfu: float = 0.42  # base model FLOP utilisation of a training step
+    # Whole PPO step (recompute forward + forward/backward) at TP1; the H200 table's single-layer fwd+bwd runs
+    # at 58% of peak without optimizer, embedding, LM head or data movement (tests/test_sim_truth_measured.py
+    # holds the truth at 1.0-1.6x of that layer's time).
+    train_mfu: float = 0.42
     train_tp_overhead: float = 0.07  # per doubling of TP inside a node
     train_tp_internode_overhead: float = 0.9
     grad_allreduce_exposed: float = 0.35
@@ -90,6 +120,12 @@ class TruthConstants:
     noise_sigma: float = 0.05  # per-iteration multiplicative noise (log-normal sigma)
     server_sigma: float = 0.03  # persistent per-server speed factor
     train_noise_sigma: float = 0.03
+
+
+# Serving-engine host profiles (the host side was not measured; see the module docstring).
+SGLANG = TruthConstants()
+VLLM_2023 = replace(SGLANG, host_overhead_s=4e-3, host_per_seq_s=4.0e-4)
+HOST_PROFILES = {"sglang": SGLANG, "vllm-2023": VLLM_2023}
 
 
 class HardwareTruth:
@@ -114,17 +150,21 @@ class HardwareTruth:
         lat = self.c.allreduce_latency_s * (1.0 + 0.25 * math.log2(tp))  # one-shot kernel, grows slowly
         return lat + 2.0 * (tp - 1) / tp * nbytes / bw
 
+    def decode_gpu_coeffs(self, tp: int, batch: int) -> tuple[float, float]:
+        """GPU time of one decode iteration = a + b * resident_kv_tokens, without host time or all-reduce.
+        Linear layers take max(weight read, GEMM FLOPs); attention streams the resident KV."""
+        m, c = self.model, self.c
+        w_read = m.decode_read_bytes * (m.active_params / m.params if batch < 8 else 1.0)
+        mem_a = w_read / (self.gpu.hbm_bw * c.weight_read_eff * tp)
+        comp_a = 2.0 * m.active_params * batch / (self.gpu.flops * c.decode_flop_eff * tp)
+        mem_b = m.kv_bytes_per_token / (self.gpu.hbm_bw * c.kv_read_eff * tp)
+        comp_b = 4.0 * m.layers * m.attn_dim / (self.gpu.flops * c.decode_flop_eff * tp)
+        return max(mem_a, comp_a), max(mem_b, comp_b)
+
     def decode_coeffs(self, tp: int, batch: int) -> tuple[float, float]:
         """Decode iteration time = a + b * resident_kv_tokens for a batch of `batch` running sequences."""
         m, c = self.model, self.c
-        bw = self.gpu.hbm_bw * c.hbm_eff * tp
-        fl = self.gpu.flops * c.decode_flop_eff * tp
-        mem_a = m.weight_bytes * (m.active_params / m.params if batch < 8 else 1.0) / bw
-        mem_b = m.kv_bytes_per_token / bw
-        comp_a = 2.0 * m.active_params * batch / fl
-        comp_b = 4.0 * m.layers * m.attn_dim / fl
-        # Memory- and compute-bound parts overlap; the slower one sets the GPU time.
-        gpu_a, gpu_b = (mem_a, mem_b) if mem_a >= comp_a else (comp_a, comp_b + mem_b * 0.5)
+        gpu_a, gpu_b = self.decode_gpu_coeffs(tp, batch)
         comm = 2 * m.layers * self._allreduce_s(tp, batch * m.hidden * 2.0)
         host = c.host_overhead_s + c.host_per_seq_s * batch
         return host + comm + gpu_a, gpu_b
@@ -153,14 +193,19 @@ class HardwareTruth:
         state = shard * (2 + 4) + shard * 12 / dp  # bf16 weights, fp32 grads, Adam+master split over DP
         return state + 12 * GB <= self.gpu.mem_bytes
 
+    def train_flops(self, seq_lens: list[int] | tuple[int, ...]) -> float:
+        """FLOPs of one PPO step on these sequences: proximal forward (2) + forward/backward (6) per token."""
+        m = self.model
+        tokens = float(sum(seq_lens))
+        sq = float(sum(s * s for s in seq_lens))
+        return 8.0 * m.active_params * tokens + 8.0 * m.layers * m.attn_dim * sq
+
     def train_step_s(self, seq_lens: list[int] | tuple[int, ...], tp: int, pp: int, dp: int,
                      micro_batches: int | None = None) -> float:
         """One PPO/GRPO step: a forward for the proximal log-probs plus forward+backward, on tp*pp*dp GPUs."""
         m, c = self.model, self.c
         n = tp * pp * dp
-        tokens = float(sum(seq_lens))
-        sq = float(sum(s * s for s in seq_lens))
-        flops = 8.0 * m.active_params * tokens + 8.0 * m.layers * m.attn_dim * sq
+        flops = self.train_flops(seq_lens)
         mfu = c.train_mfu / (1.0 + c.train_tp_overhead * math.log2(max(tp, 1)))
         if tp > self.gpu.gpus_per_node:
             mfu /= 1.0 + c.train_tp_internode_overhead
@@ -195,11 +240,7 @@ class HardwareTruth:
 def truth_from_specs(hw, model, consts: TruthConstants | None = None) -> HardwareTruth:
     """Build the truth from the planner's preset objects (areal_libra.cost.presets HardwareSpec and
     ModelSpec), reading only their spec-sheet facts, never their efficiency factors."""
-    gpu = GpuSpec(hw.name, float(hw.flops), float(hw.hbm_bw), float(hw.hbm_bytes), float(hw.intra_bw),
-                  float(hw.inter_bw), int(hw.gpus_per_node))
-    shape = ModelShape(model.name, float(model.params), float(model.active_params), int(model.n_layers),
-                       int(model.hidden), int(model.n_heads), int(model.n_kv_heads), int(model.head_dim))
-    return HardwareTruth(gpu, shape, consts)
+    return HardwareTruth(gpu_spec(hw), model_shape(model), consts)
 
 
 def truth_for(gpu: str, model: str, consts: TruthConstants | None = None) -> HardwareTruth:

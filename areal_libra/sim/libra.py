@@ -80,8 +80,8 @@ def planner_config(env: Env, **fields):
     _, PlannerConfig, _ = _planner()
     per_step = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
     if env.knobs.planner_mode == "async":
-        return PlannerConfig(global_batch=per_step, mode="async", staleness=AREAL_STALENESS, **fields)
-    return PlannerConfig(global_batch=per_step * PLAN_WINDOW, **fields)
+        return PlannerConfig(global_batch=per_step, mode="async", staleness=env.staleness, **fields)
+    return PlannerConfig(global_batch=per_step * (env.staleness + 1), **fields)
 # Steps a new plan is credited with in the re-plan gate (the planner's default: one step).
 REPLAN_HORIZON = 1
 
@@ -441,5 +441,5 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     cluster = SimCluster(env, opts, units)
     ctl = SimLibraControl(LibraController(control_config(opts, knobs), SimPlanSource(env, opts.homogeneous), plan),
                           cluster)
-    return SystemSpec(name, core, RunConfig(max_staleness=AREAL_STALENESS),
+    return SystemSpec(name, core, RunConfig(max_staleness=env.staleness),
                       lambda lay: _router_for(lay, opts, None, prof, knobs), ctl)

@@ -44,12 +44,22 @@ def make_env(workload: str, cluster: str, model: str, seed: int = 0, batch_promp
                knobs=knobs or SimKnobs())
 
 
+def add_roofline(res: dict, sim) -> None:
+    """The run's roofline bound (areal_libra.sim.roofline) and the system's throughput as a fraction of it."""
+    from areal_libra.sim.roofline import roofline
+
+    roof = roofline(sim.truth, sim.trained, sim.n_gpus, sim.cfg.max_running)
+    res["roofline_tokens_per_s"] = roof["roofline_tokens_per_s"]
+    res["roofline_frac"] = res["tokens_per_s"] / roof["roofline_tokens_per_s"] if roof["roofline_tokens_per_s"] else 0.0
+
+
 def run_many(names: Sequence[str], env: Env, steps: int, log=None) -> tuple[dict, dict]:
     out, sims = {}, {}
     for n in names:
         t0 = time.time()
         res, sim = run_system(n, env, steps)
         res["sim_wall_s"] = round(time.time() - t0, 2)
+        add_roofline(res, sim)
         out[n] = res
         sims[n] = sim
         if log:
@@ -61,12 +71,13 @@ KEYS = ("tokens_per_s", "mean_step_s", "rollout_busy_frac", "train_busy_frac", "
 
 
 def table(results: dict, ref: str | None) -> str:
-    lines = [f"{'system':24s} {'tokens/s':>10s} {'vs ' + (ref or '-'):>18s} {'step s':>8s} {'roll busy':>9s} "
-             f"{'train busy':>10s} {'reconf':>6s} {'stale':>5s}"]
+    lines = [f"{'system':24s} {'tokens/s':>10s} {'vs ' + (ref or '-'):>18s} {'of roof':>7s} {'step s':>8s} "
+             f"{'roll busy':>9s} {'train busy':>10s} {'reconf':>6s} {'stale':>5s}"]
     base = results.get(ref, {}).get("tokens_per_s") if ref else None
     for n, r in results.items():
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        lines.append(f"{n:24s} {r['tokens_per_s']:10.0f} {rel:>18s} {r['mean_step_s']:8.1f} "
+        roof = f"{r['roofline_frac']:.2f}" if "roofline_frac" in r else "-"
+        lines.append(f"{n:24s} {r['tokens_per_s']:10.0f} {rel:>18s} {roof:>7s} {r['mean_step_s']:8.1f} "
                      f"{r['rollout_busy_frac']:9.2f} {r['train_busy_frac']:10.2f} {r['reconfigurations']:6d} "
                      f"{r['max_staleness']:5d}")
     return "\n".join(lines)
@@ -157,6 +168,8 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         print(f"workload={wname} cluster={args.cluster} ({env.n_gpus} GPUs) model={args.model} steps={args.steps} "
               f"seed={args.seed} batch={env.workload.cfg.batch_prompts}x{env.workload.cfg.group_size}")
         print(table(results, default_ref if default_ref in results else None))
+        print("of roof: tokens/s as a fraction of the run's roofline bound (every GPU at the hardware truth's "
+              "limit, perfect balance; areal_libra/sim/roofline.py)")
     if args.plot:
         plot(args.plot, f"{wname} on {args.cluster}", results, sims)
     return 0

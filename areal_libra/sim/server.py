@@ -120,7 +120,8 @@ class RolloutServer:
         t0, k, a, b, kv0, B, xi, t_end = ch
         if t >= t_end:
             return self.finish_chunk()
-        dt = (t - t0) / xi
+        # An arrival can interrupt a chunk that starts later (after a weight-sync pause): nothing has run.
+        dt = max(0.0, (t - t0) / xi)
         # smallest j with chunk_time(j) >= dt: (bB/2) j^2 + (a + b kv0 - bB/2) j - dt = 0
         qa, qb = b * B / 2.0, a + b * kv0 - b * B / 2.0
         if qa > 0:

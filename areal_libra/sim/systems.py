@@ -77,6 +77,7 @@ class Env:
     seed: int = 0
     profile_groups: int = 16
     knobs: SimKnobs = field(default_factory=SimKnobs)
+    staleness: int = AREAL_STALENESS  # eta of AReaL-Static-Optimal and Libra (the regime map sweeps it)
 
 
 @dataclass
@@ -272,14 +273,14 @@ def areal_static_optimal(env: Env, search_steps: int = 3) -> SystemSpec:
                 lay = split_layout(env, roll, tp)
             except SimError:
                 continue
-            sim = Simulation(env.truth, env.workload, env.n_gpus, lay, RunConfig(max_staleness=AREAL_STALENESS),
+            sim = Simulation(env.truth, env.workload, env.n_gpus, lay, RunConfig(max_staleness=env.staleness),
                              policy_router("least_loaded")(lay), seed=env.seed + 1000)
             res = sim.run(search_steps)
             if res["tokens_per_s"] > best_tps:
                 best, best_tps = lay, res["tokens_per_s"]
     if best is None:
         raise SimError("no static layout fits this cluster")
-    return SystemSpec("areal_static_optimal", best, RunConfig(max_staleness=AREAL_STALENESS),
+    return SystemSpec("areal_static_optimal", best, RunConfig(max_staleness=env.staleness),
                       policy_router("least_loaded"))
 
 

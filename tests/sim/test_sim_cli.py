@@ -28,6 +28,9 @@ def test_throughput_json_keys_and_plot(tmp_path):
     for r in out["systems"].values():
         assert KEYS <= set(r)
         assert r["tokens_per_s"] > 0 and 0 <= r["rollout_busy_frac"] <= 1 and 0 <= r["train_busy_frac"] <= 1
+        # Each system as a fraction of its run's roofline bound.
+        assert 0 < r["roofline_frac"] < 1
+        assert r["roofline_frac"] == pytest.approx(r["tokens_per_s"] / r["roofline_tokens_per_s"])
     assert png.stat().st_size > 10_000
 
 

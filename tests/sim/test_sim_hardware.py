@@ -2,7 +2,7 @@
 
 import pytest
 
-from areal_libra.sim.hardware import truth_for
+from areal_libra.sim.hardware import VLLM_2023, truth_for
 from evaluation.sim_bench import decode_benchmark
 
 # Public vLLM decode benchmark, Mistral-7B on A100, 320 prompts x 2,000 tokens, tokens/s.
@@ -11,14 +11,14 @@ TP_TABLE = {1: 1591, 2: 1862, 4: 2228, 8: 2381}
 
 @pytest.mark.parametrize("tp", sorted(TP_TABLE))
 def test_single_server_decode_rate_matches_public_tp_table(tp):
-    truth = truth_for("a100", "mistral-7b")
+    truth = truth_for("a100", "mistral-7b", VLLM_2023)  # that benchmark's engine: vLLM's host cost per sequence
     run = decode_benchmark(truth, tp, n_prompts=320, output_tokens=2000)
     assert run.gen_tokens == 320 * 2000
     assert run.decode_tokens_per_s == pytest.approx(TP_TABLE[tp], rel=0.25)
 
 
 def test_per_gpu_throughput_falls_with_tp_and_kv_capacity_grows():
-    truth = truth_for("a100", "mistral-7b")
+    truth = truth_for("a100", "mistral-7b", VLLM_2023)
     per_gpu = [decode_benchmark(truth, tp, n_prompts=64, output_tokens=256).decode_tokens_per_s / tp
                for tp in (1, 2, 4, 8)]
     assert all(a > b for a, b in zip(per_gpu, per_gpu[1:]))

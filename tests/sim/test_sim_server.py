@@ -3,6 +3,7 @@
 import random
 
 from areal_libra.sim.hardware import truth_for
+from areal_libra.sim.server import RolloutServer, SimRequest
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 from evaluation.sim_bench import replay_on_server
 
@@ -107,3 +108,18 @@ def test_tool_latency_leaves_the_batch_idle():
     assert slow.seconds > fast.seconds
     assert slow.busy_s < slow.seconds
     assert slow.gen_tokens == fast.gen_tokens
+
+
+def test_interrupt_before_a_paused_chunk_starts_runs_nothing():
+    # A weight sync pauses the server; an arrival during a long pause interrupts a chunk that has not begun
+    # (a large batch makes the closed-form inversion's discriminant negative there).
+    truth = truth_for("a800", "qwen3-14b")
+    s = RolloutServer(0, 1, 0, truth, random.Random(0))
+    for i in range(256):
+        s.enqueue(SimRequest(Trajectory(f"a{i}", "a", 0, 200, (Segment(500, None),)), None, 0, 0.0), 0, 200)
+    s.start_chunk(0.0)
+    s.pause(0.0, 300.0, flush=False)
+    start, _ = s.start_chunk(0.0)
+    assert start > 300.0
+    it = s.it
+    assert s.interrupt(1.0) == [] and s.it == it and s.chunk is None
