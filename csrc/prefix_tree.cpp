@@ -167,9 +167,10 @@ class TreeCore {
   }
 
   // scale != 1: the request's remaining lengths are `scale` times the tree's (the policy's drift and growth
-  // switches); the caller passes its contexts in the tree's units and the thresholds are divided here.
+  // switches): its contexts (rounded half to even, as Python's round) and the thresholds are divided by it,
+  // so the rule runs in the tree's units.
   py::tuple decide(const std::string& prompt, const std::vector<int32_t>& ids, int64_t ctx,
-                   const std::vector<int64_t>& dctx, int current, bool placing, double scale) {
+                   const std::vector<int64_t>& dctx_in, int current, bool placing, double scale) {
     if (th_.empty()) throw std::invalid_argument("set_rule() first");
     if (!(scale > 0)) throw std::invalid_argument("scale must be > 0");
     std::vector<double> scaled;
@@ -178,6 +179,14 @@ class TreeCore {
       for (size_t i = 0; i < th_.size(); ++i) scaled[i] = th_[i] / scale;
     }
     const std::vector<double>& th = scale != 1.0 ? scaled : th_;
+    std::vector<int64_t> dctx_scaled;
+    if (scale != 1.0) {
+      ctx = static_cast<int64_t>(std::nearbyint(static_cast<double>(ctx) / scale));
+      dctx_scaled.resize(dctx_in.size());
+      for (size_t i = 0; i < dctx_in.size(); ++i)
+        dctx_scaled[i] = static_cast<int64_t>(std::nearbyint(static_cast<double>(dctx_in[i]) / scale));
+    }
+    const std::vector<int64_t>& dctx = scale != 1.0 ? dctx_scaled : dctx_in;
     current = std::max(0, std::min(current, static_cast<int>(th.size()) - 1));
     const bool cond = condition_ && dctx.size() == ids.size() + 1;
     std::vector<int64_t> floors;

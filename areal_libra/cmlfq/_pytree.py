@@ -159,8 +159,10 @@ class PyTreeCore:
         th, use_mean, q, move_cost, overrun, condition, prompt_first = self.rule
         if not scale > 0:
             raise ValueError("scale must be > 0")
-        if scale != 1.0:  # thresholds in the tree's units (as the C++ core)
+        if scale != 1.0:  # contexts and thresholds in the tree's units (as the C++ core)
             th = [t / scale for t in th]
+            ctx = round(ctx / scale)
+            dctx = [round(c / scale) for c in dctx]
         last = len(th) - 1
         current = max(0, min(current, last))
         cond = condition and len(dctx) == len(ids) + 1

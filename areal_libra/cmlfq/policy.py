@@ -360,6 +360,7 @@ class CMLFQPolicy(_Base):
         if self._mask is not None:
             tree.state_map = self._masked
         self._tree = tree
+        self._tree_decide = tree.decide  # bound once: one attribute lookup less per decision
         if self.auto and self.auto_choice is None:
             # Nothing validated yet: an empty tree never moves a request, so MLFQ decides until it learns.
             self._mlfq_at = ALL_REGIONS if tree.node_count() <= 1 else parse_regions(self.config.mlfq_at)
@@ -554,9 +555,8 @@ class CMLFQPolicy(_Base):
         ctx, dctx = req.context_tokens, req.decision_contexts
         scale = 1.0
         if self.drift is not None or self.growth is not None:
-            # A multiplier on the remaining lengths the tree predicts for this request; the rule runs
-            # unchanged in the tree's units (contexts divided by it here, thresholds in the core's call).
-            scale = 1.0
+            # A multiplier on the remaining lengths the tree predicts for this request; the core runs the
+            # rule unchanged in the tree's units (contexts and thresholds divided by it).
             if self.drift is not None:
                 scale = self._levels.get(req.step, 0.0)
                 if not scale:  # cached per step until the next refit
@@ -565,10 +565,7 @@ class CMLFQPolicy(_Base):
                 typical = self.growth.typical(req.prompt_id, len(req.tool_returns))
                 scale *= growth_factor((req.context_tokens - req.prompt_tokens) / scale, typical,
                                        self.config.growth)
-            if scale != 1.0:  # express the request in the tree's units
-                ctx = round(ctx / scale)
-                dctx = [round(c / scale) for c in dctx]
-        bucket, from_global = self.tree.decide(req.prompt_id, ids, ctx, dctx, current, placing, scale)
+        bucket, from_global = self._tree_decide(req.prompt_id, ids, ctx, dctx, current, placing, scale)
         self.decisions += 1
         self.lookups_from_global += from_global
         return bucket

@@ -153,8 +153,8 @@ class PrefixTree:
     def decide(self, prompt_id: str, ids: list[int], ctx: int, dctx: Sequence[int], current: int,
                placing: bool = False, scale: float = 1.0) -> tuple[int, bool]:
         """One C-MLFQ decision in the core: (bucket, whether the global subtree answered). scale: the
-        request's multiplier on the tree's remaining lengths (contexts already divided by it); the core
-        divides the thresholds by it for this call only."""
+        request's multiplier on the tree's remaining lengths; the core divides the contexts (rounded) and
+        the thresholds by it for this call, so the rule runs in the tree's units."""
         return self._core.decide(prompt_id, ids, ctx, dctx, current, placing, scale)
 
     def rebuild(self, trajs: Iterable[Trajectory], scale_of: Callable[[Trajectory], float] | None = None) -> None:
