@@ -8,8 +8,8 @@ SGLang cannot run on a CPU-only machine, so on CPU the project serves rollouts w
 the same endpoints, bodies and response shapes (as SGLang 0.5's own HTTP server), so AReaL's own
 SGLang client talks to it unchanged. Generation is done by batching.BatchEngine (continuous batching
 with a KV cache) on a Hugging Face causal LM. A CPU server runs the model unsharded; ``--tp-size T`` gives
-it T intra-op compute threads (``--threads`` overrides), so a "TP 2" server decodes faster per request
-than a TP 1 one, as on GPUs. With ``--emulate-model/--emulate-gpu`` every decode iteration and prefill is
+it T intra-op compute threads (``--threads`` overrides), so a "TP 2" server can use two cores where a TP 1
+server uses one (docs/dispatch.md has the measured ratio). With ``--emulate-model/--emulate-gpu`` every decode iteration and prefill is
 also paced to the step time of that model on that accelerator at ``--emulate-tp`` (the simulator's hardware
 truth, areal_libra.sim.hardware), times ``--emulate-time-scale``, while the tiny model computes the tokens.
 
