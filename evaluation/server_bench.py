@@ -152,6 +152,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                     for a, b in zip(by_tp[tps[0]], by_tp[tp])
                 ]
                 s[f"paired_speed_tp{tp}_vs_tp{tps[0]}"] = round(median(pairs), 2)
+                s[f"rounds_tp{tp}_faster"] = sum(x > 1 for x in pairs)
         out.append(s)
     return out
 

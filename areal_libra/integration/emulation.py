@@ -293,3 +293,26 @@ def pace_train_step(tokens: int | Sequence[int], n_accel: int, started_at: float
     if _active is None:
         return None
     return _active.pace_train_step(tokens, n_accel, started_at, n_seqs)
+
+
+def pacing_report(addrs: Sequence[str], timeout: float = 5.0) -> dict[str, float]:
+    """How faithful the servers' pacing was, summed over ``addrs`` (host:port): paced iterations, overruns
+    (own compute longer than the target), their fraction, target and sleep seconds. Unreachable servers
+    are counted in ``unreachable``."""
+    import json
+    import urllib.request
+
+    out = {"paced_iterations": 0.0, "overruns": 0.0, "target_s": 0.0, "sleep_s": 0.0, "unreachable": 0.0}
+    for addr in addrs:
+        try:
+            with urllib.request.urlopen(f"http://{addr}/get_server_info", timeout=timeout) as r:
+                st = json.loads(r.read())["engine_stats"]
+        except (OSError, ValueError, KeyError):
+            out["unreachable"] += 1
+            continue
+        out["paced_iterations"] += st.get("paced_iterations", 0)
+        out["overruns"] += st.get("pace_overruns", 0)
+        out["target_s"] += st.get("pace_target_seconds", 0.0)
+        out["sleep_s"] += st.get("pace_sleep_seconds", 0.0)
+    out["overrun_fraction"] = out["overruns"] / out["paced_iterations"] if out["paced_iterations"] else 0.0
+    return out

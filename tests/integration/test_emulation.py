@@ -17,6 +17,7 @@ from areal_libra.integration.emulation import (
     ServerEmulation,
     configure,
     pace_train_step,
+    pacing_report,
 )
 from areal_libra.integration.groups import RolloutGroup, group_from_mapping
 from areal_libra.integration.launcher import ServerSpec, build_command
@@ -90,6 +91,10 @@ def test_tp2_faster_than_tp1_as_truth_says(paced_servers):
     assert expected > 1.2  # truth: TP2 decodes a lone sequence markedly faster
     assert per_step[2] < per_step[1]
     assert abs(per_step[1] / per_step[2] - expected) / expected < 0.2, (per_step, expected)
+    rep = pacing_report([s.addr for s in paced_servers.values()] + ["127.0.0.1:1"], timeout=1.0)
+    stats = [http(s.addr, "/get_server_info")[1]["engine_stats"] for s in paced_servers.values()]
+    assert rep["paced_iterations"] == sum(st["paced_iterations"] for st in stats) > 0
+    assert rep["unreachable"] == 1 and 0.0 <= rep["overrun_fraction"] <= 1.0
 
 
 def test_unpaced_server_reports_no_emulation(tiny_model_dir):
