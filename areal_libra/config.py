@@ -42,7 +42,7 @@ class RolloutGroupConfig:
     name: str = ""
     tp: int = 1
     count: int = 1
-    threads: int = 1  # CPU threads of each embedded server
+    threads: int | None = None  # CPU threads of each embedded server; None: = tp
     max_running: int = 256
     max_len: int = 0  # bucket threshold; 0: an even split of gconfig.max_tokens
 
@@ -120,6 +120,20 @@ class ControlSettings:
 
 
 @dataclass
+class EmulatedConfig:
+    """`libra.emulated` (cluster=emulated): N emulated accelerators paced to a real model on real hardware
+    (the simulator's hardware truth), see areal_libra.integration.emulation."""
+
+    enabled: bool = False
+    accelerators: int = 16
+    model: str = "qwen3-14b"  # a model preset (areal_libra/presets/models.yaml)
+    gpu: str = "h200"  # a hardware preset (areal_libra/presets/hardware.yaml)
+    time_scale: float = 1.0  # real seconds per emulated second
+    trainer_accelerators: int | None = None  # None: every accelerator the rollout servers leave
+    server_threads: int = 1  # CPU threads per emulated server (its speed comes from the pacing)
+
+
+@dataclass
 class LibraConfig:
     """Everything under `libra:` in the experiment tree. Unknown or mistyped keys fail at launch."""
 
@@ -134,6 +148,7 @@ class LibraConfig:
     rollout_groups: list[RolloutGroupConfig] = field(default_factory=lambda: [RolloutGroupConfig(name="g0")])
     scheduler: DispatchConfig = field(default_factory=DispatchConfig)
     elastic: LiveElasticConfig = field(default_factory=LiveElasticConfig)
+    emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
     control: ControlSettings = field(default_factory=ControlSettings)
 
     def __post_init__(self) -> None:

@@ -75,10 +75,26 @@ def _servers(c: Composed):
     return expand_servers(rollout_groups(c))
 
 
+def emulation(c: Composed):
+    """cluster=emulated: the ClusterEmulation, its accelerator budget checked against the rollout groups
+    (None on a real cluster)."""
+    from areal_libra.integration.emulation import ClusterEmulation, EmulationError
+
+    try:
+        emu = ClusterEmulation.from_libra(c.libra)
+        if emu is not None:
+            emu.check_layout(rollout_groups(c))
+    except EmulationError as e:
+        raise LaunchError(f"libra.emulated: {e}") from None
+    return emu
+
+
 def server_specs(c: Composed):
     from areal_libra.integration.launcher import ServerSpec
 
-    return [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name) for g in _servers(c)]
+    specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name) for g in _servers(c)]
+    emu = emulation(c)
+    return specs if emu is None else [emu.emulate_spec(s) for s in specs]
 
 
 def placement(c: Composed, env: dict[str, str] | None = None, gpu_count: int | None = None):
@@ -226,6 +242,7 @@ def run(argv: list[str]) -> int:
     c = compose(argv, default_cluster="gpu" if _has_cuda() else "cpu")
     check_dataset(c)
     gpus = placement(c)  # before anything starts: an allocation that does not fit is a one-line error
+    emu = emulation(c)  # an emulated layout that does not fit fails before anything starts
     model_path = resolve_model(c)
     c.areal.actor.path = model_path
     c.areal.tokenizer_path = model_path
@@ -251,6 +268,8 @@ def run(argv: list[str]) -> int:
     print(f"areal_libra: run directory {log_dir}", flush=True)
     print(f"areal_libra: experiment={c.choices.get('experiment')} cluster={c.choices.get('cluster')} "
           f"model={model_path} steps={c.areal.total_train_steps}", flush=True)
+    if emu is not None:
+        print(f"areal_libra: emulated cluster {emu.describe(rollout_groups(c))}", flush=True)
     servers = launch_servers(model_path, server_specs(c), log_dir / "servers",
                              backend="sglang" if c.libra.get("device") == "cuda" else "embedded", placement=gpus)
     try:

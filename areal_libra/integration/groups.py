@@ -27,9 +27,13 @@ class RolloutGroup:
     name: str
     tp: int = 1
     count: int = 1
-    threads: int = 1  # embedded CPU server: compute threads (stands in for TP on CPU)
+    threads: int = 0  # embedded CPU server: compute threads; 0 = tp (a "TP t" CPU server runs t threads)
     max_running: int = 256  # batch capacity per server
     max_len: int = 0  # bucket threshold in tokens (0: assigned by assign_buckets)
+
+    def __post_init__(self) -> None:
+        if not self.threads:
+            object.__setattr__(self, "threads", self.tp)
 
     @property
     def gpus(self) -> int:
@@ -127,7 +131,8 @@ def group_from_mapping(d: Mapping, index: int) -> RolloutGroup:
         name=str(d.get("name") or f"tp{tp}"),
         tp=tp,
         count=_pos_int(d.get("count", 1), f"rollout_groups[{index}].count"),
-        threads=_pos_int(d.get("threads", 1), f"rollout_groups[{index}].threads"),
+        # threads default to tp: on CPU a "TP t" server gets t compute threads (an explicit value wins)
+        threads=_pos_int(d.get("threads") or tp, f"rollout_groups[{index}].threads"),
         max_running=_pos_int(d.get("max_running", 256), f"rollout_groups[{index}].max_running"),
         max_len=int(d.get("max_len") or 0),
     )

@@ -13,10 +13,10 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -64,6 +64,15 @@ class EngineConfig:
     compact_padding_fraction: float = 0.5
 
 
+class Pacer(Protocol):
+    """Target wall times for an emulated accelerator (areal_libra.integration.emulation.ServerEmulation):
+    the engine sleeps until each iteration has taken its target."""
+
+    def decode_s(self, batch: int, resident_tokens: int) -> float: ...
+
+    def prefill_s(self, chunks: Iterable[tuple[int, int]]) -> float: ...
+
+
 @dataclass
 class EngineStats:
     decode_steps: int = 0
@@ -77,13 +86,30 @@ class EngineStats:
     retracted_requests: int = 0
     compactions: int = 0
     busy_seconds: float = 0.0
+    decode_seconds: float = 0.0  # wall time of decode iterations (with pacing sleep, if paced)
+    prefill_seconds: float = 0.0
+    # pacing (emulated accelerators): iterations paced, those whose own compute exceeded the target
+    paced_iterations: int = 0
+    pace_overruns: int = 0
+    pace_target_seconds: float = 0.0
+    pace_sleep_seconds: float = 0.0
 
 
 class BatchEngine:
     """Owns the model; serves requests with continuous batching on its own thread."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EngineConfig, weight_version: str = "default"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        config: EngineConfig,
+        weight_version: str = "default",
+        pacer: Pacer | None = None,
+    ):
         self.cfg = config
+        self.pacer = pacer
+        # (kind, batch, tokens, measured_s, target_s) of recent paced iterations: the server's own timing
+        self.pace_log: collections.deque[tuple[str, int, int, float, float]] = collections.deque(maxlen=256)
         self.tokenizer = tokenizer
         self.weight_version = weight_version
         self.stats = EngineStats()
@@ -409,6 +435,7 @@ class BatchEngine:
         sequence that extends a cached one (the previous turn of a multi-turn agent) prefills only its
         new tail on top of the cached keys/values. Suffixes are right-padded after the right-aligned
         prefixes, so each sequence's keys are contiguous in the temporary cache."""
+        t0 = time.perf_counter()
         for r in reqs:
             self._prepare(r)
         seqs = [tuple(r.input_ids + r.output_ids) for r in reqs]
@@ -485,6 +512,9 @@ class BatchEngine:
         row_idx = torch.tensor(rows, dtype=torch.long)
         uidx = torch.tensor([uniq[s] for s in seqs], dtype=torch.long)
         self._sample_and_advance(logits.index_select(0, uidx), row_idx)
+        if self.pacer is not None:
+            self._pace("prefill", t0, n, sum(slens), self.pacer.prefill_s(zip(slens, plens)))
+        self.stats.prefill_seconds += time.perf_counter() - t0
 
     def _hidden(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask4d: torch.Tensor, cache: Any
@@ -509,8 +539,24 @@ class BatchEngine:
             out += lp.gather(1, torch.tensor(r.input_ids[lo:n])[:, None]).squeeze(1).tolist()
         r.input_logprobs = out
 
+    def _pace(self, kind: str, t0: float, batch: int, tokens: int, target: float) -> None:
+        """Sleep until this iteration (begun at t0) has taken ``target`` seconds: an emulated accelerator
+        is as fast as the real one it stands for, never faster. Overruns (own compute > target) are counted."""
+        compute = time.perf_counter() - t0
+        st = self.stats
+        st.paced_iterations += 1
+        st.pace_target_seconds += target
+        if compute >= target:
+            st.pace_overruns += 1
+        else:
+            time.sleep(target - compute)
+            st.pace_sleep_seconds += target - compute
+        self.pace_log.append((kind, batch, tokens, time.perf_counter() - t0, target))
+
     @torch.inference_mode()
     def _decode_step(self) -> None:
+        t0 = time.perf_counter()
+        batch, resident = self._n_live, self._held  # before this step's tokens and finishes
         cache = self.cache
         b = cache.rows
         cache.ensure_step_room(1)
@@ -525,6 +571,9 @@ class BatchEngine:
         self._sample_and_advance(logits, None)
         self._maybe_compact()
         self._enforce_token_budget()
+        if self.pacer is not None:
+            self._pace("decode", t0, batch, resident, self.pacer.decode_s(batch, resident))
+        self.stats.decode_seconds += time.perf_counter() - t0
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Sample the next token for ``rows`` (None = rows 0..B-1), record it, and finish requests."""

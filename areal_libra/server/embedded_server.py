@@ -7,9 +7,11 @@
 SGLang cannot run on a CPU-only machine, so on CPU the project serves rollouts with this server instead:
 the same endpoints, bodies and response shapes (as SGLang 0.5's own HTTP server), so AReaL's own
 SGLang client talks to it unchanged. Generation is done by batching.BatchEngine (continuous batching
-with a KV cache) on a Hugging Face causal LM. ``--tp-size`` is accepted and reported so that the planner's
-heterogeneous instance mix is visible, but a CPU server runs the model unsharded; its compute is set by
-``--threads``.
+with a KV cache) on a Hugging Face causal LM. A CPU server runs the model unsharded; ``--tp-size T`` gives
+it T intra-op compute threads (``--threads`` overrides), so a "TP 2" server can use two cores where a TP 1
+server uses one (docs/dispatch.md has the measured ratio). With ``--emulate-model/--emulate-gpu`` every decode iteration and prefill is
+also paced to the step time of that model on that accelerator at ``--emulate-tp`` (the simulator's hardware
+truth, areal_libra.sim.hardware), times ``--emulate-time-scale``, while the tiny model computes the tokens.
 
 Semantics worth knowing (matching SGLang 0.5):
 - ``output_ids`` and ``meta_info.output_token_logprobs`` hold every generated token, including a matched
@@ -68,6 +70,22 @@ class ServerArgs:
     default_max_new_tokens: int = 128
     weight_version: str = "default"
     parent_pid: int | None = None  # exit when this process is gone (set by the launcher)
+    # Emulated accelerator (areal_libra.integration.emulation): pace iterations to this model on this GPU.
+    emulate_model: str | None = None
+    emulate_gpu: str | None = None
+    emulate_tp: int | None = None  # None: tp_size
+    emulate_time_scale: float = 1.0
+
+    def emulation(self) -> Any:
+        """The ServerEmulation these arguments ask for, or None (raises EmulationError on bad values)."""
+        if self.emulate_model is None and self.emulate_gpu is None:
+            return None
+        from areal_libra.integration.emulation import EmulationError, ServerEmulation
+
+        if self.emulate_model is None or self.emulate_gpu is None:
+            raise EmulationError("--emulate-model and --emulate-gpu must be given together")
+        tp = self.tp_size if self.emulate_tp is None else self.emulate_tp
+        return ServerEmulation(self.emulate_model, self.emulate_gpu, tp, self.emulate_time_scale)
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -137,6 +155,7 @@ class EmbeddedServer:
         self.args = args
         self.tokenizer = tokenizer
         self.tokenizer_path = args.model_path
+        self.emulation = args.emulation()
         self.engine = BatchEngine(
             model,
             tokenizer,
@@ -147,6 +166,7 @@ class EmbeddedServer:
                 seed=args.seed,
             ),
             weight_version=args.weight_version,
+            pacer=self.emulation,
         )
         self.started_at = time.time()
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -347,6 +367,14 @@ class EmbeddedServer:
             "kv_cache_bytes": eng.cache.nbytes(),
         }
         info["engine_stats"] = stats
+        if self.emulation is not None:
+            n = stats["paced_iterations"]
+            info["emulation"] = {
+                **self.emulation.describe(),
+                "overrun_fraction": stats["pace_overruns"] / n if n else 0.0,
+                # the server's own per-iteration timing: [kind, batch, tokens, measured_s, target_s]
+                "recent": [list(x) for x in list(eng.pace_log)[-64:]],
+            }
         info["internal_states"] = [
             {
                 **stats,
@@ -485,7 +513,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--max-running-requests", type=int, default=128)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="intra-op compute threads (default: --tp-size)")
     p.add_argument("--max-total-tokens", type=int, default=262144)
     p.add_argument("--prefix-cache-tokens", type=int, default=32768, help="0 disables reuse across turns")
     p.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
@@ -493,7 +521,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process has gone")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--emulate-model", default=None, help="pace to this model's step times (e.g. qwen3-14b)")
+    p.add_argument("--emulate-gpu", default=None, help="... on this accelerator (e.g. h200)")
+    p.add_argument("--emulate-tp", type=int, default=None, help="... at this TP (default: --tp-size)")
+    p.add_argument("--emulate-time-scale", type=float, default=1.0, help="real seconds per emulated second")
     ns = p.parse_args(argv)
+    if ns.threads is None:
+        ns.threads = ns.tp_size
     for name in ("tp_size", "max_running_requests", "threads", "max_total_tokens", "default_max_new_tokens"):
         if getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
@@ -501,13 +535,26 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         p.error(f"--prefix-cache-tokens must be >= 0, got {ns.prefix_cache_tokens}")
     if not 0 < ns.port < 65536:
         p.error(f"--port must be in 1..65535, got {ns.port}")
+    if ns.emulate_model is None and ns.emulate_gpu is None and (
+        ns.emulate_tp is not None or ns.emulate_time_scale != 1.0
+    ):
+        p.error("--emulate-tp and --emulate-time-scale need --emulate-model and --emulate-gpu")
+    if ns.emulate_model is not None or ns.emulate_gpu is not None:
+        from areal_libra.integration.emulation import EmulationError
+
+        try:
+            ServerArgs(model_path=ns.model_path, tp_size=ns.tp_size, emulate_model=ns.emulate_model,
+                       emulate_gpu=ns.emulate_gpu, emulate_tp=ns.emulate_tp,
+                       emulate_time_scale=ns.emulate_time_scale).emulation()
+        except EmulationError as e:
+            p.error(str(e))
     if not os.path.isfile(os.path.join(ns.model_path, "config.json")):
         sys.stderr.write(
             f"embedded_server: error: --model-path {ns.model_path!r} is not a Hugging Face model directory (no config.json)\n"
         )
         raise SystemExit(1)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return ServerArgs(
+    args = ServerArgs(
         model_path=ns.model_path,
         host=ns.host,
         port=ns.port,
@@ -520,7 +567,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         default_max_new_tokens=ns.default_max_new_tokens,
         weight_version=ns.weight_version,
         parent_pid=ns.parent_pid,
+        emulate_model=ns.emulate_model,
+        emulate_gpu=ns.emulate_gpu,
+        emulate_tp=ns.emulate_tp,
+        emulate_time_scale=ns.emulate_time_scale,
     )
+    return args
 
 
 async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
@@ -559,6 +611,9 @@ async def _serve(server: EmbeddedServer) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Idle OpenMP workers sleep rather than spin (must be set before torch starts its pool): spinning
+    # workers of a multi-threaded server starve the other processes of a shared CPU.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     torch.set_num_threads(args.threads)

@@ -50,7 +50,7 @@ def test_libra_tree_is_typed() -> None:
     c = compose(["cluster=cpu_hetero", "libra.elastic.hybrids=2"])
     typed = libra_config(c.libra)
     assert isinstance(typed, LibraConfig) and typed.elastic.hybrids == 2
-    assert [g.threads for g in typed.rollout_groups] == [1, 1] and typed.scheduler.policy == "cmlfq"
+    assert [g.threads for g in typed.rollout_groups] == [None, None] and typed.scheduler.policy == "cmlfq"
     with pytest.raises(ConfigError, match="rollout_groups"):
         compose(["libra.rollout_groups=[{name: a, tp: two}]"])
     with pytest.raises(ConfigError, match="bogus"):

@@ -1,0 +1,318 @@
+"""An emulated cluster: N accelerators whose rollout servers and trainer take the time a real model would
+take on real hardware, while the tiny CPU model computes the actual tokens.
+
+The step times come from the simulator's hardware truth (areal_libra.sim.hardware, e.g. qwen3-14b on
+h200), never from the planner's own cost model (areal_libra.cost), so the control plane is judged against
+timings it does not know. Each embedded server paces every decode iteration of its continuous batch to
+``truth.decode_iteration_s(tp, running, resident_tokens) * time_scale`` and every prefill likewise (see
+``ServerEmulation`` and the server's ``--emulate-*`` flags); the trainer calls ``pace_train_step`` after
+each step. Pacing can only slow a step down: when the tiny model's own compute takes longer than the
+target (too many servers on too few cores, or a time scale too small) the iteration "overruns", and the
+servers count those (``/get_server_info`` -> ``engine_stats.pace_overruns``) so a run can say how faithful
+it was.
+
+    from areal_libra.integration.emulation import ClusterEmulation, configure, pace_train_step
+    emu = ClusterEmulation.from_libra(libra_cfg)  # None unless cluster=emulated
+    configure(emu)
+    t0 = time.perf_counter(); ...one training step...
+    pace_train_step(seq_lens, n_accel, started_at=t0)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+from areal_libra.sim.hardware import HardwareTruth
+
+DEFAULT_MODEL = "qwen3-14b"
+DEFAULT_GPU = "h200"
+# Real seconds per emulated second. At 1.0 a step of the tiny dapo_math workload (3 turns of <= 48 tokens,
+# 128 trajectories) takes a few seconds of rollout plus ~2 s of training, as qwen3-14b on h200 would.
+DEFAULT_TIME_SCALE = 1.0
+
+
+class EmulationError(ValueError):
+    """Emulation settings that cannot be used; the message is one line naming the problem."""
+
+
+def emulated_truth(model: str, gpu: str) -> HardwareTruth:
+    """The hardware truth for ``model`` on ``gpu``, built from the presets' spec-sheet facts only."""
+    from areal_libra.cost.presets import PresetError, load_hardware, load_model
+    from areal_libra.sim.hardware import truth_from_specs
+
+    try:
+        return truth_from_specs(load_hardware(gpu), load_model(model))
+    except PresetError as e:
+        raise EmulationError(str(e)) from None
+
+
+def _check_scale(time_scale: float) -> float:
+    try:
+        s = float(time_scale)
+    except (TypeError, ValueError):
+        raise EmulationError(f"emulation time scale must be a number > 0, got {time_scale!r}") from None
+    if not math.isfinite(s) or s <= 0:
+        raise EmulationError(f"emulation time scale must be a finite number > 0, got {time_scale!r}")
+    return s
+
+
+def _check_tp(truth: HardwareTruth, tp: int) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise EmulationError(f"emulated TP must be an integer >= 1, got {tp!r}")
+    g, m = truth.gpu, truth.model
+    if tp > g.gpus_per_node:
+        raise EmulationError(f"TP{tp} spans more than one {g.gpus_per_node}-accelerator {g.name} node")
+    if truth.kv_capacity_tokens(tp) <= 0:
+        raise EmulationError(
+            f"{m.name} ({m.weight_bytes / 1e9:.0f} GB of weights) leaves no KV-cache room on {tp} x {g.name}; use a larger TP"
+        )
+
+
+@dataclass(frozen=True)
+class ServerEmulation:
+    """Pacing of one rollout server: a TP-``tp`` server of ``model`` on ``gpu``, time multiplied by
+    ``time_scale``. Implements the server's Pacer protocol (areal_libra.server.batching)."""
+
+    model: str = DEFAULT_MODEL
+    gpu: str = DEFAULT_GPU
+    tp: int = 1
+    time_scale: float = DEFAULT_TIME_SCALE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "time_scale", _check_scale(self.time_scale))
+        _check_tp(self.truth, self.tp)
+
+    @cached_property
+    def truth(self) -> HardwareTruth:
+        return emulated_truth(self.model, self.gpu)
+
+    def decode_s(self, batch: int, resident_tokens: int) -> float:
+        """Target wall time of one decode iteration over ``batch`` running sequences holding
+        ``resident_tokens`` KV tokens in all."""
+        return self.time_scale * self.truth.decode_iteration_s(self.tp, max(batch, 1), resident_tokens)
+
+    def prefill_s(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """Target wall time of one batched prefill: (new tokens, tokens already cached) per sequence."""
+        return self.time_scale * sum(self.truth.prefill_s(self.tp, new, prior) for new, prior in chunks)
+
+    def cli_args(self) -> tuple[str, ...]:
+        """The embedded server's flags for this pacing."""
+        return (
+            "--emulate-model", self.model, "--emulate-gpu", self.gpu,
+            "--emulate-tp", str(self.tp), "--emulate-time-scale", repr(self.time_scale),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu": self.gpu, "tp": self.tp, "time_scale": self.time_scale}
+
+
+def best_train_layout(truth: HardwareTruth, seq_lens: Sequence[int], n_accel: int) -> tuple[int, int, int, float]:
+    """(tp, pp, dp, seconds): the fastest training layout of ``n_accel`` accelerators for this batch under
+    the truth (TP inside a node, powers of two), as a tuned Megatron/FSDP job would pick."""
+    best: tuple[int, int, int, float] | None = None
+    tp = 1
+    while tp <= min(n_accel, truth.gpu.gpus_per_node):
+        if n_accel % tp == 0:
+            pp = 1
+            while pp <= n_accel // tp:
+                if (n_accel // tp) % pp == 0:
+                    dp = n_accel // (tp * pp)
+                    t = truth.train_step_s(list(seq_lens), tp, pp, dp)
+                    if best is None or t < best[3]:
+                        best = (tp, pp, dp, t)
+                pp *= 2
+        tp *= 2
+    if best is None:  # n_accel has no power-of-two factor layout other than pure DP
+        best = (1, 1, n_accel, truth.train_step_s(list(seq_lens), 1, 1, n_accel))
+    return best
+
+
+def _seq_lens(tokens: int | Sequence[int], n_seqs: int) -> list[int]:
+    if isinstance(tokens, int):
+        if tokens < 0 or n_seqs < 1:
+            raise EmulationError(f"tokens must be >= 0 and n_seqs >= 1, got {tokens}, {n_seqs}")
+        base, extra = divmod(tokens, n_seqs)
+        return [base + (1 if i < extra else 0) for i in range(n_seqs)]
+    lens = [int(x) for x in tokens]
+    if any(x < 0 for x in lens):
+        raise EmulationError("sequence lengths must be >= 0")
+    return lens
+
+
+@dataclass(frozen=True)
+class ClusterEmulation:
+    """`libra.emulated`: N emulated accelerators split between the trainer and the rollout servers."""
+
+    accelerators: int = 16
+    model: str = DEFAULT_MODEL
+    gpu: str = DEFAULT_GPU
+    time_scale: float = DEFAULT_TIME_SCALE
+    trainer_accelerators: int | None = None  # None: every accelerator the rollout servers do not use
+    server_threads: int = 1  # CPU threads per emulated server: speed comes from the pacing, not threads
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "time_scale", _check_scale(self.time_scale))
+        for name in ("accelerators", "server_threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise EmulationError(f"libra.emulated.{name} must be an integer >= 1, got {v!r}")
+        t = self.trainer_accelerators
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise EmulationError(f"libra.emulated.trainer_accelerators must be an integer >= 1 or null, got {t!r}")
+        _ = self.truth  # unknown model / accelerator: fail now
+
+    @cached_property
+    def truth(self) -> HardwareTruth:
+        return emulated_truth(self.model, self.gpu)
+
+    @classmethod
+    def from_libra(cls, libra: Any) -> ClusterEmulation | None:
+        """From the `libra:` config (LibraConfig, DictConfig or dict); None unless emulation is enabled."""
+        em = libra.get("emulated") if hasattr(libra, "get") else getattr(libra, "emulated", None)
+        if em is None:
+            return None
+
+        def get(key: str, default: Any) -> Any:
+            return em.get(key, default) if hasattr(em, "get") else getattr(em, key, default)
+
+        if not get("enabled", False):
+            return None
+        return cls(
+            accelerators=get("accelerators", 16),
+            model=str(get("model", DEFAULT_MODEL)),
+            gpu=str(get("gpu", DEFAULT_GPU)),
+            time_scale=get("time_scale", DEFAULT_TIME_SCALE),
+            trainer_accelerators=get("trainer_accelerators", None),
+            server_threads=get("server_threads", 1),
+        )
+
+    # ------------------------------------------------------------ rollout servers
+    def server(self, tp: int) -> ServerEmulation:
+        if tp not in self._cache:
+            self._cache[tp] = ServerEmulation(self.model, self.gpu, tp, self.time_scale)
+        return self._cache[tp]
+
+    def server_spec(self, group: Any, seed: int = 0) -> Any:
+        """The launcher's ServerSpec for one server of a RolloutGroup on this emulated cluster."""
+        from areal_libra.integration.launcher import ServerSpec
+
+        return ServerSpec(tp=group.tp, threads=self.server_threads, max_running=group.max_running,
+                          group=group.name, seed=seed, extra_args=self.server(group.tp).cli_args())
+
+    def emulate_spec(self, spec: Any) -> Any:
+        """An existing ServerSpec made an emulated one (threads and the --emulate-* flags)."""
+        return replace(spec, threads=self.server_threads,
+                       extra_args=tuple(spec.extra_args) + self.server(spec.tp).cli_args())
+
+    # ------------------------------------------------------------ the accelerator budget
+    def check_layout(self, groups: Sequence[Any], trainer: int | None = None) -> tuple[int, int]:
+        """(rollout accelerators, trainer accelerators) of a layout; EmulationError if it does not fit.
+        ``groups`` are RolloutGroups (tp, count); ``trainer`` defaults to libra.emulated.trainer_accelerators,
+        else to what the servers leave."""
+        for g in groups:
+            try:
+                self.server(int(g.tp))
+            except EmulationError as e:
+                raise EmulationError(f"rollout group {g.name}: {e}") from None
+        rollout = sum(int(g.tp) * int(g.count) for g in groups)
+        n = self.accelerators
+        train = trainer if trainer is not None else self.trainer_accelerators
+        mix = "+".join(f"{g.count}xTP{g.tp}" for g in groups) or "none"
+        if train is None:
+            train = n - rollout
+            if train < 1:
+                raise EmulationError(
+                    f"rollout servers ({mix}) use {rollout} of the {n} emulated accelerators; none is left for the trainer"
+                )
+        elif rollout + train > n:
+            raise EmulationError(
+                f"layout needs {rollout} rollout ({mix}) + {train} trainer accelerators = {rollout + train}, "
+                f"but the emulated cluster has {n} (libra.emulated.accelerators)"
+            )
+        return rollout, train
+
+    # ------------------------------------------------------------ the trainer
+    def train_target_s(self, tokens: int | Sequence[int], n_accel: int, n_seqs: int = 1) -> float:
+        """Target wall time of one training step on ``n_accel`` accelerators (best layout), scaled."""
+        if isinstance(n_accel, bool) or not isinstance(n_accel, int) or n_accel < 1:
+            raise EmulationError(f"n_accel must be an integer >= 1, got {n_accel!r}")
+        lens = _seq_lens(tokens, n_seqs)
+        return self.time_scale * best_train_layout(self.truth, lens, n_accel)[3]
+
+    def pace_train_step(self, tokens: int | Sequence[int], n_accel: int, started_at: float | None = None,
+                        n_seqs: int = 1) -> dict[str, float]:
+        """Sleep until the step (begun at ``started_at``, a time.perf_counter() value; None: now) has
+        taken its target time. ``tokens``: per-sequence lengths (preferred: attention cost grows with each
+        sequence's square), or a total split evenly over ``n_seqs``. Returns emul/* metrics."""
+        target = self.train_target_s(tokens, n_accel, n_seqs)
+        t0 = time.perf_counter() if started_at is None else started_at
+        measured = time.perf_counter() - t0
+        sleep = max(0.0, target - measured)
+        if sleep > 0:
+            time.sleep(sleep)
+        return {
+            "emul/train_target_s": target,
+            "emul/train_compute_s": measured,
+            "emul/train_sleep_s": sleep,
+            "emul/train_overrun": float(measured > target),
+            "emul/train_accelerators": float(n_accel),
+        }
+
+    def describe(self, groups: Sequence[Any] = ()) -> str:
+        line = f"{self.accelerators} x {self.gpu} emulating {self.model} (time x{self.time_scale:g})"
+        if groups:
+            r, t = self.check_layout(groups)
+            line += f": trainer {t}, rollout {r} (" + "+".join(f"{g.count}xTP{g.tp}" for g in groups) + ")"
+        return line
+
+
+_active: ClusterEmulation | None = None
+
+
+def configure(emulation: ClusterEmulation | None) -> None:
+    """Set (or clear, with None) the emulation that ``pace_train_step`` uses in this process."""
+    global _active
+    _active = emulation
+
+
+def active() -> ClusterEmulation | None:
+    return _active
+
+
+def pace_train_step(tokens: int | Sequence[int], n_accel: int, started_at: float | None = None,
+                    n_seqs: int = 1) -> dict[str, float] | None:
+    """The trainer's hook: pace this step to the truth's training time for ``tokens`` on ``n_accel``
+    accelerators (see ClusterEmulation.pace_train_step). A no-op returning None when no emulation is
+    configured, so train.py can call it unconditionally."""
+    if _active is None:
+        return None
+    return _active.pace_train_step(tokens, n_accel, started_at, n_seqs)
+
+
+def pacing_report(addrs: Sequence[str], timeout: float = 5.0) -> dict[str, float]:
+    """How faithful the servers' pacing was, summed over ``addrs`` (host:port): paced iterations, overruns
+    (own compute longer than the target), their fraction, target and sleep seconds. Unreachable servers
+    are counted in ``unreachable``."""
+    import json
+    import urllib.request
+
+    out = {"paced_iterations": 0.0, "overruns": 0.0, "target_s": 0.0, "sleep_s": 0.0, "unreachable": 0.0}
+    for addr in addrs:
+        try:
+            with urllib.request.urlopen(f"http://{addr}/get_server_info", timeout=timeout) as r:
+                st = json.loads(r.read())["engine_stats"]
+        except (OSError, ValueError, KeyError):
+            out["unreachable"] += 1
+            continue
+        out["paced_iterations"] += st.get("paced_iterations", 0)
+        out["overruns"] += st.get("pace_overruns", 0)
+        out["target_s"] += st.get("pace_target_seconds", 0.0)
+        out["sleep_s"] += st.get("pace_sleep_seconds", 0.0)
+    out["overrun_fraction"] = out["overruns"] / out["paced_iterations"] if out["paced_iterations"] else 0.0
+    return out

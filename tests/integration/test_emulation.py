@@ -1,0 +1,215 @@
+"""cluster=emulated: embedded servers and the trainer paced to the simulator's hardware truth (qwen3-14b on
+h200), the accelerator budget, bad emulation input; and "TP t = t threads" on CPU."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from areal_libra.cost.presets import load_hardware, load_model
+from areal_libra.integration.emulation import (
+    ClusterEmulation,
+    EmulationError,
+    ServerEmulation,
+    configure,
+    pace_train_step,
+    pacing_report,
+)
+from areal_libra.integration.groups import RolloutGroup, group_from_mapping
+from areal_libra.integration.launcher import ServerSpec, build_command
+from areal_libra.server.inprocess import InProcessServer, http
+from areal_libra.sim.hardware import truth_from_specs
+
+# Targets of 90-150 ms per iteration: well above the tiny model's own compute per iteration even on a
+# loaded 2-core machine (pacing can only slow an iteration down; at x3 a load of ~9 made most overrun).
+SCALE = 10.0
+
+
+def _truth():
+    # built here from the presets, independently of the emulation module's own lookup
+    return truth_from_specs(load_hardware("h200"), load_model("qwen3-14b"))
+
+
+@pytest.fixture(scope="module")
+def paced_servers(tiny_model_dir):
+    # as the server's own main() does: the engine thread gets the GIL back quickly from the HTTP threads
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    servers = {
+        tp: InProcessServer(tiny_model_dir, tp_size=tp, threads=1, max_running_requests=64,
+                            emulate_model="qwen3-14b", emulate_gpu="h200", emulate_time_scale=SCALE)
+        for tp in (1, 2)
+    }
+    yield servers
+    for s in servers.values():
+        s.close()
+    sys.setswitchinterval(old)
+
+
+def _burst(addr: str, batch: int, new_tokens: int) -> None:
+    body = {"input_ids": [5, 6, 7, 8, 9, 10], "sampling_params": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+    with ThreadPoolExecutor(batch) as ex:
+        outs = list(ex.map(lambda _: http(addr, "/generate", body), range(batch)))
+    assert all(st == 200 and o["meta_info"]["completion_tokens"] == new_tokens for st, o in outs)
+
+
+def _decode_ratios(server, batch: int) -> list[float]:
+    """measured / truth for each recent decode iteration at this batch size (the server's own timing)."""
+    info = http(server.addr, "/get_server_info")[1]
+    truth, tp = _truth(), server.args.tp_size
+    return [
+        measured / (SCALE * truth.decode_iteration_s(tp, b, tokens))
+        for kind, b, tokens, measured, _target in info["emulation"]["recent"]
+        if kind == "decode" and b == batch
+    ]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_tp1_decode_iteration_matches_truth(paced_servers, batch):
+    server = paced_servers[1]
+    _burst(server.addr, batch, 12)
+    ratios = _decode_ratios(server, batch)
+    assert len(ratios) >= 6
+    assert 0.8 <= statistics.median(ratios) <= 1.2, ratios
+    st = http(server.addr, "/get_server_info")[1]["engine_stats"]
+    assert st["paced_iterations"] > 0 and st["pace_sleep_seconds"] > 0
+
+
+def test_tp2_faster_than_tp1_as_truth_says(paced_servers):
+    per_step = {}
+    for tp, server in paced_servers.items():
+        _burst(server.addr, 1, 16)
+        info = http(server.addr, "/get_server_info")[1]
+        assert info["emulation"]["tp"] == tp and info["tp_size"] == tp
+        per_step[tp] = statistics.median(m for k, b, _, m, _ in info["emulation"]["recent"] if k == "decode" and b == 1)
+    truth = _truth()
+    expected = truth.decode_iteration_s(1, 1, 30) / truth.decode_iteration_s(2, 1, 30)
+    assert expected > 1.2  # truth: TP2 decodes a lone sequence markedly faster
+    assert per_step[2] < per_step[1]
+    assert abs(per_step[1] / per_step[2] - expected) / expected < 0.2, (per_step, expected)
+    rep = pacing_report([s.addr for s in paced_servers.values()] + ["127.0.0.1:1"], timeout=1.0)
+    stats = [http(s.addr, "/get_server_info")[1]["engine_stats"] for s in paced_servers.values()]
+    assert rep["paced_iterations"] == sum(st["paced_iterations"] for st in stats) > 0
+    assert rep["unreachable"] == 1 and 0.0 <= rep["overrun_fraction"] <= 1.0
+
+
+def test_unpaced_server_reports_no_emulation(tiny_model_dir):
+    s = InProcessServer(tiny_model_dir)
+    try:
+        _burst(s.addr, 2, 4)
+        info = http(s.addr, "/get_server_info")[1]
+        assert "emulation" not in info and info["engine_stats"]["paced_iterations"] == 0
+        assert info["threads"] == 1
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--emulate-model", "nope-7b", "--emulate-gpu", "h200"], "nope-7b"),
+        (["--emulate-model", "qwen3-14b", "--emulate-gpu", "tpu9"], "tpu9"),
+        (["--emulate-model", "qwen3-14b", "--emulate-gpu", "h200", "--emulate-time-scale", "0"], "time scale"),
+        (["--emulate-model", "qwen3-14b", "--emulate-gpu", "h200", "--emulate-time-scale", "nan"], "time scale"),
+        (["--emulate-model", "qwen3-14b", "--emulate-gpu", "h200", "--emulate-tp", "0"], "TP"),
+        (["--emulate-model", "qwen3-14b", "--emulate-gpu", "h200", "--emulate-tp", "16"], "node"),
+        (["--emulate-model", "qwen3-14b", "--emulate-gpu", "cpu"], "KV-cache"),
+        (["--emulate-model", "qwen3-14b"], "together"),
+        (["--emulate-tp", "2"], "need --emulate-model"),
+    ],
+)
+def test_bad_emulation_args_are_one_line_exit_2(args, needle, capsys, tmp_path):
+    from areal_libra.server.embedded_server import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model-path", str(tmp_path)] + args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+def test_accelerator_budget():
+    emu = ClusterEmulation(accelerators=16)
+    groups = [RolloutGroup("short", tp=1, count=2), RolloutGroup("long", tp=2, count=1)]
+    assert emu.check_layout(groups) == (4, 12)
+    assert emu.check_layout(groups, trainer=8) == (4, 8)
+    with pytest.raises(EmulationError, match="none is left for the trainer"):
+        emu.check_layout([RolloutGroup("g", tp=4, count=4)])
+    with pytest.raises(EmulationError, match="= 17, but the emulated cluster has 16"):
+        emu.check_layout(groups, trainer=13)
+    with pytest.raises(EmulationError, match="rollout group g: .*node"):
+        emu.check_layout([RolloutGroup("g", tp=16, count=1)], trainer=1)
+    with pytest.raises(EmulationError, match="accelerators"):
+        ClusterEmulation(accelerators=0)
+    with pytest.raises(EmulationError, match="unknown hardware"):
+        ClusterEmulation(gpu="b300")
+    spec = emu.emulate_spec(ServerSpec(tp=2, threads=2, max_running=8))
+    assert spec.n_threads == 1 and "--emulate-tp" in spec.extra_args and "2" in spec.extra_args
+
+
+def test_cluster_emulated_composes_and_a_layout_that_does_not_fit_is_refused(capsys):
+    from areal_libra import launch
+    from areal_libra.config import compose
+
+    c = compose(["cluster=emulated"])
+    emu = launch.emulation(c)
+    assert emu is not None and emu.accelerators == 16 and emu.model == "qwen3-14b" and emu.gpu == "h200"
+    specs = launch.server_specs(c)
+    assert [s.tp for s in specs] == [1, 1, 2] and all("--emulate-model" in s.extra_args for s in specs)
+    c.libra.emulated.enabled = False
+    assert launch.emulation(c) is None  # any other cluster: not emulated
+    rc = launch.main(["cluster=emulated", "libra.emulated.accelerators=4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "none is left for the trainer" in err, err
+
+
+def test_pace_train_step():
+    configure(None)
+    assert pace_train_step(1000, 4) is None  # not emulated: a no-op
+    emu = ClusterEmulation(time_scale=0.05)
+    configure(emu)
+    try:
+        lens = [160] * 128
+        t0 = time.perf_counter()
+        rec = pace_train_step(lens, 8, started_at=t0)
+        elapsed = time.perf_counter() - t0
+        truth = _truth()
+        # the target is the truth's time for the best of the layouts a job could use, scaled
+        best = min(truth.train_step_s(lens, tp, 1, 8 // tp) for tp in (1, 2, 4, 8))
+        assert rec is not None and rec["emul/train_target_s"] <= 0.05 * best + 1e-9
+        assert rec["emul/train_target_s"] >= 0.05 * truth.c.optimizer_s  # never below the optimizer step
+        assert abs(elapsed - rec["emul/train_target_s"]) / rec["emul/train_target_s"] < 0.2
+        # more accelerators train the same batch faster; more tokens take longer
+        assert emu.train_target_s(lens, 8) < emu.train_target_s(lens, 2)
+        assert emu.train_target_s([320] * 128, 8) > emu.train_target_s(lens, 8)
+        with pytest.raises(EmulationError, match="n_accel"):
+            pace_train_step(lens, 0)
+    finally:
+        configure(None)
+
+
+def test_server_emulation_targets_follow_truth():
+    e1, e2 = ServerEmulation(tp=1, time_scale=2.0), ServerEmulation(tp=2, time_scale=2.0)
+    truth = _truth()
+    assert e1.decode_s(32, 3200) == pytest.approx(2.0 * truth.decode_iteration_s(1, 32, 3200))
+    assert e2.prefill_s([(1000, 0), (500, 100)]) == pytest.approx(
+        2.0 * (truth.prefill_s(2, 1000, 0) + truth.prefill_s(2, 500, 100))
+    )
+    assert e2.decode_s(32, 3200) < e1.decode_s(32, 3200)
+
+
+def test_threads_default_to_tp_with_explicit_override(tiny_model_dir):
+    """On CPU a TP t embedded server runs t compute threads unless `threads` is given."""
+    assert group_from_mapping({"tp": 2}, 0).threads == 2
+    assert group_from_mapping({"tp": 2, "threads": 1}, 0).threads == 1
+    assert RolloutGroup("g", tp=4).threads == 4
+    assert ServerSpec(tp=2).n_threads == 2 and ServerSpec(tp=2, threads=1).n_threads == 1
+    cmd = build_command("embedded", "/m", ServerSpec(tp=2), "127.0.0.1", 1)
+    assert cmd[cmd.index("--threads") + 1] == "2"
+    from areal_libra.server.embedded_server import parse_args
+
+    assert parse_args(["--model-path", tiny_model_dir, "--tp-size", "2"]).threads == 2
+    assert parse_args(["--model-path", tiny_model_dir, "--tp-size", "2", "--threads", "1"]).threads == 1
