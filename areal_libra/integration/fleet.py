@@ -277,6 +277,11 @@ class ServerFleet:
                  for g, row in zip(target, slots) for s in row if s is None]
         if not specs:
             return []
+        from areal_libra.integration.emulation import active
+
+        emu = active()  # cluster=emulated: the new servers are paced like the launcher's
+        if emu is not None:
+            specs = [emu.emulate_spec(s) for s in specs]
         try:
             handles = launch_servers(path, specs, str(self.log_dir), backend=self.backend,
                                      timeout=self.start_timeout_s)

@@ -68,8 +68,10 @@ class LiveCluster:
     """areal_libra.control.Cluster on the real run."""
 
     def __init__(self, fleet: Any, elastic: Any = None, history_len: int = 2000,
-                 max_running: int = 256, max_tokens: int = 0, groups: list[RolloutGroup] | None = None) -> None:
+                 max_running: int = 256, max_tokens: int = 0, groups: list[RolloutGroup] | None = None,
+                 emulation: Any = None) -> None:
         self.fleet = fleet
+        self.emulation = emulation
         self.max_tokens = max_tokens
         self.elastic = elastic
         self.finished: deque[tuple[int, int]] = deque(maxlen=history_len)
@@ -99,6 +101,8 @@ class LiveCluster:
         """The plan's rollout mix as server groups; the last bucket takes everything up to max_tokens."""
         groups = [RolloutGroup(name=g.name, tp=g.tp, count=g.count, threads=g.tp, max_running=self.max_running,
                                max_len=g.max_len) for g in groups_from_plan(plan)]
+        if self.emulation is not None:
+            self.emulation.check_layout(groups)  # EmulationError (a ValueError): the plan does not fit
         if groups and self.max_tokens:
             last = groups[-1]
             groups[-1] = RolloutGroup(last.name, last.tp, last.count, last.threads, last.max_running,
@@ -267,11 +271,13 @@ def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
     from areal_libra.planner import PlannerConfig
 
     c = libra.control
+    emulated = libra.emulated if libra.emulated.enabled else None
+    name = f"{emulated.gpu}x{emulated.accelerators}" if emulated is not None else str(c.cluster)
     try:
-        cluster = load_cluster(str(c.cluster))
+        cluster = load_cluster(name)
     except (ValueError, OSError) as e:
-        raise ControlError(f"libra.control.cluster={c.cluster}: {e}") from None
-    if int(c.accelerators) > 0:
+        raise ControlError(f"libra.control.cluster={name}: {e}") from None
+    if int(c.accelerators) > 0 and emulated is None:
         n = int(c.accelerators)
         cluster = ClusterSpec(cluster.hardware, nodes=1, gpus_per_node=n, name=f"{cluster.hardware.name}x{n}")
     batch = int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples)
@@ -279,8 +285,15 @@ def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
     max_running = int(servers[0].max_running) if servers else 256
     cfg = PlannerConfig(allowed_tp=tuple(int(t) for t in c.allowed_tp), global_batch=batch, mode="async",
                         staleness=int(areal_cfg.rollout.max_head_offpolicyness), max_running=max_running,
-                        train_tp=(1,), max_pp=1, train_backend="fsdp", rollout_backend="embedded"
-                        if str(libra.device) == "cpu" else "sglang")
+                        rollout_backend="embedded" if str(libra.device) == "cpu" else "sglang")
+    if emulated is None:  # the CPU trainer is one FSDP process: no tensor or pipeline parallelism
+        from dataclasses import replace
+
+        cfg = replace(cfg, train_tp=(1,), max_pp=1, train_backend="fsdp")
+    if emulated is not None:  # plan for the emulated model on the emulated accelerators
+        from areal_libra.cost.presets import load_model
+
+        return LivePlanSource(cluster, load_model(str(emulated.model)), cfg)
     return LivePlanSource(cluster, model_spec_from_hf(model_path), cfg)
 
 
@@ -302,3 +315,38 @@ def check_feasible(libra: Any, areal_cfg: Any, model_path: str) -> str:
         return src.solve([(64, 64 + max_new)] * 32).summary()
     except PlanError as e:
         raise ControlError(f"no plan fits libra.control.cluster={libra.control.cluster}: {e}") from None
+
+
+def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any) -> None:
+    """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
+    trainer's accelerators (all the rollout servers leave, as the current layout has them)."""
+    import time as _time
+
+    from areal_libra.integration.emulation import configure
+
+    configure(emulation)
+    actor = trainer.actor
+    original = actor.ppo_update
+    last: dict[str, float] = {}
+
+    def paced(*args: Any, **kwargs: Any) -> Any:
+        t0 = _time.perf_counter()
+        out = original(*args, **kwargs)
+        lens = _batch_lengths(args[0] if args else next(iter(kwargs.values()), None))
+        n_train = emulation.check_layout(groups_fn())[1]
+        last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
+        return out
+
+    actor.ppo_update = paced
+    metrics.add_source(lambda: dict(last))
+
+
+def _batch_lengths(batch: Any) -> list[int]:
+    """Per-sequence token counts of a training batch (a dict, or list of dicts, with attention_mask)."""
+    parts = batch if isinstance(batch, list) else [batch]
+    out: list[int] = []
+    for part in parts:
+        mask = part.get("attention_mask") if isinstance(part, dict) else None
+        if mask is not None and hasattr(mask, "sum"):
+            out += [int(x) for x in mask.sum(-1).reshape(-1).tolist()]
+    return out

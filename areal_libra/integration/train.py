@@ -84,6 +84,23 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
     return control
 
 
+def install_emulation(trainer, libra, run_dir: Path, metrics, control) -> None:
+    """cluster=emulated: pace the trainer (servers pace themselves) to the emulated model and accelerators."""
+    from areal_libra.integration.emulation import ClusterEmulation
+
+    emu = ClusterEmulation.from_libra(libra)
+    if emu is None:
+        return
+    from areal_libra.integration.live_cluster import install_train_pacing
+    from areal_libra.integration.router import GROUPS_FILE, read_groups_file
+
+    static_groups = read_groups_file(run_dir / GROUPS_FILE)[0]
+    if control is not None:
+        control.cluster.emulation = emu
+    install_train_pacing(trainer, emu, (lambda: control.cluster.groups) if control is not None
+                         else (lambda: static_groups), metrics)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run-dir", required=True)
@@ -129,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
         elastic = install_elastic(trainer, libra, run_dir, metrics)  # None unless libra.elastic.enabled
         control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks)
+        install_emulation(trainer, libra, run_dir, metrics, control)
         try:
             trainer.train(workflow=str(libra.workflow), workflow_kwargs=workflow_kwargs)
         finally:
