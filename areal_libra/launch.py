@@ -260,8 +260,7 @@ def run(argv: list[str]) -> int:
             plan = check_feasible(c.libra, c.areal, model_path)
         except ControlError as e:
             raise LaunchError(str(e)) from None
-        print("areal_libra: libra mode; worst-case plan on " + str(c.libra.control.cluster) + ": "
-              + plan.splitlines()[0].split(": ", 1)[-1], flush=True)
+        print("areal_libra: libra mode; worst-case plan: " + plan.splitlines()[0].split(": ", 1)[-1], flush=True)
     from areal_libra.integration.launcher import launch_servers, shutdown
 
     quiet = not sys.stdout.isatty()
