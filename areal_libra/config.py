@@ -131,6 +131,8 @@ class EmulatedConfig:
     time_scale: float = 1.0  # real seconds per emulated second
     trainer_accelerators: int | None = None  # None: every accelerator the rollout servers leave
     server_threads: int = 1  # CPU threads per emulated server (its speed comes from the pacing)
+    length_growth: float = 0.0  # emulated lengths grow to (1 + length_growth)x over growth_horizon steps
+    growth_horizon: int = 40
 
 
 @dataclass

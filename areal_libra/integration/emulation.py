@@ -40,6 +40,39 @@ class EmulationError(ValueError):
     """Emulation settings that cannot be used; the message is one line naming the problem."""
 
 
+def length_multiplier(version: int | str | None, growth: float, horizon: int) -> float:
+    """Emulated tokens per real token at a weight version: lengths that grow linearly from 1x to
+    (1 + growth)x over `horizon` versions (steps), as a policy's trajectories lengthen while it learns. The
+    tiny model's tokens stay what they are; the servers' pacing, the trainer's pacing and the planner's
+    length history all count each of them `length_multiplier` times."""
+    if growth <= 0:
+        return 1.0
+    try:
+        v = max(0, int(version))  # AReaL tags weights with the step number
+    except (TypeError, ValueError):
+        v = 0
+    return 1.0 + growth * min(v, horizon) / max(1, horizon)
+
+
+class GrowingPacer:
+    """A server's pacer under growing lengths: every real token of the batch stands for m emulated ones, so
+    a decode iteration costs m iterations over m times the resident KV, and a prefill m times the tokens."""
+
+    def __init__(self, base: Any, growth: float, horizon: int, version_fn: Any) -> None:
+        self.base, self.growth, self.horizon, self.version_fn = base, growth, horizon, version_fn
+
+    def _m(self) -> float:
+        return length_multiplier(self.version_fn(), self.growth, self.horizon)
+
+    def decode_s(self, batch: int, resident_tokens: int) -> float:
+        m = self._m()
+        return m * self.base.decode_s(batch, int(resident_tokens * m))
+
+    def prefill_s(self, chunks: Iterable[tuple[int, int]]) -> float:
+        m = self._m()
+        return self.base.prefill_s([(int(n * m), int(p * m)) for n, p in chunks])
+
+
 def emulated_truth(model: str, gpu: str) -> HardwareTruth:
     """The hardware truth for ``model`` on ``gpu``, built from the presets' spec-sheet facts only."""
     from areal_libra.cost.presets import PresetError, load_hardware, load_model
@@ -154,6 +187,8 @@ class ClusterEmulation:
     time_scale: float = DEFAULT_TIME_SCALE
     trainer_accelerators: int | None = None  # None: every accelerator the rollout servers do not use
     server_threads: int = 1  # CPU threads per emulated server: speed comes from the pacing, not threads
+    length_growth: float = 0.0  # emulated lengths grow to (1 + length_growth)x over growth_horizon steps
+    growth_horizon: int = 40
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -165,6 +200,8 @@ class ClusterEmulation:
         t = self.trainer_accelerators
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise EmulationError(f"libra.emulated.trainer_accelerators must be an integer >= 1 or null, got {t!r}")
+        if not (math.isfinite(float(self.length_growth)) and self.length_growth >= 0) or self.growth_horizon < 1:
+            raise EmulationError("libra.emulated.length_growth must be >= 0 and growth_horizon >= 1")
         _ = self.truth  # unknown model / accelerator: fail now
 
     @cached_property
@@ -190,7 +227,12 @@ class ClusterEmulation:
             time_scale=get("time_scale", DEFAULT_TIME_SCALE),
             trainer_accelerators=get("trainer_accelerators", None),
             server_threads=get("server_threads", 1),
+            length_growth=float(get("length_growth", 0.0)),
+            growth_horizon=int(get("growth_horizon", 40)),
         )
+
+    def multiplier(self, version: int | str | None) -> float:
+        return length_multiplier(version, self.length_growth, self.growth_horizon)
 
     # ------------------------------------------------------------ rollout servers
     def server(self, tp: int) -> ServerEmulation:
@@ -203,12 +245,18 @@ class ClusterEmulation:
         from areal_libra.integration.launcher import ServerSpec
 
         return ServerSpec(tp=group.tp, threads=self.server_threads, max_running=group.max_running,
-                          group=group.name, seed=seed, extra_args=self.server(group.tp).cli_args())
+                          group=group.name, seed=seed,
+                          extra_args=self.server(group.tp).cli_args() + self.growth_args())
+
+    def growth_args(self) -> tuple[str, ...]:
+        if self.length_growth <= 0:
+            return ()
+        return ("--emulate-growth", repr(self.length_growth), "--emulate-horizon", str(self.growth_horizon))
 
     def emulate_spec(self, spec: Any) -> Any:
         """An existing ServerSpec made an emulated one (threads and the --emulate-* flags)."""
         return replace(spec, threads=self.server_threads,
-                       extra_args=tuple(spec.extra_args) + self.server(spec.tp).cli_args())
+                       extra_args=tuple(spec.extra_args) + self.server(spec.tp).cli_args() + self.growth_args())
 
     # ------------------------------------------------------------ the accelerator budget
     def check_layout(self, groups: Sequence[Any], trainer: int | None = None) -> tuple[int, int]:
@@ -250,7 +298,7 @@ class ClusterEmulation:
         """Sleep until the step (begun at ``started_at``, a time.perf_counter() value; None: now) has
         taken its target time. ``tokens``: per-sequence lengths (preferred: attention cost grows with each
         sequence's square), or a total split evenly over ``n_seqs``. Returns emul/* metrics."""
-        target = self.train_target_s(tokens, n_accel, n_seqs)
+        target = self.train_target_s(tokens, n_accel, n_seqs)  # tokens already scaled by the caller
         t0 = time.perf_counter() if started_at is None else started_at
         measured = time.perf_counter() - t0
         sleep = max(0.0, target - measured)

@@ -72,6 +72,7 @@ class LiveCluster:
                  emulation: Any = None) -> None:
         self.fleet = fleet
         self.emulation = emulation
+        self.version = 0  # the current step (weight version), for emulated length growth
         self.max_tokens = max_tokens
         self.elastic = elastic
         self.finished: deque[tuple[int, int]] = deque(maxlen=history_len)
@@ -81,7 +82,11 @@ class LiveCluster:
         self.groups: list[RolloutGroup] = list(groups or getattr(fleet, "groups", []) or [])
 
     def on_trajectory(self, traj: Any) -> None:
-        self.finished.append((int(traj.prompt_tokens), int(traj.final_length)))
+        prompt, final = int(traj.prompt_tokens), int(traj.final_length)
+        if self.emulation is not None:  # emulated lengths: each generated or tool token counts m times
+            m = self.emulation.multiplier(self.version)
+            final = prompt + int(round((final - prompt) * m))
+        self.finished.append((prompt, final))
 
     # ------------------------------------------------------------ Cluster interface
     def history(self, n: int) -> list[tuple[int, ...]]:
@@ -173,6 +178,7 @@ class LiveControl:
 
     def on_step(self, step: int, rec: dict) -> dict[str, float]:
         """Called once per committed step with that step's flat record; returns plan/* metrics."""
+        self.cluster.version = step
         pressure = self.pressure_fn() if self.pressure_fn is not None else (0.0, 0.0)
         elastic = self.cluster.elastic
         measured = elastic.observation() if elastic is not None and hasattr(elastic, "observation") else None
@@ -317,7 +323,8 @@ def check_feasible(libra: Any, areal_cfg: Any, model_path: str) -> str:
         raise ControlError(f"no plan fits libra.control.cluster={libra.control.cluster}: {e}") from None
 
 
-def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any) -> None:
+def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any,
+                         version_fn: Any = lambda: 0) -> None:
     """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
     trainer's accelerators (all the rollout servers leave, as the current layout has them)."""
     import time as _time
@@ -332,13 +339,21 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
     def paced(*args: Any, **kwargs: Any) -> Any:
         t0 = _time.perf_counter()
         out = original(*args, **kwargs)
-        lens = _batch_lengths(args[0] if args else next(iter(kwargs.values()), None))
+        m = emulation.multiplier(version_fn())
+        lens = [int(x * m) for x in _batch_lengths(args[0] if args else next(iter(kwargs.values()), None))]
         n_train = emulation.check_layout(groups_fn())[1]
         last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
+        last["emul/length_multiplier"] = m
         return out
 
     actor.ppo_update = paced
     metrics.add_source(lambda: dict(last))
+
+    def emulated_tokens(step: int, rec: dict) -> dict:
+        # Tokens the emulated model generated this step (for throughput; the planner sees the same lengths).
+        return {"emulated/gen_tokens": float(rec.get("gen_tokens", 0)) * emulation.multiplier(step - 1)}
+
+    metrics.add_step_hook(emulated_tokens)
 
 
 def _batch_lengths(batch: Any) -> list[int]:

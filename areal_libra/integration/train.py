@@ -98,7 +98,7 @@ def install_emulation(trainer, libra, run_dir: Path, metrics, control) -> None:
     if control is not None:
         control.cluster.emulation = emu
     install_train_pacing(trainer, emu, (lambda: control.cluster.groups) if control is not None
-                         else (lambda: static_groups), metrics)
+                         else (lambda: static_groups), metrics, version_fn=lambda: trainer.actor.get_version())
 
 
 def main(argv: list[str] | None = None) -> int:

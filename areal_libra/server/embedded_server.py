@@ -75,6 +75,8 @@ class ServerArgs:
     emulate_gpu: str | None = None
     emulate_tp: int | None = None  # None: tp_size
     emulate_time_scale: float = 1.0
+    emulate_growth: float = 0.0  # emulated lengths grow with the weight version (integration.emulation)
+    emulate_horizon: int = 40
 
     def emulation(self) -> Any:
         """The ServerEmulation these arguments ask for, or None (raises EmulationError on bad values)."""
@@ -168,6 +170,11 @@ class EmbeddedServer:
             weight_version=args.weight_version,
             pacer=self.emulation,
         )
+        if self.emulation is not None and args.emulate_growth > 0:
+            from areal_libra.integration.emulation import GrowingPacer
+
+            self.engine.pacer = GrowingPacer(self.emulation, args.emulate_growth, args.emulate_horizon,
+                                             lambda: self.engine.weight_version)
         self.started_at = time.time()
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self._update_lock = asyncio.Lock()
@@ -525,6 +532,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--emulate-gpu", default=None, help="... on this accelerator (e.g. h200)")
     p.add_argument("--emulate-tp", type=int, default=None, help="... at this TP (default: --tp-size)")
     p.add_argument("--emulate-time-scale", type=float, default=1.0, help="real seconds per emulated second")
+    p.add_argument("--emulate-growth", type=float, default=0.0,
+                   help="emulated lengths grow to (1 + this)x over --emulate-horizon weight versions")
+    p.add_argument("--emulate-horizon", type=int, default=40)
     ns = p.parse_args(argv)
     if ns.threads is None:
         ns.threads = ns.tp_size
@@ -539,6 +549,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         ns.emulate_tp is not None or ns.emulate_time_scale != 1.0
     ):
         p.error("--emulate-tp and --emulate-time-scale need --emulate-model and --emulate-gpu")
+    if ns.emulate_growth < 0 or ns.emulate_horizon < 1 or (ns.emulate_growth > 0 and ns.emulate_model is None):
+        p.error("--emulate-growth must be >= 0 (with --emulate-model), --emulate-horizon >= 1")
     if ns.emulate_model is not None or ns.emulate_gpu is not None:
         from areal_libra.integration.emulation import EmulationError
 
@@ -571,6 +583,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         emulate_gpu=ns.emulate_gpu,
         emulate_tp=ns.emulate_tp,
         emulate_time_scale=ns.emulate_time_scale,
+        emulate_growth=ns.emulate_growth,
+        emulate_horizon=ns.emulate_horizon,
     )
     return args
 

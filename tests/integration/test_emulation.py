@@ -213,3 +213,23 @@ def test_threads_default_to_tp_with_explicit_override(tiny_model_dir):
 
     assert parse_args(["--model-path", tiny_model_dir, "--tp-size", "2"]).threads == 2
     assert parse_args(["--model-path", tiny_model_dir, "--tp-size", "2", "--threads", "1"]).threads == 1
+
+
+def test_emulated_lengths_grow_with_the_weight_version():
+    """length_growth: each real token stands for m(version) emulated ones, m from 1 to 1 + growth over the
+    horizon; a server's pacing charges m decode iterations over m times the KV, and the flags carry it."""
+    from areal_libra.integration.emulation import ClusterEmulation, GrowingPacer, length_multiplier
+
+    assert length_multiplier(0, 1.0, 40) == 1.0 and length_multiplier("20", 1.0, 40) == 1.5
+    assert length_multiplier(400, 1.0, 40) == 2.0 and length_multiplier("default", 1.0, 40) == 1.0
+    emu = ClusterEmulation(length_growth=1.0, growth_horizon=40)
+    base = emu.server(1)
+    version = {"v": "0"}
+    pacer = GrowingPacer(base, 1.0, 40, lambda: version["v"])
+    assert pacer.decode_s(16, 16 * 1024) == pytest.approx(base.decode_s(16, 16 * 1024))
+    version["v"] = "40"
+    assert pacer.decode_s(16, 16 * 1024) == pytest.approx(2 * base.decode_s(16, 32 * 1024))
+    assert pacer.prefill_s([(100, 0)]) == pytest.approx(base.prefill_s([(200, 0)]))
+    assert "--emulate-growth" in emu.growth_args() and ClusterEmulation().growth_args() == ()
+    with pytest.raises(ValueError, match="length_growth"):
+        ClusterEmulation(length_growth=-1.0)
