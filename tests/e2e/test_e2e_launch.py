@@ -30,3 +30,28 @@ def test_two_step_run_writes_metrics_and_wandb(tmp_path: Path) -> None:
     assert any(rec["throughput_tokens_per_s"] > 0 for rec in recs)
     runs = list(tmp_path.rglob("offline-run-*"))
     assert runs, "no offline W&B run under the fileroot"
+
+
+def test_libra_mode_replans_the_emulated_cluster_live(tmp_path: Path) -> None:
+    """The default libra mode on a small emulated cluster: after step 1 the planner's first plan replaces
+    the start layout (one TP1 server on 6 emulated H200s) through a live reconfiguration; plan/* per step,
+    the decision log and the allocation figure are written."""
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_libra.launch", "experiment=dapo_math", "cluster=emulated",
+         "total_train_steps=3", f"cluster.fileroot={tmp_path}", "trial_name=libra",
+         "libra.emulated.accelerators=6", "libra.rollout_groups=[{name: g0, tp: 1, count: 1}]"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    run = next(tmp_path.rglob("metrics.jsonl")).parent
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["step"] for rec in recs] == [1, 2, 3]
+    assert all(k in recs[-1] for k in ("plan/replans", "plan/rollout_gpus", "plan/train_gpus", "plan/reconfig_s",
+                                        "plan/predicted_vs_measured_step", "emul/train_target_s"))
+    events = [json.loads(line) for line in (run / "control_events.jsonl").read_text().splitlines()]
+    assert events[0]["event"] == "initial_plan"
+    assert recs[-1]["plan/reconfigurations"] == 1.0 and recs[0]["plan/reconfig_s"] > 0
+    assert recs[-1]["plan/rollout_gpus"] + recs[-1]["plan/train_gpus"] == 6
+    assert recs[-1]["plan/allocation"] != "rollout 1xTP1"
+    assert (run / "allocation.png").stat().st_size > 1000
+    assert (run / "fleet.jsonl").exists()
