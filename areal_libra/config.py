@@ -128,7 +128,7 @@ class EmulatedConfig:
     accelerators: int = 16
     model: str = "qwen3-14b"  # a model preset (areal_libra/presets/models.yaml)
     gpu: str = "h200"  # a hardware preset (areal_libra/presets/hardware.yaml)
-    time_scale: float = 1.0  # real seconds per emulated second
+    time_scale: float = 4.0  # real seconds per emulated second (1.0 overruns on a 2-core machine)
     trainer_accelerators: int | None = None  # None: every accelerator the rollout servers leave
     server_threads: int = 1  # CPU threads per emulated server (its speed comes from the pacing)
     length_growth: float = 0.0  # emulated lengths grow to (1 + length_growth)x over growth_horizon steps

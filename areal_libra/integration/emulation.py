@@ -31,9 +31,11 @@ from areal_libra.sim.hardware import HardwareTruth
 
 DEFAULT_MODEL = "qwen3-14b"
 DEFAULT_GPU = "h200"
-# Real seconds per emulated second. At 1.0 a step of the tiny dapo_math workload (3 turns of <= 48 tokens,
-# 128 trajectories) takes a few seconds of rollout plus ~2 s of training, as qwen3-14b on h200 would.
-DEFAULT_TIME_SCALE = 1.0
+# Real seconds per emulated second. The tiny dapo_math step (3 turns of <= 48 tokens, 128 trajectories)
+# takes qwen3-14b on h200 a few seconds of rollout and ~2.2 s of training on 12 accelerators; on this 2-core
+# machine the tiny trainer itself needs 4-7 s and 3 servers overran 61% of their iterations at x1, so the
+# default slows time 4x (trainer target ~9 s, 22% of server iterations overran; docs/dispatch.md).
+DEFAULT_TIME_SCALE = 4.0
 
 
 class EmulationError(ValueError):
@@ -350,7 +352,8 @@ def pacing_report(addrs: Sequence[str], timeout: float = 5.0) -> dict[str, float
     import json
     import urllib.request
 
-    out = {"paced_iterations": 0.0, "overruns": 0.0, "target_s": 0.0, "sleep_s": 0.0, "unreachable": 0.0}
+    out = {"paced_iterations": 0.0, "overruns": 0.0, "decode_iterations": 0.0, "decode_overruns": 0.0,
+           "target_s": 0.0, "sleep_s": 0.0, "unreachable": 0.0}
     for addr in addrs:
         try:
             with urllib.request.urlopen(f"http://{addr}/get_server_info", timeout=timeout) as r:
@@ -360,7 +363,11 @@ def pacing_report(addrs: Sequence[str], timeout: float = 5.0) -> dict[str, float
             continue
         out["paced_iterations"] += st.get("paced_iterations", 0)
         out["overruns"] += st.get("pace_overruns", 0)
+        out["decode_iterations"] += st.get("paced_decode_iterations", 0)
+        out["decode_overruns"] += st.get("pace_decode_overruns", 0)
         out["target_s"] += st.get("pace_target_seconds", 0.0)
         out["sleep_s"] += st.get("pace_sleep_seconds", 0.0)
     out["overrun_fraction"] = out["overruns"] / out["paced_iterations"] if out["paced_iterations"] else 0.0
+    n = out["decode_iterations"]
+    out["decode_overrun_fraction"] = out["decode_overruns"] / n if n else 0.0
     return out

@@ -93,6 +93,8 @@ class EngineStats:
     pace_overruns: int = 0
     pace_target_seconds: float = 0.0
     pace_sleep_seconds: float = 0.0
+    paced_decode_iterations: int = 0  # decode alone: prefill targets are milliseconds and overrun often
+    pace_decode_overruns: int = 0
 
 
 class BatchEngine:
@@ -108,8 +110,9 @@ class BatchEngine:
     ):
         self.cfg = config
         self.pacer = pacer
-        # (kind, batch, tokens, measured_s, target_s) of recent paced iterations: the server's own timing
-        self.pace_log: collections.deque[tuple[str, int, int, float, float]] = collections.deque(maxlen=256)
+        # (kind, batch, tokens, measured_s, target_s, compute_s) of recent paced iterations: the server's own
+        # timing (measured = compute + pacing sleep)
+        self.pace_log: collections.deque[tuple[str, int, int, float, float, float]] = collections.deque(maxlen=256)
         self.tokenizer = tokenizer
         self.weight_version = weight_version
         self.stats = EngineStats()
@@ -546,12 +549,15 @@ class BatchEngine:
         st = self.stats
         st.paced_iterations += 1
         st.pace_target_seconds += target
+        decode = kind == "decode"
+        st.paced_decode_iterations += decode
         if compute >= target:
             st.pace_overruns += 1
+            st.pace_decode_overruns += decode
         else:
             time.sleep(target - compute)
             st.pace_sleep_seconds += target - compute
-        self.pace_log.append((kind, batch, tokens, time.perf_counter() - t0, target))
+        self.pace_log.append((kind, batch, tokens, time.perf_counter() - t0, target, compute))
 
     @torch.inference_mode()
     def _decode_step(self) -> None:

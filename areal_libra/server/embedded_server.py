@@ -379,7 +379,7 @@ class EmbeddedServer:
             info["emulation"] = {
                 **self.emulation.describe(),
                 "overrun_fraction": stats["pace_overruns"] / n if n else 0.0,
-                # the server's own per-iteration timing: [kind, batch, tokens, measured_s, target_s]
+                # the server's own per-iteration timing: [kind, batch, tokens, measured_s, target_s, compute_s]
                 "recent": [list(x) for x in list(eng.pace_log)[-64:]],
             }
         info["internal_states"] = [
