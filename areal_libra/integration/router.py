@@ -615,24 +615,19 @@ def publish_metrics(metrics: dict) -> None:
 # --- construction from a run ---------------------------------------------------------------------------
 
 
+def groups_body(groups: Sequence[RolloutGroup], addresses: Sequence[Sequence[str]]) -> list[dict]:
+    """The groups as rollout_groups.json stores them (and RemoteRouter ships them): one dict per group."""
+    return [{"name": g.name, "tp": g.tp, "count": g.count, "threads": g.threads, "max_running": g.max_running,
+             "max_len": g.max_len, "addresses": list(a)} for g, a in zip(groups, addresses)]
+
+
 def write_groups_file(run_dir: str | Path, groups: Sequence[RolloutGroup], addresses: Sequence[str]) -> Path:
     """Record which server address belongs to which group (launch order = address order)."""
     servers = expand_servers(groups)
     if len(servers) != len(addresses):
         raise ValueError(f"{len(servers)} servers in the rollout groups but {len(addresses)} addresses")
     it = iter(addresses)
-    body = [
-        {
-            "name": g.name,
-            "tp": g.tp,
-            "count": g.count,
-            "threads": g.threads,
-            "max_running": g.max_running,
-            "max_len": g.max_len,
-            "addresses": [next(it) for _ in range(g.count)],
-        }
-        for g in groups
-    ]
+    body = groups_body(groups, [[next(it) for _ in range(g.count)] for g in groups])
     p = Path(run_dir) / GROUPS_FILE
     atomic_write_text(p, json.dumps({"groups": body}, indent=1) + "\n")
     return p
@@ -806,18 +801,7 @@ class RemoteRouter:
     @classmethod
     def from_groups_file(cls, run_dir: str | Path, libra: Mapping) -> RemoteRouter:
         groups, addrs = read_groups_file(Path(run_dir) / GROUPS_FILE)
-        body = [
-            {
-                "name": g.name,
-                "tp": g.tp,
-                "count": g.count,
-                "threads": g.threads,
-                "max_running": g.max_running,
-                "max_len": g.max_len,
-                "addresses": a,
-            }
-            for g, a in zip(groups, addrs)
-        ]
+        body = groups_body(groups, addrs)
         sched = libra.get("scheduler") or {}
         try:
             from omegaconf import DictConfig, OmegaConf
