@@ -752,42 +752,10 @@ class RemoteRouter:
         return await self._get().failover(req, addr, exc)
 
     def add_server(self, addr: str, group: str | None = None) -> str:
-        """Route to a new server from now on (a hybrid replica serving rollout); `group` by name, None: the
-        group with the largest threshold. Returns the group's name."""
-        gi = len(self.groups) - 1 if not group else next(
-            (i for i, g in enumerate(self.groups) if g.name == group), None)
-        if gi is None:
-            raise ValueError(f"no rollout group named {group!r} (groups: {[g.name for g in self.groups]})")
-        with self._lock:
-            self._removed.discard(addr)
-            self._added[addr] = group
-            self._missed_update.discard(addr)
-            self._version_down.pop(addr, None)
-        self.dispatcher.add_server(addr, gi)
-        with self._lock:
-            self.group_addrs[gi].append(addr)
-            self.group_of[addr] = gi
-            self.all_addresses.append(addr)
-            self.addr_requests.setdefault(addr, 0)
-        self.health.add(addr)
-        return self.groups[gi].name
+        return self._get().add_server(addr, group)
 
     def remove_server(self, addr: str) -> bool:
-        """Stop routing to addr (it is leaving: drained, then stopped). Requests in flight there finish or
-        come back aborted, and are re-sent elsewhere with their tokens so far (`watch`)."""
-        with self._lock:
-            self._removed.add(addr)
-            self._added.pop(addr, None)
-        if not self.dispatcher.remove_server(addr):
-            return False
-        with self._lock:
-            gi = self.group_of.get(addr)
-            if gi is not None and addr in self.group_addrs[gi]:
-                self.group_addrs[gi].remove(addr)
-            if addr in self.all_addresses:
-                self.all_addresses.remove(addr)
-        self.health.remove(addr)
-        return True
+        return self._get().remove_server(addr)
 
     def down_addresses(self) -> set[str]:
         return self._get().down_addresses()
