@@ -194,8 +194,8 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
                 return rc
             for s in servers:
                 s.alive()  # reaps a server of ours the trainer stopped (a reconfiguration)
-            dead, total = dead_servers(run_dir, servers)
-            if dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1" and len(dead) == total:
+            dead, n_servers = dead_servers(run_dir, servers)
+            if dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1" and len(dead) == n_servers:
                 proc.send_signal(signal.SIGTERM)
                 raise LaunchError(f"all rollout servers died (first: {dead[0]}); see their logs")
             time.sleep(0.5)
@@ -287,7 +287,8 @@ def run(argv: list[str]) -> int:
                 start_new_session=True,
             )
             try:
-                rc = supervise(proc, metrics_path, int(c.areal.total_train_steps or 0), servers, quiet)
+                rc = supervise(proc, metrics_path, int(c.areal.total_train_steps or 0), servers, quiet,
+                               run_dir=log_dir)
             except BaseException:
                 _stop(proc)
                 raise
