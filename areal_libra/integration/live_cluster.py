@@ -148,12 +148,18 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
     from areal_libra.elastic.measure import rollout_time
 
     interval = float(rec.get("step_time_s", 0.0))
-    if measured is not None:
-        return StepObservation(step=step, interval_s=interval, train_s=measured.train_s,
-                               rollout_s=measured.rollout_s, queue_pressure=measured.queue_pressure,
-                               active_pressure=measured.active_pressure)
     train = sum(float(rec.get(f"timeperf/{k}", 0.0)) for k in
                 ("recompute_logp", "ref_logp", "compute_advantage", "train_step", "update_weights"))
+    if measured is not None:
+        # The pool times the engine's own step; AReaL's timings also hold what wraps it (e.g. an emulated
+        # cluster's pacing). Keep the pool's verdict on the wait/backlog, on the longer train time.
+        full = max(train, measured.train_s)
+        if measured.rollout_s > measured.train_s:  # the trainer waited: T_rollout = T_train + wait
+            rollout = full + (measured.rollout_s - measured.train_s)
+        else:  # rollout was ahead by the backlog's share
+            rollout = full * measured.rollout_s / max(1e-9, measured.train_s)
+        return StepObservation(step=step, interval_s=interval, train_s=full, rollout_s=rollout,
+                               queue_pressure=measured.queue_pressure, active_pressure=measured.active_pressure)
     wait = float(rec.get("timeperf/rollout", 0.0))
     return StepObservation(step=step, interval_s=interval, train_s=train,
                            rollout_s=rollout_time(train, wait, backlog=0, batch=1), queue_pressure=pressure[0],
@@ -283,8 +289,16 @@ def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
         cluster = load_cluster(name)
     except (ValueError, OSError) as e:
         raise ControlError(f"libra.control.cluster={name}: {e}") from None
+    n = 0
     if int(c.accelerators) > 0 and emulated is None:
         n = int(c.accelerators)
+    elif emulated is None and str(c.cluster) == "cpu":
+        # The embedded CPU cluster plans what the config grants: trainer threads + the servers' TP.
+        from areal_libra.integration.groups import resolve_groups
+
+        groups = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))
+        n = int(libra.trainer_threads) + sum(g.tp * g.count for g in groups)
+    if n > 0:
         cluster = ClusterSpec(cluster.hardware, nodes=1, gpus_per_node=n, name=f"{cluster.hardware.name}x{n}")
     batch = int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples)
     servers = list(libra.rollout_groups or [])

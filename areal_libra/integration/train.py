@@ -70,7 +70,7 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
                           max_tokens=int(config.gconfig.max_tokens), groups=groups)
     sinks.append(cluster.on_trajectory)
     pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
-    control = LiveControl(control_config(typed), plan_source(typed, config, str(config.actor.path)), cluster,
+    control = LiveControl(control_config(typed), plan_source(libra, config, str(config.actor.path)), cluster,
                           fleet=fleet,
                           profile_steps=typed.control.profile_steps, pressure_fn=pressure,
                           events_path=run_dir / "control_events.jsonl")
