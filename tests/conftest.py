@@ -1,5 +1,5 @@
-"""Fixtures shared across the suite: the tiny random Qwen2 checkpoints and real embedded rollout servers.
-The elastic test bed itself is tests/rigs/elastic_bed.py."""
+"""Fixtures shared across the suite: the tiny random Qwen2 checkpoints, real embedded rollout servers, and
+runs of the elastic test bed (tests/rigs/elastic_bed.py)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,15 @@ def embedded_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Calla
 
     yield launch
     shutdown(launched)
+
+
+@pytest.fixture()
+def elastic_bed(tmp_path):
+    """bed(TestbedConfig, name) -> the results of one elastic test-bed run (real processes over gloo) in its
+    own directory under the test's tmp_path."""
+    from tests.rigs.elastic_bed import run
+
+    def bed(cfg, name: str = "bed") -> dict:
+        return run(cfg, str(tmp_path / name))
+
+    return bed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from areal_libra.elastic_runtime.core import RuntimeConfig
-from tests.rigs.elastic_bed import TestbedConfig, run
+from tests.rigs.elastic_bed import TestbedConfig
 
 # Dead peers are found by heartbeat (3 s: 1.5 s was reached by live replicas with three suites running
 # at once), also while a rendezvous waits for them; the gloo timeout
@@ -20,10 +20,10 @@ def _maxdiff(a, b) -> float:
     return float((a - b).abs().max())
 
 
-def test_kill_joining_worker_mid_fetch(tmp_path):
+def test_kill_joining_worker_mid_fetch(elastic_bed):
     rt = RuntimeConfig(**{**FAST.__dict__, "fetch_delay_s": 30.0})  # the fetch is in progress when it dies
     # Steps of ~50 ms so that the core is still training when the lost heartbeat is noticed (1.5 s).
-    res = run(
+    res = elastic_bed(
         TestbedConfig(
             max_steps=200,
             join_at={"h0": 1},
@@ -32,7 +32,7 @@ def test_kill_joining_worker_mid_fetch(tmp_path):
             step_sleep_s=0.05,
             kill={"rid": "h0", "state": "fetching"},
         ),
-        str(tmp_path / "kill"),
+        "kill",
     )
     core = res["core"][0]
     assert res["killed"] is not None
@@ -45,19 +45,19 @@ def test_kill_joining_worker_mid_fetch(tmp_path):
     assert last["elastic/n_fetching"] == 0 and last["elastic/n_training"] == 0
     assert any(e["event"] == "failed" and e["rid"] == "h0" for e in core["events"])
     # A joiner only ever sent zeros: the core's parameters are exactly those of a run without it.
-    ref = run(TestbedConfig(max_steps=n, hybrids=()), str(tmp_path / "ref"))["core"][0]
+    ref = elastic_bed(TestbedConfig(max_steps=n, hybrids=()), "ref")["core"][0]
     # Fetching happens outside the domain: the core never waited for the dying joiner.
     assert all(m["elastic/attempts"] == 1 for m in core["metrics"])
     assert max(_maxdiff(core["params"][k], ref["params"][k]) for k in range(n + 1)) <= 1e-6
 
 
-def test_bad_snapshots_are_refused_and_the_join_retries(tmp_path):
-    res = run(
+def test_bad_snapshots_are_refused_and_the_join_retries(elastic_bed):
+    res = elastic_bed(
         TestbedConfig(
             max_steps=300, join_at={"h0": 1}, tail_steps=2, runtime=PATIENT, corrupt=["truncate", "wrong_version"],
             step_sleep_s=0.01,  # emulated compute: a joiner must replay faster than the core steps
         ),
-        str(tmp_path / "bad"),
+        "bad",
     )
     core = res["core"][0]
     assert "h0" in core["first_real"], core["events"]  # the join completed after the retries
@@ -72,8 +72,8 @@ def test_bad_snapshots_are_refused_and_the_join_retries(tmp_path):
     assert _maxdiff(hyb["final_params"], core["params"][n]) <= 1e-6
 
 
-def test_killed_active_replica_is_removed_and_training_continues(tmp_path):
-    res = run(
+def test_killed_active_replica_is_removed_and_training_continues(elastic_bed):
+    res = elastic_bed(
         TestbedConfig(
             max_steps=300,
             hybrids=("h0", "h1"),
@@ -83,7 +83,7 @@ def test_killed_active_replica_is_removed_and_training_continues(tmp_path):
             step_sleep_s=0.01,
             kill={"rid": "h0", "state": "training"},
         ),
-        str(tmp_path / "kill2"),
+        "kill2",
     )
     core = res["core"][0]
     assert res["killed"] is not None and "h1" in core["first_real"], core["events"]  # h0 killed while "training"
@@ -101,8 +101,8 @@ def test_killed_active_replica_is_removed_and_training_continues(tmp_path):
     assert torch.isfinite(core["params"][n]).all()
 
 
-def test_rollout_requests_survive_join_and_release(tmp_path):
-    res = run(
+def test_rollout_requests_survive_join_and_release(elastic_bed):
+    res = elastic_bed(
         TestbedConfig(
             max_steps=300,
             join_at={"h0": 3},
@@ -112,7 +112,7 @@ def test_rollout_requests_survive_join_and_release(tmp_path):
             runtime=PATIENT,
             rollout_requests=400,
         ),
-        str(tmp_path / "mode"),
+        "mode",
     )
     core = res["core"][0]
     pool = core["pool"]["h0"]
@@ -131,11 +131,11 @@ def test_rollout_requests_survive_join_and_release(tmp_path):
     assert len(fingerprints) >= 2
 
 
-def test_hung_joiner_in_zero_sync_never_stalls_the_core(tmp_path):
+def test_hung_joiner_in_zero_sync_never_stalls_the_core(elastic_bed):
     # SIGSTOP (hung, not dead) while it is in zero-sync: a joiner exchanges with the core only over its
     # side channel (a background thread of the core), so no core step waits for it or is retried; the
     # lost heartbeat drops it at a step boundary and the core's parameters are those of a run without it.
-    res = run(
+    res = elastic_bed(
         TestbedConfig(
             max_steps=200,
             join_at={"h0": 1},
@@ -144,7 +144,7 @@ def test_hung_joiner_in_zero_sync_never_stalls_the_core(tmp_path):
             step_sleep_s=0.05,
             kill={"rid": "h0", "state": "zero_sync", "signal": "SIGSTOP"},
         ),
-        str(tmp_path / "hung"),
+        "hung",
     )
     core = res["core"][0]
     assert res["killed"] is not None, core["events"]
@@ -157,5 +157,5 @@ def test_hung_joiner_in_zero_sync_never_stalls_the_core(tmp_path):
     after = [t for k, t in core["step_s"].items() if k >= res["killed"]["step"]]
     assert len(after) >= 4 and max(after) < FAST.domain_timeout_s / 2
     n = core["final_step"]
-    ref = run(TestbedConfig(max_steps=n, hybrids=()), str(tmp_path / "ref"))["core"][0]
+    ref = elastic_bed(TestbedConfig(max_steps=n, hybrids=()), "ref")["core"][0]
     assert max(_maxdiff(core["params"][k], ref["params"][k]) for k in range(n + 1)) <= 1e-6
