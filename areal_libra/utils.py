@@ -9,14 +9,14 @@ import tempfile
 from pathlib import Path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write text to path atomically (temp file in the same folder, fsync, rename)."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write bytes to path atomically (temp file in the same folder, fsync, rename)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
@@ -24,6 +24,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write text (UTF-8) to path atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:

@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 from areal_libra.cmlfq._pytree import PyTreeCore
 from areal_libra.cmlfq.states import SizeClasses, ToolState, tool_state
 from areal_libra.trace import ToolReturn, Trajectory
+from areal_libra.utils import atomic_write_bytes
 
 try:  # the C++ core is optional: no compiler is a supported configuration
     from areal_libra import _prefix_tree as _cpp  # type: ignore[attr-defined]
@@ -190,19 +190,7 @@ class PrefixTree:
         body = json.dumps(self._body(), separators=(",", ":")).encode()
         header = {"format": FORMAT, "version": VERSION, "sha256": hashlib.sha256(body).hexdigest(),
                   "bytes": len(body)}
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(json.dumps(header).encode() + b"\n" + body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_bytes(path, json.dumps(header).encode() + b"\n" + body)
 
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto") -> PrefixTree:
