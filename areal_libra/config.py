@@ -16,6 +16,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_libra.utils import first_line as _msg
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "experiments"
 GROUPS = ("experiment", "cluster", "model")
 
@@ -287,11 +289,6 @@ def _override(cfg: DictConfig, key: str, val: str, ov: str) -> DictConfig:
         raise _UnknownKey(f"unknown config key '{key}': {_msg(e)}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad override '{ov}': {_msg(e)}") from None
-
-
-def _msg(e: Exception) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return first
 
 
 def save(composed: Composed, run_dir: Path) -> tuple[Path, Path]:

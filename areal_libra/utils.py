@@ -9,6 +9,12 @@ import tempfile
 from pathlib import Path
 
 
+def first_line(e: BaseException) -> str:
+    """An exception as one line for the user: its message's first line, or its type when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write bytes to path atomically (temp file in the same folder, fsync, rename)."""
     p = Path(path)

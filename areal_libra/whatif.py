@@ -14,6 +14,8 @@ import json
 import sys
 import time
 
+from areal_libra.utils import first_line
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{args.trace}: no such trace file")
         r = whatif(args.trace, args.cluster, args.model, args.steps, args.seed, args.batch_prompts)
     except (ValueError, PresetError, SimError, TraceError, OSError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"error: {first_line(e)}", file=sys.stderr)
         return 2
     r["wall_s"] = round(time.time() - t0, 1)
     if args.json:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from areal_libra.sim.cluster import SimError
 from areal_libra.sim.regimes import AXES, Point, heatmap, sweep
 from areal_libra.trace import TraceError
+from areal_libra.utils import first_line
 
 
 def main(argv=None) -> int:
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
         if args.png:
             heatmap(args.png, results, base, axes)
     except (ValueError, SimError, TraceError, OSError) as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"error: {first_line(e)}", file=sys.stderr)
         return 2
     leads = [r for r in results if r["libra_over_static"] >= 1.2]
     if args.json:

@@ -371,3 +371,43 @@ def pacing_report(addrs: Sequence[str], timeout: float = 5.0) -> dict[str, float
     n = out["decode_iterations"]
     out["decode_overrun_fraction"] = out["decode_overruns"] / n if n else 0.0
     return out
+
+
+def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any,
+                         version_fn: Any = lambda: 0) -> None:
+    """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
+    trainer's accelerators (all the rollout servers leave, as the current layout has them)."""
+    configure(emulation)
+    actor = trainer.actor
+    original = actor.ppo_update
+    last: dict[str, float] = {}
+
+    def paced(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        m = emulation.multiplier(version_fn())
+        lens = [int(x * m) for x in _batch_lengths(args[0] if args else next(iter(kwargs.values()), None))]
+        n_train = emulation.check_layout(groups_fn())[1]
+        last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
+        last["emul/length_multiplier"] = m
+        return out
+
+    actor.ppo_update = paced
+    metrics.add_source(lambda: dict(last))
+
+    def emulated_tokens(step: int, rec: dict) -> dict:
+        # Tokens the emulated model generated this step (for throughput; the planner sees the same lengths).
+        return {"emulated/gen_tokens": float(rec.get("gen_tokens", 0)) * emulation.multiplier(step - 1)}
+
+    metrics.add_step_hook(emulated_tokens)
+
+
+def _batch_lengths(batch: Any) -> list[int]:
+    """Per-sequence token counts of a training batch (a dict, or list of dicts, with attention_mask)."""
+    parts = batch if isinstance(batch, list) else [batch]
+    out: list[int] = []
+    for part in parts:
+        mask = part.get("attention_mask") if isinstance(part, dict) else None
+        if mask is not None and hasattr(mask, "sum"):
+            out += [int(x) for x in mask.sum(-1).reshape(-1).tolist()]
+    return out

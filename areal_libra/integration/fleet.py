@@ -37,7 +37,7 @@ from pathlib import Path
 
 from areal_libra.integration.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
 from areal_libra.integration.launcher import ServerHandle, ServerLaunchError, ServerSpec, launch_servers
-from areal_libra.utils import append_jsonl, atomic_write_text
+from areal_libra.utils import append_jsonl, atomic_write_text, first_line
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,6 @@ def _post_json(addr: str, path: str, body: dict, timeout: float = 600.0) -> dict
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"{}")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 class ServerFleet:
@@ -287,7 +282,7 @@ class ServerFleet:
                                      timeout=self.start_timeout_s)
         except (ServerLaunchError, OSError, ValueError) as e:
             what = ", ".join(f"TP{s.tp} ({s.group})" for s in specs)
-            raise FleetError(f"reconfigure: cannot start {what}: {_first_line(e)}") from e
+            raise FleetError(f"reconfigure: cannot start {what}: {first_line(e)}") from e
         new = [self._as_server(h) for h in handles]
         try:
             for s in new:
@@ -309,7 +304,7 @@ class ServerFleet:
                     raise FleetError(f"reconfigure: server {s.addr} did not load {path}: {r.get('message')}")
                 got = str(_get_json(s.addr, "/get_weight_version").get("weight_version"))
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise FleetError(f"reconfigure: new server {s.addr} ({s.group}) stopped answering: {_first_line(e)}") from e
+            raise FleetError(f"reconfigure: new server {s.addr} ({s.group}) stopped answering: {first_line(e)}") from e
         if got != want:
             raise FleetError(f"reconfigure: new server {s.addr} reports weight version {got}, expected {want}")
 

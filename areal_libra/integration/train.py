@@ -91,7 +91,7 @@ def install_emulation(trainer, libra, run_dir: Path, metrics, control) -> None:
     emu = ClusterEmulation.from_libra(libra)
     if emu is None:
         return
-    from areal_libra.integration.live_cluster import install_train_pacing
+    from areal_libra.integration.emulation import install_train_pacing
     from areal_libra.integration.router import GROUPS_FILE, read_groups_file
 
     static_groups = read_groups_file(run_dir / GROUPS_FILE)[0]

@@ -16,6 +16,7 @@ from areal_libra.sim.registry import run_system
 from areal_libra.sim.systems import Env, SimKnobs, parse_knobs
 from areal_libra.sim.workloads import make_workload
 from areal_libra.trace import TraceError
+from areal_libra.utils import first_line
 
 _CLUSTER_RE = re.compile(r"^([a-z0-9_.-]+?)x(\d+)$")
 
@@ -155,7 +156,7 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         log = None if args.json else (lambda m: print(m, file=sys.stderr))
         results, sims = run_many(systems, env, args.steps, log)
     except (ValueError, TraceError, SimError, OSError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = first_line(e)
         print(f"error: {msg}", file=sys.stderr)
         return 2
     wname = getattr(env.workload, "name", args.workload)
