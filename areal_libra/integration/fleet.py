@@ -325,7 +325,10 @@ class ServerFleet:
                                              "served; the old layout keeps serving")
                     with self._inner.lock:  # AReaL's engine lock (weight version)
                         left = self.router.set_layout(target, addrs)
-                        self._inner.addresses = flat
+                        # Servers the fleet does not own (elastic hybrids serving rollout) stay in the list
+                        # that weight updates go to.
+                        mine = {srv.addr for srv in self.servers} | set(flat)
+                        self._inner.addresses = flat + [a for a in self._inner.addresses if a not in mine]
                     return left
                 busy = self._updating > 0
             if not busy:  # the weights moved on while the servers started: load the new ones
