@@ -89,10 +89,10 @@ class ControlConfig:
     min_history: int = 16
     warmup_steps: int = 2  # the asynchronous pipeline fills in the first steps: no decisions
     elastic: bool = True
-    elastic_cooldown_steps: int = 4
     elastic_persist: int = 6  # chosen on seed 1 of the simulator from {3, 6, 10}
     elastic_project: bool = True  # give the policy pool sizes for its overshoot check
-    elastic_policy: ElasticConfig = field(default_factory=ElasticConfig)
+    # thresholds, and decisions 4 steps apart after any change so its effect shows in the measured times
+    elastic_policy: ElasticConfig = field(default_factory=lambda: ElasticConfig(cooldown_steps=4))
 
     def __post_init__(self) -> None:
         if self.every_k < 1:
@@ -125,12 +125,7 @@ class LibraController:
         self.replan_policy = ReplanPolicy(ReplanConfig(
             every_k=cfg.every_k, reconfig_cost_s=cfg.reconfig_cost_s, cooldown_steps=cfg.replan_cooldown_steps,
             horizon_steps=cfg.horizon_steps)) if cfg.replan else None
-        policy_cfg = cfg.elastic_policy
-        if policy_cfg.cooldown_steps != cfg.elastic_cooldown_steps:
-            from dataclasses import replace
-
-            policy_cfg = replace(policy_cfg, cooldown_steps=cfg.elastic_cooldown_steps)
-        self.elastic = ElasticPolicy(policy_cfg) if cfg.elastic else None
+        self.elastic = ElasticPolicy(cfg.elastic_policy) if cfg.elastic else None
         self.intervals: deque[float] = deque(maxlen=cfg.every_k)
         self.t_train: deque[float] = deque(maxlen=4)
         self.t_roll: deque[float] = deque(maxlen=4)

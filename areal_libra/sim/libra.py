@@ -373,7 +373,7 @@ def control_config(opts: LibraOptions, knobs: SimKnobs) -> ControlConfig:
     steps (the measured T_train/T_rollout swings with the buffer of finished groups)."""
     return ControlConfig(replan=opts.replan, every_k=opts.every_k, reconfig_cost_s=opts.reconfig_cost_s,
                          replan_cooldown_steps=5, horizon_steps=REPLAN_HORIZON, history=opts.history,
-                         elastic=opts.elastic, elastic_cooldown_steps=4, elastic_persist=knobs.elastic_persist,
+                         elastic=opts.elastic, elastic_persist=knobs.elastic_persist,
                          elastic_project=knobs.elastic_project)
 
 

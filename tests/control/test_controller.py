@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
+from areal_libra.elastic.policy import ElasticConfig
 from areal_libra.integration.live_cluster import LiveCluster
 from areal_libra.sim.cluster import Simulation
 from areal_libra.sim.libra import SimPlanSource
@@ -205,7 +206,8 @@ def test_gate_applies_only_when_gain_beats_cost():
 
 
 def test_elastic_acts_only_on_a_persistent_verdict():
-    cfg = ControlConfig(replan=False, elastic_persist=3, elastic_cooldown_steps=0, elastic_project=False)
+    cfg = ControlConfig(replan=False, elastic_persist=3, elastic_policy=ElasticConfig(cooldown_steps=0),
+                        elastic_project=False)
     ctl = LibraController(cfg, _Planner(_Plan(1.0, "x"), 1.0), _Plan(1.0, "x"))
     cl = _Cluster(training=0, idle=1)
     # T_train/T_rollout = 2 (join) twice, then rollout-bound (means over the window): no persistent verdict.
