@@ -1,5 +1,7 @@
 """Rollout groups: allocation strings, config resolution, bucket thresholds, GPU placement, xccl ranks."""
 
+import time
+
 import pytest
 
 from areal_libra.integration.groups import (
@@ -114,6 +116,11 @@ def test_ray_placement_groups_on_custom_gpu_resources() -> None:
         _, groups = parse_allocation("sglang:d2t1+d1t2+d1t4")
         pgs = create_ray_placement_groups(groups, cpus_per_server=1, timeout_s=60)
         assert [pg.bundle_specs[0]["GPU"] for pg in pgs] == [1, 1, 2, 4]
+        # Ray reports available resources asynchronously: wait for the reservation to show (a loaded
+        # machine showed 4 of 8 GPUs still "available" right after the groups were ready).
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("GPU", 0) != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert ray.available_resources().get("GPU", 0) == 0
         _, too_big = parse_allocation("sglang:d1t8")
         with pytest.raises(GroupConfigError, match="could not place"):
