@@ -26,6 +26,7 @@ from areal.utils.hf_utils import apply_chat_template, load_hf_tokenizer
 
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 from areal_libra.workflows.markup import CALC_CLOSE, extract_call, format_result
+from areal_libra.workflows.sink import emit, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
 from areal_libra.workflows.tools import get_calculator_pool
 
 logger = logging.getLogger("areal_libra.math_tool")
@@ -34,25 +35,6 @@ DEFAULT_REWARD = "areal_libra.workflows.reward.dapo_math_reward"
 
 # The reward function's positional parameters: dataset columns of these names must not be passed again.
 _REWARD_POSITIONAL = ("prompt", "completions", "prompt_ids", "completion_ids")
-
-_trajectory_sink: Callable[[Trajectory], None] | None = None
-
-
-def set_trajectory_sink(sink: Callable[[Trajectory], None] | None) -> None:
-    """Receive every finished episode as a Trajectory (None: stop). Called from the rollout thread."""
-    global _trajectory_sink
-    _trajectory_sink = sink
-
-
-def _emit(traj: Trajectory) -> None:
-    sink = _trajectory_sink
-    if sink is None:
-        return
-    try:
-        sink(traj)
-    except Exception:  # noqa: BLE001 - a broken observer must not lose the training sample
-        logger.exception("trajectory sink failed for %s", traj.trajectory_id)
-
 
 def _prompt_id(data: dict[str, Any]) -> str:
     if data.get("prompt_id") is not None:
@@ -176,7 +158,7 @@ class MathToolWorkflow(RolloutWorkflow):
             tool_timeouts=sum(t.status == "timeout" for t in tools),
             gen_tokens=model_tokens,
         )
-        _emit(Trajectory(
+        emit(Trajectory(
             trajectory_id=traj_id,
             prompt_id=prompt_id,
             step=step,
