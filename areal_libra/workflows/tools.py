@@ -1,4 +1,5 @@
-"""A sandboxed calculator tool: arithmetic runs in a separate, persistent worker process with a timeout.
+"""Tools behind persistent worker processes (WorkerProcess / WorkerPool), and the sandboxed calculator:
+arithmetic runs in a separate, persistent worker process with a timeout.
 
 Errors and timeouts are tool outcomes (status 'failure' / 'timeout' with an error text as payload), never
 exceptions. A worker that exceeds the timeout or dies is killed and respawned on the next call. A call
@@ -34,10 +35,13 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_PAYLOAD_CHARS else text[: MAX_PAYLOAD_CHARS - 3] + "..."
 
 
-class CalculatorTool:
-    """One persistent worker process; calls are serialised by a lock."""
+class WorkerProcess:
+    """One persistent stdlib worker process (`python -I -S SCRIPT`) speaking one JSON object per line each
+    way; calls are serialised by a lock. A call that gets no reply within the timeout, or whose worker
+    dies, kills the worker (it is respawned on the next call). Subclasses turn replies into ToolResults."""
 
-    name = "calculator"
+    name = "worker"
+    script: Path = WORKER_SCRIPT
 
     def __init__(self, timeout_s: float = 1.0):
         if timeout_s <= 0:
@@ -55,7 +59,7 @@ class CalculatorTool:
         # inherits that pipe and holds the parent forever (seen as a hang in the rollout thread). Python's
         # own descriptors are close-on-exec, so nothing leaks into the worker.
         self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(WORKER_SCRIPT)],
+            [sys.executable, "-I", "-S", str(self.script)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
             close_fds=False,
         )
@@ -92,49 +96,63 @@ class CalculatorTool:
                     return None
                 chunk = os.read(fd, 65536)
                 if not chunk:
-                    raise EOFError("calculator worker exited")
+                    raise EOFError(f"{self.name} worker exited")
                 self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return line
 
-    def call(self, expr: str) -> ToolResult:
+    def request(self, obj: dict) -> tuple[dict | None, ToolResult | None]:
+        """(the worker's reply, None), or (None, the failure / timeout outcome) when there is no reply."""
         t0 = time.monotonic()
         with self._lock:
             proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
             try:
-                proc.stdin.write((json.dumps({"expr": expr}) + "\n").encode())
+                proc.stdin.write((json.dumps(obj) + "\n").encode())
                 line = self._read_line(proc, t0 + self.timeout_s)
             except (OSError, EOFError) as e:
                 self._kill()
-                return ToolResult("failure", _clip(f"WorkerError: {e}"), time.monotonic() - t0)
+                return None, ToolResult("failure", _clip(f"WorkerError: {e}"), time.monotonic() - t0)
             if line is None:
                 self._kill()
-                return ToolResult("timeout", f"TimeoutError: no result within {self.timeout_s:g} s",
-                                  time.monotonic() - t0)
-        reply = json.loads(line)
+                return None, ToolResult("timeout", f"TimeoutError: no result within {self.timeout_s:g} s",
+                                        time.monotonic() - t0)
+        return json.loads(line), None
+
+
+class CalculatorTool(WorkerProcess):
+    """The calculator: one persistent worker evaluating arithmetic."""
+
+    name = "calculator"
+
+    def call(self, expr: str) -> ToolResult:
+        t0 = time.monotonic()
+        reply, outcome = self.request({"expr": expr})
+        if reply is None:
+            return outcome
         if reply.get("ok"):
             return ToolResult("success", _clip(reply["value"]), time.monotonic() - t0)
         return ToolResult("failure", _clip(reply["error"]), time.monotonic() - t0)
 
 
-class CalculatorPool:
+class WorkerPool:
     """A few workers so that one slow call does not hold up the other episodes' tool calls."""
 
-    name = CalculatorTool.name
+    worker_cls: type = CalculatorTool
 
     def __init__(self, size: int = 2, timeout_s: float = 1.0):
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
+        self.name = self.worker_cls.name
         self.timeout_s = timeout_s
-        self._tools = [CalculatorTool(timeout_s) for _ in range(size)]
-        self._free: queue.Queue[CalculatorTool] = queue.Queue()
+        self._tools = [self.worker_cls(timeout_s) for _ in range(size)]
+        self._free: queue.Queue = queue.Queue()
         for t in self._tools:
             self._free.put(t)
 
-    def call(self, expr: str) -> ToolResult:
+    def call(self, *args, **kwargs):
         tool = self._free.get()
         try:
-            return tool.call(expr)
+            return tool.call(*args, **kwargs)
         finally:
             self._free.put(tool)
 
@@ -142,8 +160,8 @@ class CalculatorPool:
         for t in self._tools:
             t.start()
 
-    async def acall(self, expr: str) -> ToolResult:
-        return await asyncio.to_thread(self.call, expr)
+    async def acall(self, *args, **kwargs):
+        return await asyncio.to_thread(self.call, *args, **kwargs)
 
     @property
     def respawns(self) -> int:
@@ -154,17 +172,25 @@ class CalculatorPool:
             t.close()
 
 
-_POOLS: dict[tuple[int, float], CalculatorPool] = {}
+class CalculatorPool(WorkerPool):
+    worker_cls = CalculatorTool
+
+
+_POOLS: dict[tuple[type, int, float], WorkerPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def get_calculator_pool(size: int = 2, timeout_s: float = 1.0) -> CalculatorPool:
-    """The process-wide pool for these settings (workflows are created per rollout worker process)."""
+def get_pool(cls: type[WorkerPool], size: int = 2, timeout_s: float = 1.0) -> WorkerPool:
+    """The process-wide pool of `cls` for these settings (workflows are created per rollout worker process)."""
     with _POOLS_LOCK:
-        key = (size, float(timeout_s))
+        key = (cls, size, float(timeout_s))
         if key not in _POOLS:
-            _POOLS[key] = CalculatorPool(size, timeout_s)
+            _POOLS[key] = cls(size, timeout_s)
         return _POOLS[key]
+
+
+def get_calculator_pool(size: int = 2, timeout_s: float = 1.0) -> CalculatorPool:
+    return get_pool(CalculatorPool, size, timeout_s)
 
 
 @atexit.register
