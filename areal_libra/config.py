@@ -31,12 +31,15 @@ class ConfigError(ValueError):
 class DatasetConfig:
     n_problems: int = 4096
     seed: int = 1
+    # (path, size, seed) -> datasets.Dataset; path is train_dataset.path (None for the generator)
+    builder: str = "areal_libra.workflows.math_data.load_math_dataset"
 
 
 @dataclass
 class ModelConfig:
     builder: str = "areal_libra.models.tiny"
     seed: int = 1  # the starting checkpoint's own seed: runs with different `seed=` start from the same policy
+    task: str = "math"  # the tiny model's warm-up task: math | code (areal_libra.models.warmup.get_task)
 
 
 @dataclass

@@ -34,9 +34,14 @@ def _has_cuda() -> bool:
 def resolve_model(c: Composed) -> str:
     path = str(c.areal.actor.path)
     if path in ("auto", "", "???"):
-        from areal_libra.models.tiny import ensure_model
+        from areal_libra.models.tiny import TinyModelConfig, ensure_model
 
-        return str(ensure_model(seed=int(c.libra.get("model", {}).get("seed", c.areal.seed))))
+        model = c.libra.get("model", {})
+        try:
+            config = TinyModelConfig.for_task(str(model.get("task", "math")))
+        except ValueError as e:
+            raise LaunchError(f"libra.model.task: {e}") from None
+        return str(ensure_model(seed=int(model.get("seed", c.areal.seed)), config=config))
     p = Path(path)
     if not p.is_dir():
         raise LaunchError(f"actor.path={path}: no such model directory")

@@ -19,11 +19,12 @@ from omegaconf import OmegaConf
 
 
 def build_dataset(libra, areal_cfg):
-    from areal_libra.workflows.math_data import load_math_dataset
+    from areal.utils.dynamic_import import import_from_string
 
     path = areal_cfg.train_dataset.path
     path = None if path in (None, "", "generated") else str(path)
-    return load_math_dataset(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
+    builder = import_from_string(str(libra.dataset.get("builder", "areal_libra.workflows.math_data.load_math_dataset")))
+    return builder(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
 
 
 def routing_policy(libra) -> str:

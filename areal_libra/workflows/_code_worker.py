@@ -42,6 +42,7 @@ _PATH_EVENTS = ("open", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.sy
                 "os.truncate", "os.chmod", "os.chown", "os.utime", "os.listdir", "os.scandir", "os.chflags",
                 "os.lchflags", "os.lchmod", "os.mkfifo", "os.mknod", "glob.glob", "shutil.")
 NOBODY = 65534
+BASE_DIR = sys.argv[1] if len(sys.argv) > 1 else None  # the runs' temp dirs go here (removed by the caller)
 MAX_OUTPUT_CHARS = 200
 
 
@@ -145,7 +146,7 @@ def _child(req_r: int, res_w: int, root: str, time_s: float, mem_mb: int) -> Non
 
 
 def _spawn(time_s: float, mem_mb: int):
-    root = tempfile.mkdtemp(prefix="code-sandbox-")
+    root = tempfile.mkdtemp(prefix="run-", dir=BASE_DIR)
     if os.getuid() == 0:
         os.chown(root, NOBODY, NOBODY)
     req_r, req_w = os.pipe()

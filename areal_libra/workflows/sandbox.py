@@ -5,6 +5,9 @@ management is tools.py's (WorkerProcess / WorkerPool); errors and timeouts are o
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,19 @@ class CodeExecTool(WorkerProcess):
         super().__init__(timeout_s + BACKSTOP_MARGIN_S)
         self.run_timeout_s = timeout_s
         self.mem_mb = mem_mb
+        self.base_dir: str | None = None
+
+    def _worker_args(self) -> list[str]:
+        # Each run's temp dir lives under this one, removed here even when the worker was killed.
+        self._cleanup()
+        self.base_dir = tempfile.mkdtemp(prefix="code-sandbox-")
+        os.chmod(self.base_dir, 0o711)  # the run's child may be `nobody`: it must reach its own dir
+        return [self.base_dir]
+
+    def _cleanup(self) -> None:
+        if self.base_dir is not None:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+            self.base_dir = None
 
     def call(self, code: str, tests: list[tuple[list[Any], Any]], fn: str = "f") -> ExecResult:
         """Define `fn` by running `code`, then call it on each test's args; a test passes when it returns a

@@ -59,12 +59,18 @@ class WorkerProcess:
         # inherits that pipe and holds the parent forever (seen as a hang in the rollout thread). Python's
         # own descriptors are close-on-exec, so nothing leaks into the worker.
         self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(self.script)],
+            [sys.executable, "-I", "-S", str(self.script), *self._worker_args()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
             close_fds=False,
         )
         self._buf = b""
         return self._proc
+
+    def _worker_args(self) -> list[str]:
+        return []
+
+    def _cleanup(self) -> None:
+        """After the worker is gone: remove what it may have left (subclasses)."""
 
     def _kill(self) -> None:
         if self._proc is not None:
@@ -72,6 +78,7 @@ class WorkerProcess:
             self._proc.wait()
             self._proc = None
             self.respawns += 1
+            self._cleanup()
 
     def start(self) -> None:
         """Start the worker now (it is otherwise started by the first call)."""
@@ -85,6 +92,7 @@ class WorkerProcess:
                 self._proc.kill()
                 self._proc.wait()
                 self._proc = None
+                self._cleanup()
 
     def _read_line(self, proc: subprocess.Popen, deadline: float) -> bytes | None:
         fd = proc.stdout.fileno()
