@@ -62,13 +62,13 @@ def demonstration(p: CodeProblem, rng: random.Random, cfg: WarmupConfig) -> list
 
 
 def sandbox_tool(p: CodeProblem, code: str) -> str:
-    from areal_libra.workflows.code_sandbox import run_example
+    from areal_libra.workflows.sandbox import run_example
 
     return format_output(run_example(code, p.example)[1])
 
 
 def sandbox_reward(p: CodeProblem, completion: str) -> float:
-    from areal_libra.workflows.code_sandbox import grade
+    from areal_libra.workflows.sandbox import grade
 
     return grade(last_code(completion), p.hidden_tests)
 

@@ -9,29 +9,14 @@ last code block passes, run in the same sandbox. The episode loop, the C-MLFQ re
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from areal_libra.workflows.code_data import row_tests
-from areal_libra.workflows.code_markup import CODE_CLOSE, extract_code, format_output, last_code, run_payload
+from areal_libra.workflows.code_markup import CODE_CLOSE, extract_code, format_output, last_code
 from areal_libra.workflows.math_tool import MathToolWorkflow
-from areal_libra.workflows.sandbox import CodeSandboxPool, get_code_sandbox
+from areal_libra.workflows.sandbox import CodeSandboxPool, get_code_sandbox, run_example
 from areal_libra.workflows.sink import set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
-
-Tests = list[tuple[list[Any], Any]]
-
-
-def run_example(code: str, example: Tests, pool: CodeSandboxPool | None = None) -> tuple[str, str, float]:
-    """(status, the model-facing text inside <out>, latency) of running `code` on the visible example."""
-    pool = pool or get_code_sandbox()
-    r = pool.call(code, example)
-    return r.status, run_payload(r.status, r.outputs[0] if r.outputs else None, r.error, all(r.passed)), r.latency_s
-
-
-def grade(code: str | None, tests: Tests, pool: CodeSandboxPool | None = None) -> float:
-    """The reward: the fraction of `tests` that `code` passes (0 without code)."""
-    if code is None or not tests:
-        return 0.0
-    return (pool or get_code_sandbox()).call(code, tests).fraction
 
 
 class CodeSandboxWorkflow(MathToolWorkflow):
@@ -45,9 +30,8 @@ class CodeSandboxWorkflow(MathToolWorkflow):
 
     async def call_tool(self, call: str, data: dict[str, Any]) -> tuple[str, str, float]:
         example, _ = row_tests(data)
-        r = await self.tool.acall(call, example)
-        text = run_payload(r.status, r.outputs[0] if r.outputs else None, r.error, all(r.passed))
-        return r.status, format_output(text), r.latency_s
+        status, text, latency_s = await asyncio.to_thread(run_example, call, example, self.tool)
+        return status, format_output(text), latency_s
 
     async def compute_reward(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
                              data: dict[str, Any]) -> float:

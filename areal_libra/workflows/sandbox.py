@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from areal_libra.workflows.code_markup import run_payload
 from areal_libra.workflows.tools import WorkerPool, WorkerProcess, get_pool
+
+Tests = list[tuple[list[Any], Any]]
 
 CODE_WORKER_SCRIPT = Path(__file__).with_name("_code_worker.py")
 MAX_CODE_CHARS = 4096
@@ -82,3 +85,16 @@ class CodeSandboxPool(WorkerPool):
 def get_code_sandbox(size: int = 2, timeout_s: float = 1.0) -> CodeSandboxPool:
     """The process-wide sandbox pool for these settings."""
     return get_pool(CodeSandboxPool, size, timeout_s)
+
+
+def run_example(code: str, example: Tests, pool: CodeSandboxPool | None = None) -> tuple[str, str, float]:
+    """(status, the model-facing text inside <out>, latency) of running `code` on the visible example."""
+    r = (pool or get_code_sandbox()).call(code, example)
+    return r.status, run_payload(r.status, r.outputs[0] if r.outputs else None, r.error, all(r.passed)), r.latency_s
+
+
+def grade(code: str | None, tests: Tests, pool: CodeSandboxPool | None = None) -> float:
+    """The reward: the fraction of `tests` that `code` passes (0 without code)."""
+    if code is None or not tests:
+        return 0.0
+    return (pool or get_code_sandbox()).call(code, tests).fraction

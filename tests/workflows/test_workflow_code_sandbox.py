@@ -19,6 +19,7 @@ from areal_libra.trace import Trajectory, read_traces, write_traces
 from areal_libra.workflows import code_sandbox
 from areal_libra.workflows.code_data import load_code_dataset, row_tests
 from areal_libra.workflows.code_markup import OUT_CLOSE, OUT_OPEN, last_code
+from areal_libra.workflows.sandbox import grade
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small and trained briefly on code demonstrations, so that episodes do write and run code.
@@ -131,7 +132,7 @@ def test_episodes_mask_tool_outputs_reward_and_replay(engine, model_path, sink, 
         completion = tok.decode(ids[traj.prompt_tokens:], skip_special_tokens=True)
         reward = float(res["rewards"][0])
         assert 0.0 <= reward <= 1.0 and reward == traj.reward
-        assert reward == pytest.approx(code_sandbox.grade(last_code(completion), row_tests(row)[1]))
+        assert reward == pytest.approx(grade(last_code(completion), row_tests(row)[1]))
     # The episodes as a trace file in the repo's format: it reads back and replays through the routing CLI.
     trace = tmp_path / "code.jsonl"
     write_traces(trace, sink)
