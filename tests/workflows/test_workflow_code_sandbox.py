@@ -145,6 +145,14 @@ def test_episodes_mask_tool_outputs_reward_and_replay(engine, model_path, sink, 
     out = json.loads(r.stdout)
     assert out["n_trajectories"] == len(sink)
     assert out["policies"]["oracle"]["decision_accuracy"] == 1.0
+    # and the simulator replays it as a workload (Libra and its baseline on a simulated cluster)
+    r = subprocess.run([sys.executable, "-m", "evaluation.throughput", "--workload", str(trace), "--steps", "2",
+                        "--group-size", "4", "--batch-prompts", "4", "--systems", "areal_static_optimal", "libra",
+                        "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    systems = json.loads(r.stdout)["systems"]
+    assert set(systems) == {"areal_static_optimal", "libra"}
+    assert all(s["steps"] == 2 and s["tokens_per_s"] > 0 for s in systems.values())
 
 
 def test_sandbox_timeouts_are_outcomes(engine, model_path, sink):
