@@ -189,20 +189,29 @@ def _memory_holds(pid: int, needle: bytes) -> bool:
     return False
 
 
-def test_expected_outputs_never_reach_the_code(tool):
+def test_expected_outputs_never_reach_the_code():
     """The child is forked before the request is read and gets only the inputs: while the code runs, the
-    hidden answer is nowhere in its memory (the input is, as a check that the scan works)."""
+    hidden answer is nowhere in its memory (the input is, which shows the scan works)."""
     import threading
 
     secret, arg = 987654321123, 424242424243
-    worker_children = _descendants(tool._proc.pid)
-    got = {}
-    th = threading.Thread(target=lambda: got.setdefault("r", tool.call(_fn("while True:\n pass"), [([arg], secret)])))
-    th.start()
-    time.sleep(0.3)
-    running = [c for c in _descendants(tool._proc.pid) if c in worker_children]
-    assert running, "the pre-forked child should be running the code"
-    assert _memory_holds(running[0], str(arg).encode())
-    assert not _memory_holds(running[0], str(secret).encode())
-    th.join()
-    assert got["r"].status == "timeout"
+    slow = CodeExecTool(timeout_s=5.0)
+    try:
+        assert slow.call(GOOD, TESTS).fraction == 1.0
+        got = {}
+        th = threading.Thread(target=lambda: got.setdefault(
+            "r", slow.call(_fn("while True:\n pass"), [([arg], secret)])))
+        th.start()
+        seen = False
+        deadline = time.monotonic() + 4.0
+        while not seen and time.monotonic() < deadline:  # until the running child holds the request
+            for child in _descendants(slow._proc.pid):
+                if _memory_holds(child, str(arg).encode()):
+                    seen = True
+                    assert not _memory_holds(child, str(secret).encode())
+            time.sleep(0.05)
+        assert seen, "the running child never showed the input"
+        th.join()
+        assert got["r"].status == "timeout"
+    finally:
+        slow.close()
