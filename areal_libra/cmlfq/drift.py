@@ -107,6 +107,13 @@ class LengthDrift:
         return math.exp(self.rate * (step - self.ref))
 
 
+def routed_level(rate: float, ref: int, past_ok: bool, step: int) -> float:
+    """LengthDrift.level(routed_step(step)) from its fitted parameters (ref set): what a request of `step` is
+    scaled by. The tree cores compute it per decision (csrc/prefix_tree.cpp mirrors this arithmetic)."""
+    routed = step if step > ref or past_ok else ref + 1
+    return math.exp(rate * (routed - ref))
+
+
 class GrowthTable:
     """Typical context growth (context at the k-th tool return minus the prompt) per prompt and depth, for
     C-MLFQ's `growth` switch: a sample that has grown faster than its prompt's earlier samples had at the

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_libra.cmlfq._pytree import PyTreeCore
+from areal_libra.cmlfq.drift import GrowthTable, LengthDrift
 from areal_libra.cmlfq.states import SizeClasses, ToolState, tool_state
 from areal_libra.trace import ToolReturn, Trajectory
 from areal_libra.utils import atomic_write_bytes
@@ -150,12 +151,40 @@ class PrefixTree:
         self._rule = (list(map(float, thresholds)), use_mean, q, move_cost, overrun, condition, prompt_first)
         self._core.set_rule(*self._rule)
 
+    def growth_table(self) -> GrowthTable:
+        """An empty growth table of this tree's backend (the C++ core reads only its own kind)."""
+        return _cpp.GrowthCore() if self.backend == "cpp" else GrowthTable()
+
+    def accepts_growth(self, table: object) -> bool:
+        return isinstance(table, _cpp.GrowthCore) if self.backend == "cpp" else isinstance(table, GrowthTable)
+
+    def set_scaling(self, drift: LengthDrift | None, growth: GrowthTable | None, growth_exp: float) -> None:
+        """Install the policy's drift and growth switches in the core (once per step boundary, not per
+        decision): each decision's multiplier on the remaining lengths is computed there from them."""
+        if growth is not None and not self.accepts_growth(growth):
+            raise TypeError(f"growth table {type(growth).__name__} does not fit the {self.backend} tree core")
+        on = drift is not None
+        ref = drift.ref if on and drift.ref is not None else None
+        self._core.set_scaling(on, drift.rate if on else 0.0, ref is not None, 0 if ref is None else ref,
+                               bool(on and drift.past_ok), growth, float(growth_exp))
+
     def decide(self, prompt_id: str, ids: list[int], ctx: int, dctx: Sequence[int], current: int,
-               placing: bool = False, scale: float = 1.0) -> tuple[int, bool]:
-        """One C-MLFQ decision in the core: (bucket, whether the global subtree answered). scale: the
-        request's multiplier on the tree's remaining lengths; the core divides the contexts (rounded) and
-        the thresholds by it for this call, so the rule runs in the tree's units."""
-        return self._core.decide(prompt_id, ids, ctx, dctx, current, placing, scale)
+               placing: bool = False, step: int = 0, depth: int | None = None, prompt_tokens: int = 0
+               ) -> tuple[int, bool]:
+        """One C-MLFQ decision in the core: (bucket, whether the global subtree answered). The core scales
+        the request (set_scaling: drift level of `step`, growth at `depth` tool returns of its context past
+        `prompt_tokens`; depth defaults to len(ids)), then divides the contexts (rounded) and the thresholds
+        by that multiplier so the rule runs in the tree's units."""
+        return self._core.decide(prompt_id, ids, ctx, dctx, current, placing, step,
+                                 len(ids) if depth is None else depth, prompt_tokens)
+
+    def decider(self) -> Callable[..., tuple[int, bool]]:
+        """The core's decide itself, positional arguments as decide's (the policy's per-decision call)."""
+        return self._core.decide
+
+    def request_scale(self, prompt_id: str, step: int, depth: int, ctx: int, prompt_tokens: int) -> float:
+        """The multiplier a decision applies (for tests and diagnostics)."""
+        return self._core.scale(prompt_id, step, depth, ctx, prompt_tokens)
 
     def rebuild(self, trajs: Iterable[Trajectory], scale_of: Callable[[Trajectory], float] | None = None) -> None:
         """Forget everything and re-insert `trajs` in order (the caller bounds the window); scale_of(traj)
