@@ -155,6 +155,7 @@ class TreeCore {
     alive_ = 0;
     tick_ = 0;
     serial_ = 0;
+    rcache_.clear();
     root_ = new_node(-1, -1, nullptr);
   }
 
@@ -342,6 +343,69 @@ class TreeCore {
     return py::make_tuple(b, from_global);
   }
 
+  // Payload size classes of the return-state cache key (PrefixTree.return_ids' key).
+  void set_sizes(int64_t small, int64_t medium) {
+    small_ = small;
+    medium_ = medium;
+    rcache_.clear();
+  }
+
+  // Forget the cached return states (the wrapper re-interned its states or changed the state mapping).
+  void clear_return_cache() { rcache_.clear(); }
+
+  // resolver() -> the wrapper's mapping tool -> state id (or None once the wrapper is gone): a
+  // weakref.WeakMethod, so that the core holds no reference cycle back to its wrapper.
+  void set_resolver(py::object resolver) { resolver_ = std::move(resolver); }
+
+  // The per-decision entry point: one call with the policy's RequestInfo. Reads the request's fields,
+  // maps its tool returns to state ids through a cache keyed like PrefixTree.return_ids (tool name, size
+  // class, raw status; a miss asks `resolve(tool)`, the wrapper's Python mapping, and only known states
+  // are cached), then decides as decide() does. placing: a first placement (no tool states looked up).
+  py::tuple decide_request(py::handle req, int current, bool placing) {
+    static PyObject* const a_prompt = PyUnicode_InternFromString("prompt_id");
+    static PyObject* const a_tools = PyUnicode_InternFromString("tool_returns");
+    static PyObject* const a_ctx = PyUnicode_InternFromString("context_tokens");
+    static PyObject* const a_dctx = PyUnicode_InternFromString("decision_contexts");
+    static PyObject* const a_step = PyUnicode_InternFromString("step");
+    static PyObject* const a_ptok = PyUnicode_InternFromString("prompt_tokens");
+    PyObject* r = req.ptr();
+    // The tool states first: a cache miss runs Python (the resolver), so nothing is kept in the scratch
+    // buffers across it; after it only plain attribute reads and C++ run until the decision is made.
+    py::object tools = attr(r, a_tools);
+    py::object tseq = py::reinterpret_steal<py::object>(PySequence_Fast(tools.ptr(), "tool_returns must be a sequence"));
+    if (!tseq) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(tseq.ptr());
+    const std::vector<int32_t>* ids = &ids_buf_;
+    std::vector<int32_t> slow;
+    ids_buf_.clear();
+    if (!placing) {
+      PyObject** items = PySequence_Fast_ITEMS(tseq.ptr());
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        int32_t id;
+        if (cached_id(items[i], &id)) {
+          ids_buf_.push_back(id);
+          continue;
+        }
+        slow.assign(ids_buf_.begin(), ids_buf_.end());
+        for (Py_ssize_t k = i; k < n; ++k) slow.push_back(return_id(items[k]));
+        ids = &slow;
+        break;
+      }
+    }
+    py::object prompt = attr(r, a_prompt);
+    Py_ssize_t plen = 0;
+    const char* pchars = PyUnicode_AsUTF8AndSize(prompt.ptr(), &plen);
+    if (pchars == nullptr) throw py::error_already_set();
+    prompt_buf_.assign(pchars, static_cast<size_t>(plen));
+    const int64_t ctx = as_int(attr(r, a_ctx).ptr());
+    const int64_t step = as_int(attr(r, a_step).ptr());
+    const int64_t ptok = as_int(attr(r, a_ptok).ptr());
+    read_ints(attr(r, a_dctx).ptr(), &dctx_buf_);
+    bool from_global = true;
+    int b = decide_bucket(prompt_buf_, *ids, ctx, dctx_buf_, current, placing, step, n, ptok, &from_global);
+    return py::make_tuple(b, from_global);
+  }
+
   double scale(const std::string& prompt, int64_t step, int64_t depth, int64_t ctx, int64_t prompt_tokens) const {
     return scale_of(prompt, step, depth, ctx, prompt_tokens);
   }
@@ -402,6 +466,7 @@ class TreeCore {
   }
 
   void restore(const py::dict& d) {
+    rcache_.clear();
     nodes_.clear();
     free_.clear();
     prompts_.clear();
@@ -446,6 +511,80 @@ class TreeCore {
     if (root_ < 0) throw std::invalid_argument("tree has no global root");
     tick_ = d["tick"].cast<int64_t>();
     serial_ = d["serial"].cast<int64_t>();
+  }
+
+ private:
+  static py::object attr(PyObject* o, PyObject* name) {
+    PyObject* v = PyObject_GetAttr(o, name);
+    if (v == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(v);
+  }
+
+  static int64_t as_int(PyObject* v) {
+    const long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+    return static_cast<int64_t>(x);
+  }
+
+  static void read_ints(PyObject* seq, std::vector<int64_t>* out) {
+    py::object f = py::reinterpret_steal<py::object>(PySequence_Fast(seq, "expected a sequence of ints"));
+    if (!f) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(f.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(f.ptr());
+    out->resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) (*out)[i] = as_int(items[i]);
+  }
+
+  // The return-state cache key of a tool return (name, size class, raw status) into *key; false when a
+  // field has an unexpected type (then only the resolver can say).
+  bool return_key(PyObject* tool, std::string* key) const {
+    static PyObject* const a_name = PyUnicode_InternFromString("name");
+    static PyObject* const a_payload = PyUnicode_InternFromString("payload_tokens");
+    static PyObject* const a_status = PyUnicode_InternFromString("status");
+    py::object name = attr(tool, a_name), payload = attr(tool, a_payload), status = attr(tool, a_status);
+    if (!PyUnicode_Check(name.ptr()) || !PyUnicode_Check(status.ptr()) || !PyLong_Check(payload.ptr())) return false;
+    Py_ssize_t nl = 0, sl = 0;
+    int overflow = 0;
+    const char* nc = PyUnicode_AsUTF8AndSize(name.ptr(), &nl);
+    const char* sc = nc != nullptr ? PyUnicode_AsUTF8AndSize(status.ptr(), &sl) : nullptr;
+    const long long p = PyLong_AsLongLongAndOverflow(payload.ptr(), &overflow);
+    if (nc == nullptr || sc == nullptr || overflow != 0) {
+      PyErr_Clear();  // e.g. a lone surrogate: the resolver decides
+      return false;
+    }
+    const char cls = p <= small_ ? 0 : (p <= medium_ ? 1 : 2);
+    const uint32_t len = static_cast<uint32_t>(nl);
+    key->clear();
+    key->append(reinterpret_cast<const char*>(&len), sizeof(len));
+    key->append(nc, static_cast<size_t>(nl));
+    key->push_back(cls);
+    key->append(sc, static_cast<size_t>(sl));
+    return true;
+  }
+
+  bool cached_id(PyObject* tool, int32_t* id) {
+    if (!return_key(tool, &key_buf_)) return false;
+    auto it = rcache_.find(key_buf_);
+    if (it == rcache_.end()) return false;
+    *id = it->second;
+    return true;
+  }
+
+  // State id of one tool return, asking the resolver on a cache miss; only known states (id >= 0) are
+  // cached (unknown ones may become known).
+  int32_t return_id(PyObject* tool) {
+    std::string key;
+    const bool keyed = return_key(tool, &key);
+    if (keyed) {
+      auto it = rcache_.find(key);
+      if (it != rcache_.end()) return it->second;
+    }
+    if (!resolver_) throw std::invalid_argument("set_resolver() first");
+    py::object resolve = resolver_();
+    if (resolve.is_none()) throw std::invalid_argument("the tree wrapper is gone");
+    const int32_t id = resolve(py::handle(tool)).cast<int32_t>();
+    if (keyed && id >= 0) rcache_.emplace(std::move(key), id);
+    return id;
   }
 
  private:
@@ -573,6 +712,12 @@ class TreeCore {
   std::vector<double> scaled_th_;  // per-decision scratch (the core is used under the caller's lock)
   std::vector<int64_t> scaled_dctx_;
   std::vector<int64_t> floors_;
+  std::string prompt_buf_, key_buf_;
+  std::vector<int32_t> ids_buf_;
+  std::vector<int64_t> dctx_buf_;
+  int64_t small_ = 500, medium_ = 5000;
+  std::unordered_map<std::string, int32_t> rcache_;
+  py::object resolver_;
   int min_samples_;
   int window_;
   int64_t max_nodes_;
@@ -611,6 +756,10 @@ PYBIND11_MODULE(_prefix_tree, m) {
            py::arg("ref"), py::arg("past_ok"), py::arg("growth"), py::arg("growth_exp"))
       .def("scale", &TreeCore::scale, py::arg("prompt"), py::arg("step"), py::arg("depth"), py::arg("ctx"),
            py::arg("prompt_tokens"))
+      .def("set_sizes", &TreeCore::set_sizes, py::arg("small"), py::arg("medium"))
+      .def("clear_return_cache", &TreeCore::clear_return_cache)
+      .def("set_resolver", &TreeCore::set_resolver, py::arg("resolver"))
+      .def("decide_request", &TreeCore::decide_request, py::arg("req"), py::arg("current"), py::arg("placing"))
       .def("decide", &TreeCore::decide, py::arg("prompt"), py::arg("ids"), py::arg("ctx"), py::arg("dctx"),
            py::arg("current"), py::arg("placing"), py::arg("step"), py::arg("depth"), py::arg("prompt_tokens"))
       .def("dump", &TreeCore::dump)

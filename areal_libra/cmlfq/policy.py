@@ -362,7 +362,7 @@ class CMLFQPolicy(_Base):
         if self._mask is not None:
             tree.state_map = self._masked
         self._tree = tree
-        self._tree_decide = tree.decider()  # the core's own call, bound once: nothing in between per decision
+        self._tree_decide = tree.request_decider()  # bound once: one call into the core per decision
         if self.growth is not None and not tree.accepts_growth(self.growth):
             # A tree of the other backend (never swapped in by this package): the core reads only its own
             # kind of growth table, so it is refilled from the recent window.
@@ -557,16 +557,14 @@ class CMLFQPolicy(_Base):
         return max(current, self.bucket_of(req.context_tokens)) if over else current
 
     # --- decisions ---
-    def _decide(self, req: RequestInfo, current: int, ids: list[int], placing: bool = False) -> int:
+    def _decide(self, req: RequestInfo, current: int, placing: bool = False) -> int:
         """One call into the tree core (C++ or Python, identical), which holds the rule, the switches and the
         drift/growth state (_install_rule): scale the request (drift level of its step, growth factor at
         its depth); look up the deepest trusted node;
         predicted final = context at that node's decision point + its remaining length (centre and P90);
         migrate when both land in the same bucket and it differs from the current one (with the
         overrun and move-cost switches); a first placement takes the centre's bucket."""
-        bucket, from_global = self._tree_decide(req.prompt_id, ids, req.context_tokens, req.decision_contexts,
-                                                current, placing, req.step, len(req.tool_returns),
-                                                req.prompt_tokens)
+        bucket, from_global = self._tree_decide(req, current, placing)  # C++: this is the only call into it
         self.decisions += 1
         self.lookups_from_global += from_global
         return bucket
@@ -595,7 +593,7 @@ class CMLFQPolicy(_Base):
         req = self._track(req)
         if not self.config.start_lookup or (self._mlfq_at and (0, False) in self._mlfq_at):
             return 0
-        return self._decide(req, 0, [], placing=True)
+        return self._decide(req, 0, True)
 
     def tool_return(self, req: RequestInfo, current: int) -> int:
         if self._auto_ready is not None:
@@ -605,7 +603,7 @@ class CMLFQPolicy(_Base):
             b = self._mlfq_decision(req, current)
             if b is not None:
                 return b
-        return self._decide(req, current, self.tree.return_ids(req.tool_returns))
+        return self._decide(req, current)
 
     def _masked(self, st: ToolState) -> ToolState:
         tool, size, status = self._mask

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,9 @@ class PrefixTree:
         self.min_samples, self.window, self.max_nodes, self.sizes = min_samples, window, max_nodes, sizes
         core_cls = _cpp.TreeCore if self.backend == "cpp" else PyTreeCore
         self._core = core_cls(min_samples, window, max_nodes)
+        if self.backend == "cpp":
+            self._core.set_sizes(sizes.small, sizes.medium)  # the core's own return-state cache key
+            self._core.set_resolver(weakref.WeakMethod(self.resolve_return))  # for its cache misses
         self._ids: dict[ToolState, int] = {}
         self._states: list[ToolState] = []
         self._state_map: Callable[[ToolState], ToolState] | None = None
@@ -88,7 +92,12 @@ class PrefixTree:
     @state_map.setter
     def state_map(self, fn: Callable[[ToolState], ToolState] | None) -> None:
         self._state_map = fn
+        self._clear_rcache()
+
+    def _clear_rcache(self) -> None:
         self._rcache.clear()
+        if self.backend == "cpp":
+            self._core.clear_return_cache()
 
     # --- state interning: both backends see the same small integers ---
     def state_id(self, st: ToolState) -> int:
@@ -113,12 +122,16 @@ class PrefixTree:
             key = (t.name, 0 if p <= small else (1 if p <= medium else 2), t.status)
             i = cache.get(key)
             if i is None:
-                st = tool_state(t, self.sizes)
-                i = self._ids.get(st if self._state_map is None else self._state_map(st), -2)
+                i = self.resolve_return(t)
                 if i >= 0:  # unknown states may appear later: do not cache them
                     cache[key] = i
             out.append(i)
         return out
+
+    def resolve_return(self, tool: ToolReturn) -> int:
+        """State id of one raw tool return (-2: a state the tree has never seen)."""
+        st = tool_state(tool, self.sizes)
+        return self._ids.get(st if self._state_map is None else self._state_map(st), -2)
 
     # --- hot path ---
     def insert(self, traj: Trajectory, scale: float = 1.0) -> None:
@@ -178,9 +191,17 @@ class PrefixTree:
         return self._core.decide(prompt_id, ids, ctx, dctx, current, placing, step,
                                  len(ids) if depth is None else depth, prompt_tokens)
 
-    def decider(self) -> Callable[..., tuple[int, bool]]:
-        """The core's decide itself, positional arguments as decide's (the policy's per-decision call)."""
-        return self._core.decide
+    def decide_request(self, req, current: int, placing: bool = False) -> tuple[int, bool]:
+        """decide() for a policy.RequestInfo: its tool returns mapped to state ids (none when placing),
+        growth read at its depth. The C++ core does all of it in one call (request_decider)."""
+        ids = [] if placing else self.return_ids(req.tool_returns)
+        return self._core.decide(req.prompt_id, ids, req.context_tokens, req.decision_contexts, current, placing,
+                                 req.step, len(req.tool_returns), req.prompt_tokens)
+
+    def request_decider(self) -> Callable[[object, int, bool], tuple[int, bool]]:
+        """decide_request as one callable for the policy's per-decision path: with the C++ core a single
+        call into C++ (request fields, return-state cache, scaling, lookup, rule), else the Python path."""
+        return self._core.decide_request if self.backend == "cpp" else self.decide_request
 
     def request_scale(self, prompt_id: str, step: int, depth: int, ctx: int, prompt_tokens: int) -> float:
         """The multiplier a decision applies (for tests and diagnostics)."""
@@ -192,7 +213,7 @@ class PrefixTree:
         self._core.clear()
         self._ids.clear()
         self._states.clear()
-        self._rcache.clear()
+        self._clear_rcache()
         for t in trajs:
             self.insert(t, 1.0 if scale_of is None else scale_of(t))
 
