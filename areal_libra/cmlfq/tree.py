@@ -3,7 +3,9 @@ of tool-return states; each node keeps the distribution of remaining length (fin
 context at that decision point): total count, and mean / nearest-rank P90 over the last `window` samples.
 
 The hot path runs in C++ (areal_libra._prefix_tree, built from csrc/prefix_tree.cpp) when it is built,
-else in the pure-Python core; both give identical results (tests/test_prefix_tree_backends.py).
+else in the pure-Python core; both give identical results (tests/cmlfq/test_prefix_tree_backends.py). A
+policy decision is one call (request_decider): the rule, the switches and the drift/growth state are
+installed in the core beforehand (set_rule, set_scaling), never per decision.
 """
 
 from __future__ import annotations
