@@ -120,7 +120,8 @@ class GrowthTable:
     same depth tends to keep doing so (a verbose sample stays verbose, a search that returned long
     passages keeps returning them; PolyTrace Search-R1 shows it, evaluation/synth_trace.py `persistence`).
     Values are stored divided by the caller's scale (the drift level), like the tree's. Bounded: the least
-    recently updated prompts go first."""
+    recently updated prompts go first. This is the Python core's table and the reference for the C++ core's
+    own (csrc/prefix_tree.cpp GrowthCore: same sums in the same order; PrefixTree.growth_table picks one)."""
 
     def __init__(self, max_prompts: int = 100_000, max_depth: int = 64) -> None:
         self.max_prompts = max_prompts
