@@ -34,9 +34,14 @@ def _has_cuda() -> bool:
 def resolve_model(c: Composed) -> str:
     path = str(c.areal.actor.path)
     if path in ("auto", "", "???"):
-        from areal_libra.models.tiny import ensure_model
+        from areal_libra.models.tiny import TinyModelConfig, ensure_model
 
-        return str(ensure_model(seed=int(c.libra.get("model", {}).get("seed", c.areal.seed))))
+        model = c.libra.get("model", {})
+        try:
+            config = TinyModelConfig.for_task(str(model.get("task", "math")))
+        except ValueError as e:
+            raise LaunchError(f"libra.model.task: {e}") from None
+        return str(ensure_model(seed=int(model.get("seed", c.areal.seed)), config=config))
     p = Path(path)
     if not p.is_dir():
         raise LaunchError(f"actor.path={path}: no such model directory")
@@ -249,6 +254,39 @@ def run(argv: list[str]) -> int:
     c.areal.rollout.tokenizer_path = model_path
     log_dir = c.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
+    retriever = start_retriever(c, log_dir)  # before the config is saved: the trainer reads its URL there
+    try:
+        return _run_in(c, log_dir, model_path, gpus, emu)
+    finally:
+        if retriever is not None:
+            retriever.stop()
+
+
+def start_retriever(c: Composed, log_dir: Path):
+    """`libra.tools.retriever_url=local`: start the project's BM25 retrieval server (health-checked) and
+    point the config at it (None otherwise; a given URL must answer a query)."""
+    url = c.libra.tools.retriever_url
+    if url is None:
+        return None
+    from areal_libra.workflows.retriever import RetrieverProcess, retrieve
+
+    if url != "local":  # Search-R1's own server has no /health: one real query instead
+        try:
+            retrieve(url, ["health check"], 1, timeout_s=10.0)
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"libra.tools.retriever_url={url} does not answer POST /retrieve ({e})") from None
+        return None
+
+    try:
+        proc = RetrieverProcess(log_dir / "retriever.log")
+    except RuntimeError as e:
+        raise LaunchError(str(e)) from None
+    c.libra.tools.retriever_url = proc.url
+    print(f"areal_libra: retrieval server {proc.url} (BM25, log {log_dir / 'retriever.log'})", flush=True)
+    return proc
+
+
+def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu) -> int:
     metrics_path = log_dir / "metrics.jsonl"
     if metrics_path.exists():
         metrics_path.unlink()  # a re-used trial name starts a fresh record
