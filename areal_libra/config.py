@@ -39,7 +39,7 @@ class DatasetConfig:
 class ModelConfig:
     builder: str = "areal_libra.models.tiny"
     seed: int = 1  # the starting checkpoint's own seed: runs with different `seed=` start from the same policy
-    task: str = "math"  # the tiny model's warm-up task: math | search_r1 (areal_libra.models.warmup.get_task)
+    task: str = "math"  # the tiny model's warm-up task: math | code (areal_libra.models.warmup.get_task)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The embedded default's policy: a small Qwen2-architecture model and a local BPE tokenizer, warmed up by a
 short supervised stage, built offline and cached.
 
-    python -m areal_libra.models.tiny [--out DIR] [--force] [--seed N] [--task math|search_r1]
+    python -m areal_libra.models.tiny [--out DIR] [--force] [--seed N] [--task NAME]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class TinyModelConfig:
     tokenizer_corpus_problems: int = 2000
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     probe_episodes: int = 256  # sampled-success probe after the warm-up (0: skip)
-    task: str = "math"  # the warm-up task (areal_libra.models.warmup.get_task): math | search_r1
+    task: str = "math"  # the warm-up task (areal_libra.models.warmup.get_task): math | code
 
     @classmethod
     def for_task(cls, task: str) -> TinyModelConfig:
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", help="cache root (default: $AREAL_LIBRA_CACHE or ~/.cache/areal_libra)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even when a complete build exists")
-    ap.add_argument("--task", default="math", help="the warm-up task (default math; search_r1)")
+    ap.add_argument("--task", default="math", help="the warm-up task (areal_libra.models.warmup.get_task)")
     args = ap.parse_args(argv)
     try:
         config = TinyModelConfig.for_task(args.task)

@@ -67,3 +67,28 @@ def test_trainer_dataset_and_workflow_arguments():
     libra = OmegaConf.merge(c.libra, {"tools": {"retriever_url": "http://127.0.0.1:1234"}})
     assert SearchR1Workflow.libra_kwargs(libra) == {"retriever_url": "http://127.0.0.1:1234", "topk": 2,
                                                    "tool_timeout_s": 5.0}
+
+
+def test_a_dying_retriever_stops_the_run(tmp_path):
+    """The launch's supervisor stops the trainer and fails in one line when the retrieval server dies."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from areal_libra.launch import supervise
+    from areal_libra.workflows.retriever import RetrieverProcess
+
+    retriever = RetrieverProcess(tmp_path / "retriever.log")
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.killpg(retriever.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(LaunchError, match="tool server died; see .*retriever.log"):
+            supervise(trainer, tmp_path / "metrics.jsonl", 2, [], quiet=True, run_dir=tmp_path,
+                      tool_servers=[retriever])
+        assert trainer.wait(timeout=10) != 0 and time.monotonic() - t0 < 10
+    finally:
+        trainer.kill()
+        retriever.stop()
