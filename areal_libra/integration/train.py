@@ -19,11 +19,12 @@ from omegaconf import OmegaConf
 
 
 def build_dataset(libra, areal_cfg):
-    from areal_libra.workflows.math_data import load_math_dataset
+    from areal.utils.dynamic_import import import_from_string
 
     path = areal_cfg.train_dataset.path
     path = None if path in (None, "", "generated") else str(path)
-    return load_math_dataset(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
+    builder = import_from_string(str(libra.dataset.get("builder", "areal_libra.workflows.math_data.load_math_dataset")))
+    return builder(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
 
 
 def routing_policy(libra) -> str:
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_path=config.tokenizer_path,
         max_turns=int(libra.max_turns),
     )
+    wf_cls = getattr(wf_module, str(libra.workflow).rpartition(".")[2])
+    if hasattr(wf_cls, "libra_kwargs"):  # a workflow's own settings from the libra: config (e.g. its tool's URL)
+        workflow_kwargs.update(wf_cls.libra_kwargs(libra))
     with PPOTrainer(config, train_dataset=dataset, valid_dataset=None) as trainer:
         trainer.stats_logger.add_sink(metrics.on_commit)
         from areal_libra.integration.elastic_live import hybrids_serve

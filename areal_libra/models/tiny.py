@@ -1,7 +1,7 @@
 """The embedded default's policy: a small Qwen2-architecture model and a local BPE tokenizer, warmed up by a
 short supervised stage, built offline and cached.
 
-    python -m areal_libra.models.tiny [--out DIR] [--force] [--seed N]
+    python -m areal_libra.models.tiny [--out DIR] [--force] [--seed N] [--task NAME]
 """
 
 from __future__ import annotations
@@ -36,9 +36,25 @@ class TinyModelConfig:
     tokenizer_corpus_problems: int = 2000
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     probe_episodes: int = 256  # sampled-success probe after the warm-up (0: skip)
+    task: str = "math"  # the warm-up task (areal_libra.models.warmup.get_task): math | code
+
+    @classmethod
+    def for_task(cls, task: str) -> TinyModelConfig:
+        """The default build for a warm-up task (math: the dapo_math policy; code: code_sandbox's)."""
+        from areal_libra.models.warmup import get_task
+
+        get_task(task)  # an unknown task is a ValueError here
+        return cls() if task == "math" else cls(name=f"tiny-qwen2-{task}", task=task)
 
     def digest(self, seed: int) -> str:
-        blob = json.dumps({"cfg": asdict(self), "seed": seed, "v": FORMAT_VERSION}, sort_keys=True)
+        cfg = asdict(self)
+        if self.task == "math":
+            del cfg["task"]  # the digest of math builds predates the field: cached builds stay valid
+        else:
+            from areal_libra.models.warmup import get_task
+
+            cfg["task_params"] = get_task(self.task).params
+        blob = json.dumps({"cfg": cfg, "seed": seed, "v": FORMAT_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -57,17 +73,11 @@ def is_complete(path: Path) -> bool:
     return (path / BUILD_INFO).is_file() and (path / "config.json").is_file()
 
 
-def _tokenizer_corpus(n: int) -> list[str]:
+def _tokenizer_corpus(n: int, task: str = "math") -> list[str]:
     """Whole episodes as the model sees them: the chat-rendered prompt, then a tool-using completion."""
-    from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, format_result
-    from areal_libra.workflows.math_data import generate_problems, problems_to_rows
+    from areal_libra.models.warmup import get_task
 
-    problems = generate_problems(n, seed=20_000, id_prefix="tok")
-    corpus = []
-    for p, row in zip(problems, problems_to_rows(problems)):
-        prompt = "".join(m["content"] + "\n" for m in row["messages"])  # = the tokenizer's chat template
-        corpus.append(f"{prompt}{CALC_OPEN}{p.expression}{CALC_CLOSE}{format_result(str(p.answer))}\nAnswer: {p.answer}")
-    return corpus
+    return get_task(task).tokenizer_corpus(n)
 
 
 def build_model(out_dir: Path, config: TinyModelConfig, seed: int = 0, quiet: bool = False) -> dict:
@@ -92,10 +102,11 @@ def _build(out_dir: Path, config: TinyModelConfig, seed: int, quiet: bool, t0: f
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from areal_libra.models.tokenizer import build_tokenizer
-    from areal_libra.models.warmup import sampled_success
-    from areal_libra.workflows.math_data import generate_problems
+    from areal_libra.models.warmup import get_task, sampled_success
 
-    tokenizer = build_tokenizer(_tokenizer_corpus(config.tokenizer_corpus_problems), config.vocab_size)
+    task = get_task(config.task)
+    tokenizer = build_tokenizer(_tokenizer_corpus(config.tokenizer_corpus_problems, config.task), config.vocab_size,
+                                tool_tokens=task.tool_tokens)
     vocab = -(-len(tokenizer) // 64) * 64
     mcfg = Qwen2Config(
         vocab_size=vocab,
@@ -118,12 +129,12 @@ def _build(out_dir: Path, config: TinyModelConfig, seed: int, quiet: bool, t0: f
     n_params = sum(p.numel() for p in model.parameters())
     wcfg = config.warmup if config.warmup.seed == seed else WarmupConfig(**{**asdict(config.warmup), "seed": seed})
     t_warm = time.perf_counter()
-    losses = _warmup_with_progress(model, tokenizer, wcfg, quiet)
+    losses = _warmup_with_progress(model, tokenizer, wcfg, quiet, task)
     warm_s = time.perf_counter() - t_warm
     probe = None
     if config.probe_episodes > 0:
-        probe = sampled_success(model, tokenizer, generate_problems(config.probe_episodes, seed=30_000 + seed,
-                                                                    id_prefix="probe"), temperature=1.0, seed=seed)
+        probe = sampled_success(model, tokenizer, task.problems(config.probe_episodes, 30_000 + seed, "probe"),
+                                temperature=1.0, seed=seed, task=task, max_new_tokens=task.params.get("probe_new_tokens", 32))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(out_dir), safe_serialization=True)
@@ -144,11 +155,12 @@ def _build(out_dir: Path, config: TinyModelConfig, seed: int, quiet: bool, t0: f
     return info
 
 
-def _warmup_with_progress(model, tokenizer, cfg: WarmupConfig, quiet: bool) -> list[float]:
-    from areal_libra.models.warmup import supervised_warmup
+def _warmup_with_progress(model, tokenizer, cfg: WarmupConfig, quiet: bool, task=None) -> list[float]:
+    from areal_libra.models.warmup import MATH_TASK, supervised_warmup
 
+    task = task or MATH_TASK
     if quiet:
-        return supervised_warmup(model, tokenizer, cfg)
+        return supervised_warmup(model, tokenizer, cfg, task=task)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -162,13 +174,13 @@ def _warmup_with_progress(model, tokenizer, cfg: WarmupConfig, quiet: bool) -> l
                 print(f"areal_libra: warm-up {step}/{cfg.steps} loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)",
                       file=sys.stderr, flush=True)
 
-        return supervised_warmup(model, tokenizer, cfg, progress=report)
+        return supervised_warmup(model, tokenizer, cfg, progress=report, task=task)
     columns = (TextColumn("[bold]warm-up[/bold] {task.completed}/{task.total}"), BarColumn(),
                TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as prog:
-        task = prog.add_task("warmup", total=cfg.steps, loss=float("nan"))
-        return supervised_warmup(model, tokenizer, cfg,
-                                 progress=lambda step, loss: prog.update(task, completed=step, loss=loss))
+        bar = prog.add_task("warmup", total=cfg.steps, loss=float("nan"))
+        return supervised_warmup(model, tokenizer, cfg, task=task,
+                                 progress=lambda step, loss: prog.update(bar, completed=step, loss=loss))
 
 
 def _remove_orphans(target: Path) -> None:
@@ -226,12 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", help="cache root (default: $AREAL_LIBRA_CACHE or ~/.cache/areal_libra)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even when a complete build exists")
+    ap.add_argument("--task", default="math", help="the warm-up task (areal_libra.models.warmup.get_task)")
     args = ap.parse_args(argv)
+    try:
+        config = TinyModelConfig.for_task(args.task)
+    except ValueError as e:
+        print(f"error: --task: {e}", file=sys.stderr)
+        return 2
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
         return 2
     try:
-        path = ensure_model(cache_dir=args.cache_dir, seed=args.seed, out=args.out, force=args.force)
+        path = ensure_model(cache_dir=args.cache_dir, seed=args.seed, config=config, out=args.out, force=args.force)
     except OSError as e:
         print(f"error: cannot build the model: {e}", file=sys.stderr)
         return 1

@@ -20,19 +20,18 @@ PAD = "<|pad|>"
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
 
 
-_TAGS_RE = re.compile("(" + "|".join(re.escape(t) for t in TOOL_TOKENS) + ")")
-
-
-def _untagged_pieces(corpus: Iterable[str]) -> Iterable[str]:
+def _untagged_pieces(corpus: Iterable[str], tool_tokens: tuple[str, ...]) -> Iterable[str]:
     # At encode time the tags are split off first; train the merges on the same pieces.
+    tags_re = re.compile("(" + "|".join(re.escape(t) for t in tool_tokens) + ")")
     for text in corpus:
-        for piece in _TAGS_RE.split(text):
-            if piece and piece not in TOOL_TOKENS:
+        for piece in tags_re.split(text):
+            if piece and piece not in tool_tokens:
                 yield piece
 
 
-def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
-    """Train the BPE on `corpus` and wrap it as a transformers PreTrainedTokenizerFast."""
+def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512, tool_tokens: tuple[str, ...] = TOOL_TOKENS):
+    """Train the BPE on `corpus` and wrap it as a transformers PreTrainedTokenizerFast; `tool_tokens` (the
+    task's tags) become single tokens."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -51,9 +50,9 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_untagged_pieces(corpus), trainer=trainer)
+    tok.train_from_iterator(_untagged_pieces(corpus, tool_tokens), trainer=trainer)
     # Tool tags are ordinary (non-special) added tokens: they must survive decode(skip_special_tokens=True).
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TOOL_TOKENS])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in tool_tokens])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,

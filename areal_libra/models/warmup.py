@@ -7,12 +7,14 @@ result wrongly into the answer; RL then has to learn to call the tool and copy f
 
 from __future__ import annotations
 
+import importlib
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, extract_call, format_result
+from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, TOOL_TOKENS, extract_call, format_result
 from areal_libra.workflows.math_data import MathProblem, dapo_prompt, generate_problems, problem_messages
 from areal_libra.workflows.reward import dapo_math_reward
 
@@ -61,25 +63,78 @@ def demonstration(p: MathProblem, rng: random.Random, cfg: WarmupConfig) -> list
     return [(f"{CALC_OPEN}{p.expression}{CALC_CLOSE}", True), (format_result(ans), False), (f"\nAnswer: {said}", True)]
 
 
+def _math_messages(p: MathProblem) -> list[dict[str, str]]:
+    return problem_messages(dapo_prompt(p.question))
+
+
+def _math_tool(p: MathProblem, expr: str) -> str:
+    from areal_libra.workflows.tools import calculator_payload
+
+    return format_result(calculator_payload(expr))
+
+
+def _math_reward(p: MathProblem, completion: str) -> float:
+    return dapo_math_reward("", completion, [], [], str(p.answer))
+
+
+def _math_corpus(n: int) -> list[str]:
+    """Whole episodes as the model sees them: the chat-rendered prompt, then a tool-using completion."""
+    problems = generate_problems(n, seed=20_000, id_prefix="tok")
+    return ["".join(m["content"] + "\n" for m in _math_messages(p))  # = the tokenizer's chat template
+            + f"{CALC_OPEN}{p.expression}{CALC_CLOSE}{format_result(str(p.answer))}\nAnswer: {p.answer}"
+            for p in problems]
+
+
+@dataclass(frozen=True)
+class WarmupTask:
+    """What the warm-up, the probe and the tokenizer need to know about a task (math: the default)."""
+
+    name: str
+    problems: Callable[[int, int, str], list]  # (n, seed, id_prefix) -> problems
+    messages: Callable[[Any], list[dict[str, str]]]  # the workflow's prompt messages
+    demonstration: Callable[[Any, random.Random, WarmupConfig], list[tuple[str, bool]]]
+    close_tag: str  # generation stops at it; the tool is called
+    extract: Callable[[str], str | None]  # the call that a turn's text ends with
+    tool: Callable[[Any, str], str]  # (problem, call) -> the text appended to the context
+    reward: Callable[[Any, str], float]  # (problem, completion) -> the training reward
+    tokenizer_corpus: Callable[[int], list[str]]
+    tool_tokens: tuple[str, ...]
+    params: dict[str, Any] = field(default_factory=dict)  # demonstration settings (part of the model digest)
+
+
+MATH_TASK = WarmupTask("math", lambda n, seed, prefix: generate_problems(n, seed=seed, id_prefix=prefix),
+                       _math_messages, lambda p, rng, cfg: demonstration(p, rng, cfg), CALC_CLOSE, extract_call,
+                       _math_tool, _math_reward, _math_corpus, TOOL_TOKENS)
+_TASKS = {"math": "areal_libra.models.warmup:MATH_TASK", "code": "areal_libra.models.code_task:CODE_TASK"}
+_TASKS["search_r1"] = "areal_libra.models.search_task:SEARCH_TASK"
+
+
+def get_task(name: str) -> WarmupTask:
+    if name not in _TASKS:
+        raise ValueError(f"unknown warm-up task {name!r} (known: {', '.join(_TASKS)})")
+    mod, _, attr = _TASKS[name].partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
 def prompt_ids(tokenizer, p: MathProblem) -> list[int]:
     return prompt_ids_batch(tokenizer, [p])[0]
 
 
-def prompt_ids_batch(tokenizer, problems: list[MathProblem]) -> list[list[int]]:
+def prompt_ids_batch(tokenizer, problems: list, task: WarmupTask = MATH_TASK) -> list[list[int]]:
     """Prompt token ids exactly as the workflow makes them (chat template, then encode)."""
-    texts = tokenizer.apply_chat_template([problem_messages(dapo_prompt(p.question)) for p in problems],
+    texts = tokenizer.apply_chat_template([task.messages(p) for p in problems],
                                           tokenize=False, add_generation_prompt=True)
     return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
 
-def _batch(tokenizer, problems: list[MathProblem], rng: random.Random, cfg: WarmupConfig):
+def _batch(tokenizer, problems: list, rng: random.Random, cfg: WarmupConfig, task: WarmupTask = MATH_TASK):
     import torch
 
-    demos = [demonstration(p, rng, cfg) for p in problems]
+    demos = [task.demonstration(p, rng, cfg) for p in problems]
     flat = [text for d in demos for text, _ in d]
     encoded = iter(tokenizer(flat, add_special_tokens=False)["input_ids"]) if flat else iter(())
     seqs, masks = [], []
-    for ids, demo in zip(prompt_ids_batch(tokenizer, problems), demos):
+    for ids, demo in zip(prompt_ids_batch(tokenizer, problems, task), demos):
         ids = list(ids)
         mask = [0] * len(ids)
         for _text, trained in demo:
@@ -99,19 +154,21 @@ def _batch(tokenizer, problems: list[MathProblem], rng: random.Random, cfg: Warm
 
 
 def supervised_warmup(model, tokenizer, cfg: WarmupConfig,
-                      progress: Callable[[int, float], None] | None = None) -> list[float]:
+                      progress: Callable[[int, float], None] | None = None,
+                      task: WarmupTask = MATH_TASK) -> list[float]:
     """Train `model` in place on fresh demonstrations every step; returns the loss per step."""
     import torch
 
     torch.manual_seed(cfg.seed)
     rng = random.Random(f"warmup-{cfg.seed}")
-    problems = generate_problems(cfg.steps * cfg.batch_size, seed=10_000 + cfg.seed, id_prefix="warmup")
+    problems = task.problems(cfg.steps * cfg.batch_size, 10_000 + cfg.seed, "warmup")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / cfg.steps))
     model.train()
     losses = []
     for step in range(cfg.steps):
-        ids, mask, attn = _batch(tokenizer, problems[step * cfg.batch_size : (step + 1) * cfg.batch_size], rng, cfg)
+        ids, mask, attn = _batch(tokenizer, problems[step * cfg.batch_size : (step + 1) * cfg.batch_size], rng, cfg,
+                                 task)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
                                                 reduction="none").view_as(mask[:, 1:])
@@ -138,23 +195,23 @@ class ProbeResult:
     seconds: float
 
 
-def sampled_success(model, tokenizer, problems: list[MathProblem], temperature: float = 1.0,
+def sampled_success(model, tokenizer, problems: list, temperature: float = 1.0,
                     max_turns: int = 3, max_new_tokens: int = 32, seed: int = 0,
-                    tool: Callable[[str], str] | None = None) -> ProbeResult:
-    """Run the agentic episode (generate, stop at </calc>, append the tool result, resume) for each
-    problem with HF generate, sampling at `temperature`; score with the training reward."""
+                    tool: Callable[[str], str] | None = None, task: WarmupTask = MATH_TASK) -> ProbeResult:
+    """Run the agentic episode (generate, stop at the task's close tag, append the tool result, resume) for
+    each problem with HF generate, sampling at `temperature`; score with the training reward. `tool`: a
+    replacement for the math calculator's payload function."""
     import torch
     from transformers import GenerationConfig
 
-    if tool is None:
-        from areal_libra.workflows.tools import calculator_payload as tool
+    call_tool = task.tool if tool is None else (lambda p, expr: format_result(tool(expr)))
     t0 = time.perf_counter()
     torch.manual_seed(seed)
-    stop_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(CALC_CLOSE)]
+    stop_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(task.close_tag)]
     gen_cfg = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                                max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
                                pad_token_id=tokenizer.pad_token_id)
-    seqs = [list(x) for x in prompt_ids_batch(tokenizer, problems)]
+    seqs = [list(x) for x in prompt_ids_batch(tokenizer, problems, task)]
     completions = ["" for _ in problems]
     used_tool = [False] * len(problems)
     active = list(range(len(problems)))
@@ -175,15 +232,15 @@ def sampled_success(model, tokenizer, problems: list[MathProblem], temperature: 
             text = tokenizer.decode(new, skip_special_tokens=True)
             seqs[i] = seqs[i] + new
             completions[i] += text
-            expr = extract_call(text)
+            expr = task.extract(text)
             if expr is not None and new and new[-1] == stop_ids[1]:
                 used_tool[i] = True
-                result = format_result(tool(expr))
+                result = call_tool(problems[i], expr)
                 seqs[i] += tokenizer.encode(result, add_special_tokens=False)
                 completions[i] += result
                 still.append(i)
         active = still
-    rewards = [dapo_math_reward("", c, [], [], str(p.answer)) for c, p in zip(completions, problems)]
+    rewards = [task.reward(p, c) for c, p in zip(completions, problems)]
 
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else 0.0

@@ -44,6 +44,11 @@ def _prompt_id(data: dict[str, Any]) -> str:
 
 
 class MathToolWorkflow(RolloutWorkflow):
+    """The episode loop; subclasses for other tools override close_tag, extract, make_tool, call_tool and
+    compute_reward (e.g. code_sandbox.CodeSandboxWorkflow)."""
+
+    close_tag = CALC_CLOSE
+
     def __init__(
         self,
         gconfig: GenerationHyperparameters,
@@ -63,19 +68,37 @@ class MathToolWorkflow(RolloutWorkflow):
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         gconfig = gconfig.new_with_stop_and_pad_token_ids(tokenizer)
-        close_ids = tokenizer.encode(CALC_CLOSE, add_special_tokens=False)
+        close_ids = tokenizer.encode(self.close_tag, add_special_tokens=False)
         if len(close_ids) == 1:  # a dedicated token: stop on its id
             self.calc_close_id: int | None = close_ids[0]
             gconfig = gconfig.new(stop_token_ids=gconfig.stop_token_ids + [close_ids[0]])
         else:  # a general tokenizer (e.g. Qwen): stop on the string
             self.calc_close_id = None
-            gconfig = gconfig.new(stop=list(gconfig.stop or []) + [CALC_CLOSE])
+            gconfig = gconfig.new(stop=list(gconfig.stop or []) + [self.close_tag])
         self.gconfig = gconfig.new(n_samples=1)
         if isinstance(reward_fn, str):
             reward_fn = import_from_string(reward_fn)
         self.async_reward_fn = AsyncRewardWrapper(reward_fn)
-        self.tool = get_calculator_pool(size=tool_workers, timeout_s=tool_timeout_s)
+        self.tool = self.make_tool(tool_workers, tool_timeout_s)
         self.tool.start()  # before the reward process pool forks its workers
+
+    def make_tool(self, workers: int, timeout_s: float) -> Any:
+        """The process-wide tool pool (its `name` is the trace's tool name)."""
+        return get_calculator_pool(size=workers, timeout_s=timeout_s)
+
+    def extract(self, text: str) -> str | None:
+        """The tool call that a turn's text ends with, or None."""
+        return extract_call(text)
+
+    async def call_tool(self, call: str, data: dict[str, Any]) -> tuple[str, str, float]:
+        """(status, the text appended to the context, latency in s) of one tool call."""
+        result = await self.tool.acall(call)
+        return result.status, format_result(result.payload), result.latency_s
+
+    async def compute_reward(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
+                             data: dict[str, Any]) -> float:
+        extra = {k: v for k, v in data.items() if k not in _REWARD_POSITIONAL}
+        return float(await self.async_reward_fn(prompt, completion, prompt_ids, completion_ids, **extra))
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
         tok = self.tokenizer
@@ -122,7 +145,7 @@ class MathToolWorkflow(RolloutWorkflow):
             text = tok.decode(out, skip_special_tokens=True)
             completion += text
             finish = {"tool_calls": "stop"}.get(resp.stop_reason, resp.stop_reason)
-            expr = extract_call(text) if resp.stop_reason != "abort" else None
+            expr = self.extract(text) if resp.stop_reason != "abort" else None
             if self.calc_close_id is not None and (not out or out[-1] != self.calc_close_id):
                 expr = None  # the tag must be the stop token itself, not text the model spelled out
             if expr is None:
@@ -132,23 +155,20 @@ class MathToolWorkflow(RolloutWorkflow):
                 segments.append(Segment(len(out), None))
                 finish = "length"
                 break
-            result = await self.tool.acall(expr)
-            result_text = format_result(result.payload)
+            status, result_text, latency_s = await self.call_tool(expr, data)
             payload = tok.encode(result_text, add_special_tokens=False)
             seq += payload
             logprobs += [0.0] * len(payload)
             loss_mask += [0] * len(payload)
             versions += [-1] * len(payload)
             completion += result_text
-            ret = ToolReturn(self.tool.name, len(payload), result.status, round(result.latency_s, 6))
+            ret = ToolReturn(self.tool.name, len(payload), status, round(latency_s, 6))
             segments.append(Segment(len(out), ret))
             tool_meta.append({"name": ret.name, "payload_tokens": ret.payload_tokens, "status": ret.status})
         if not segments:  # the prompt alone filled max_tokens
             segments.append(Segment(0, None))
 
-        prompt_str = tok.decode(prompt_ids)
-        extra = {k: v for k, v in data.items() if k not in _REWARD_POSITIONAL}
-        reward = float(await self.async_reward_fn(prompt_str, completion, prompt_ids, seq[len(prompt_ids):], **extra))
+        reward = await self.compute_reward(tok.decode(prompt_ids), completion, prompt_ids, seq[len(prompt_ids):], data)
         tools = [s.tool for s in segments if s.tool is not None]
         stats_tracker.get(workflow_context.stat_scope()).scalar(
             reward=reward,
