@@ -43,6 +43,24 @@ class ModelConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """`libra.tools`: the tools' servers (search_r1's retriever)."""
+
+    # "local": the launch starts the project's BM25 retrieval server (areal_libra.workflows.retriever_server)
+    # on 127.0.0.1 and stops it at the end; a URL (http://host:port): an existing Search-R1 style server.
+    retriever_url: str | None = None
+    retriever_topk: int = 2
+    retriever_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        url = self.retriever_url
+        if url is not None and url != "local" and not url.startswith(("http://", "https://")):
+            raise ValueError(f"tools.retriever_url must be 'local' or an http(s) URL, got {url!r}")
+        if self.retriever_topk < 1 or self.retriever_timeout_s <= 0:
+            raise ValueError("tools.retriever_topk must be >= 1 and tools.retriever_timeout_s > 0")
+
+
+@dataclass
 class RolloutGroupConfig:
     name: str = ""
     tp: int = 1
@@ -151,6 +169,7 @@ class LibraConfig:
     max_turns: int = 3
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     rollout_alloc: str | None = None  # e.g. embedded:d2t1+d1t2 (wins over rollout_groups)
     rollout_groups: list[RolloutGroupConfig] = field(default_factory=lambda: [RolloutGroupConfig(name="g0")])
     scheduler: DispatchConfig = field(default_factory=DispatchConfig)

@@ -163,8 +163,9 @@ def _read_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
 
 
 def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, quiet: bool,
-              run_dir: Path | None = None) -> int:
-    """Show step, reward, tokens/s and ETA until the trainer exits; fail fast if a server dies."""
+              run_dir: Path | None = None, tool_servers=()) -> int:
+    """Show step, reward, tokens/s and ETA until the trainer exits; fail fast if a server (or a tool server:
+    `.alive()`, `.log_path`) dies."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -203,6 +204,10 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
             if dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1" and len(dead) == n_servers:
                 proc.send_signal(signal.SIGTERM)
                 raise LaunchError(f"all rollout servers died (first: {dead[0]}); see their logs")
+            for t in tool_servers:
+                if not t.alive():
+                    proc.send_signal(signal.SIGTERM)
+                    raise LaunchError(f"a tool server died; see {t.log_path}")
             time.sleep(0.5)
 
 
@@ -254,6 +259,39 @@ def run(argv: list[str]) -> int:
     c.areal.rollout.tokenizer_path = model_path
     log_dir = c.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
+    retriever = start_retriever(c, log_dir)  # before the config is saved: the trainer reads its URL there
+    try:
+        return _run_in(c, log_dir, model_path, gpus, emu, [retriever] if retriever is not None else [])
+    finally:
+        if retriever is not None:
+            retriever.stop()
+
+
+def start_retriever(c: Composed, log_dir: Path):
+    """`libra.tools.retriever_url=local`: start the project's BM25 retrieval server (health-checked) and
+    point the config at it (None otherwise; a given URL must answer a query)."""
+    url = c.libra.tools.retriever_url
+    if url is None:
+        return None
+    from areal_libra.workflows.retriever import RetrieverProcess, retrieve
+
+    if url != "local":  # Search-R1's own server has no /health: one real query instead
+        try:
+            retrieve(url, ["health check"], 1, timeout_s=10.0)
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"libra.tools.retriever_url={url} does not answer POST /retrieve ({e})") from None
+        return None
+
+    try:
+        proc = RetrieverProcess(log_dir / "retriever.log")
+    except RuntimeError as e:
+        raise LaunchError(str(e)) from None
+    c.libra.tools.retriever_url = proc.url
+    print(f"areal_libra: retrieval server {proc.url} (BM25, log {log_dir / 'retriever.log'})", flush=True)
+    return proc
+
+
+def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers: list) -> int:
     metrics_path = log_dir / "metrics.jsonl"
     if metrics_path.exists():
         metrics_path.unlink()  # a re-used trial name starts a fresh record
@@ -293,7 +331,7 @@ def run(argv: list[str]) -> int:
             )
             try:
                 rc = supervise(proc, metrics_path, int(c.areal.total_train_steps or 0), servers, quiet,
-                               run_dir=log_dir)
+                               run_dir=log_dir, tool_servers=tool_servers)
             except BaseException:
                 _stop(proc)
                 raise

@@ -5,16 +5,20 @@
 Builds the tree from every PolyTrace Search-R1 step (steps 0-5), then times C-MLFQ decisions at the
 real decision points of those trajectories (in auto mode, the default, with the switches it chose when the
 tree was built; printed after the table):
-- decision: CMLFQPolicy.tool_return(req, current) end to end from Python (state mapping, interning,
-  lookup, bucket rule), each call timed alone, median and P90;
+- decision: CMLFQPolicy.tool_return(req, current) end to end from Python, each call timed alone, median
+  and P90. With the C++ core that is one call into C++ per decision (TreeCore.decide_request: the request's
+  fields, tool-return state ids from the core's cache, the drift level and growth factor from the state
+  installed at the step boundary, lookup, bucket rule); with the Python core the same steps in Python;
 - lookup: PrefixTree.lookup_ids alone (Python -> core call), each call timed alone;
 - core: the C++ core's own time per lookup, measured inside C++ over the whole query list (no Python).
+The 1-minute load average before and after the run is printed with the figures (the machine is shared).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -90,11 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"routing_bench: {e}", file=sys.stderr)
         return 2
     reqs = decision_requests(trajs, args.decisions)
+    load = [os.getloadavg()[0]]
     rows = [bench(b, trajs, reqs, switches=switches) for b in (["cpp"] if cpp_available() else []) + ["python"]]
+    load.append(os.getloadavg()[0])
     if args.json:
-        print(json.dumps({"trajectories": len(trajs), "rows": rows}))
+        print(json.dumps({"trajectories": len(trajs), "load_avg_1m": load, "rows": rows}))
         return 0
-    print(f"tree from {len(trajs)} trajectories ({len(files)} files); {len(reqs)} decision points x 3 passes")
+    print(f"tree from {len(trajs)} trajectories ({len(files)} files); {len(reqs)} decision points x 3 passes; "
+          f"load average (1 min) {load[0]:.2f} -> {load[1]:.2f}")
     print(f"{'backend':<8}{'nodes':>8}{'decision med/p90 (us)':>24}{'lookup med/p90 (us)':>22}{'core (us)':>11}")
     for r in rows:
         core = f"{r['core_lookup_us']:.3f}" if "core_lookup_us" in r else "-"

@@ -12,6 +12,8 @@ from bisect import bisect_left
 from collections import deque
 from itertools import accumulate
 
+from areal_libra.cmlfq.drift import GrowthTable, growth_factor, routed_level
+
 
 class _Node:
     __slots__ = ("serial", "parent", "state", "depth", "prompt", "children", "count", "win", "wsum",
@@ -74,6 +76,7 @@ class PyTreeCore:
         self.window = window
         self.max_nodes = max_nodes
         self.rule: tuple | None = None
+        self.set_scaling(False, 0.0, False, 0, False, None, 0.0)
         self.clear()
 
     def clear(self) -> None:
@@ -154,9 +157,23 @@ class PyTreeCore:
             raise ValueError("need at least one bucket threshold")
         self.rule = (list(thresholds), use_mean, q, move_cost, overrun, condition, prompt_first)
 
-    def decide(self, prompt: str, ids: list[int], ctx: int, dctx: list[int], current: int,
-               placing: bool, scale: float = 1.0) -> tuple[int, bool]:
+    def set_scaling(self, drift: bool, rate: float, has_ref: bool, ref: int, past_ok: bool,
+                    growth: GrowthTable | None, growth_exp: float) -> None:
+        """The request's multiplier on the tree's remaining lengths (the policy's drift and growth switches),
+        installed once per step boundary (csrc/prefix_tree.cpp set_scaling)."""
+        self.scaling = (drift and has_ref, rate, ref, past_ok, growth, growth_exp if growth is not None else 0.0)
+
+    def scale(self, prompt: str, step: int, depth: int, ctx: int, prompt_tokens: int) -> float:
+        drift, rate, ref, past_ok, growth, growth_exp = self.scaling
+        scale = routed_level(rate, ref, past_ok, step) if drift else 1.0
+        if growth_exp != 0 and depth > 0:
+            scale *= growth_factor((ctx - prompt_tokens) / scale, growth.typical(prompt, depth), growth_exp)
+        return scale
+
+    def decide(self, prompt: str, ids: list[int], ctx: int, dctx: list[int], current: int, placing: bool,
+               step: int, depth: int, prompt_tokens: int) -> tuple[int, bool]:
         th, use_mean, q, move_cost, overrun, condition, prompt_first = self.rule
+        scale = self.scale(prompt, step, depth, ctx, prompt_tokens) if self.scaling[0] or self.scaling[5] else 1.0
         if not scale > 0:
             raise ValueError("scale must be > 0")
         if scale != 1.0:  # contexts and thresholds in the tree's units (as the C++ core)

@@ -149,6 +149,7 @@ class _Fold:
             pol.fit(self.train)
             if pol.drift is not None:
                 pol.drift.past_ok = True  # a held-out step may lie before the training steps
+                pol._install_rule()  # (the core holds the drift state)
             pol._auto_growth = pol.growth  # kept aside while a rule without growth is scored (faster path)
             self._trees[key] = pol
         return pol

@@ -107,13 +107,21 @@ class LengthDrift:
         return math.exp(self.rate * (step - self.ref))
 
 
+def routed_level(rate: float, ref: int, past_ok: bool, step: int) -> float:
+    """LengthDrift.level(routed_step(step)) from its fitted parameters (ref set): what a request of `step` is
+    scaled by. The tree cores compute it per decision (csrc/prefix_tree.cpp mirrors this arithmetic)."""
+    routed = step if step > ref or past_ok else ref + 1
+    return math.exp(rate * (routed - ref))
+
+
 class GrowthTable:
     """Typical context growth (context at the k-th tool return minus the prompt) per prompt and depth, for
     C-MLFQ's `growth` switch: a sample that has grown faster than its prompt's earlier samples had at the
     same depth tends to keep doing so (a verbose sample stays verbose, a search that returned long
     passages keeps returning them; PolyTrace Search-R1 shows it, evaluation/synth_trace.py `persistence`).
     Values are stored divided by the caller's scale (the drift level), like the tree's. Bounded: the least
-    recently updated prompts go first."""
+    recently updated prompts go first. This is the Python core's table and the reference for the C++ core's
+    own (csrc/prefix_tree.cpp GrowthCore: same sums in the same order; PrefixTree.growth_table picks one)."""
 
     def __init__(self, max_prompts: int = 100_000, max_depth: int = 64) -> None:
         self.max_prompts = max_prompts

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from areal_libra.cmlfq.auto import ALL_REGIONS, TREE_GRID, TUNED, AutoChoice, choose, parse_regions
-from areal_libra.cmlfq.drift import GrowthTable, LengthDrift, growth_factor
+from areal_libra.cmlfq.drift import GrowthTable, LengthDrift
 from areal_libra.cmlfq.states import SizeClasses, ToolState
 from areal_libra.cmlfq.tree import PrefixTree, decision_contexts
 from areal_libra.trace import ToolReturn, Trajectory
@@ -320,9 +320,8 @@ class CMLFQPolicy(_Base):
         self._auto_worker: threading.Thread | None = None
         self._auto_ready: tuple[AutoChoice | None] | None = None  # a background choice not yet applied
         self.drift = LengthDrift(cfg.drift_steps) if cfg.drift else None
-        self.growth = GrowthTable() if cfg.growth else None
+        self.growth: GrowthTable | None = None  # of the tree's backend: created with the tree, below
         self._drift_dirty = False
-        self._levels: dict[int, float] = {}  # drift level per routed step, until the next refit
         if self.drift is not None and (tree is not None or cfg.tree_path):
             # The given tree's samples are in some other policy's units and cannot be re-expressed.
             log.warning("cmlfq drift: the tree is rebuilt from this policy's own trajectories at each step "
@@ -333,6 +332,9 @@ class CMLFQPolicy(_Base):
             self.tree = PrefixTree.load_or_empty(cfg.tree_path, **kw)
         else:
             self.tree = PrefixTree(**kw)
+        if cfg.growth:
+            self.growth = self.tree.growth_table()
+            self._install_rule()
         # Contexts at each decision point of running trajectories, for callers that do not pass
         # RequestInfo.decision_contexts (bounded: the oldest entries go first).
         self._contexts: dict[str, tuple[int, ...]] = {}
@@ -360,18 +362,26 @@ class CMLFQPolicy(_Base):
         if self._mask is not None:
             tree.state_map = self._masked
         self._tree = tree
-        self._tree_decide = tree.decide  # bound once: one attribute lookup less per decision
+        self._tree_decide = tree.request_decider()  # bound once: one call into the core per decision
+        if self.growth is not None and not tree.accepts_growth(self.growth):
+            # A tree of the other backend (never swapped in by this package): the core reads only its own
+            # kind of growth table, so it is refilled from the recent window.
+            self.growth = tree.growth_table()
+            for t in self._recent:
+                self.growth.add(t.prompt_id, t.prompt_tokens, decision_contexts(t), self._level_of(t))
         if self.auto and self.auto_choice is None:
             # Nothing validated yet: an empty tree never moves a request, so MLFQ decides until it learns.
             self._mlfq_at = ALL_REGIONS if tree.node_count() <= 1 else parse_regions(self.config.mlfq_at)
         self._install_rule()
 
     def _install_rule(self) -> None:
-        # The tree holds lengths in units of the reference level; a request's own multiplier (drift and
-        # growth switches) reaches the core with each decision (tree.decide's scale).
+        """Install the bucket rule and the drift/growth state in the tree core: done when they change (a
+        tree swap, a step boundary's refit, new switches), never per decision. The tree holds lengths in
+        units of the reference level; the core computes each request's multiplier from this state."""
         cfg = self.config
         self._tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
                             float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
+        self._tree.set_scaling(self.drift, self.growth, float(cfg.growth) if self.growth is not None else 0.0)
 
     # --- learning ---
     def _level_of(self, traj: Trajectory) -> float:
@@ -407,9 +417,9 @@ class CMLFQPolicy(_Base):
         if self.drift is None or not self._drift_dirty:
             return
         self._drift_dirty = False
-        self._levels.clear()
         self.drift.refit()
         self._rebuild()
+        self._install_rule()  # the new levels reach the core
 
     def fit(self, trajs: Iterable[Trajectory]) -> None:
         for t in trajs:
@@ -512,12 +522,13 @@ class CMLFQPolicy(_Base):
                 self.drift.add_all(self._recent)
                 self.drift.refit()
             self._drift_dirty = False
-            self._levels.clear()
-            self.growth = GrowthTable() if cfg.growth else None
+            self.growth = None
             old = self.tree
             self.tree = PrefixTree(min_samples=cfg.min_samples, window=cfg.window, max_nodes=cfg.max_nodes,
                                    sizes=self.sizes, backend=old.backend)
+            self.growth = self.tree.growth_table() if cfg.growth else None
             self._rebuild()
+            self._install_rule()
         else:
             self._install_rule()
 
@@ -530,7 +541,6 @@ class CMLFQPolicy(_Base):
         self._mlfq_at = parse_regions(old.config.mlfq_at)
         self._mask = self._parse_mask(self.config.state_key)
         self.drift, self.growth = old.drift, old.growth
-        self._levels.clear()
         self._recent = deque(old._recent, maxlen=self.config.rebuild_window)
         self._by_step = {k: list(v) for k, v in old._by_step.items()}
         self._auto_key = None
@@ -547,25 +557,14 @@ class CMLFQPolicy(_Base):
         return max(current, self.bucket_of(req.context_tokens)) if over else current
 
     # --- decisions ---
-    def _decide(self, req: RequestInfo, current: int, ids: list[int], placing: bool = False) -> int:
-        """The rule runs in the tree core (C++ or Python, identical): look up the deepest trusted node;
+    def _decide(self, req: RequestInfo, current: int, placing: bool = False) -> int:
+        """One call into the tree core (C++ or Python, identical), which holds the rule, the switches and the
+        drift/growth state (_install_rule): scale the request (drift level of its step, growth factor at
+        its depth); look up the deepest trusted node;
         predicted final = context at that node's decision point + its remaining length (centre and P90);
         migrate when both land in the same bucket and it differs from the current one (with the
         overrun and move-cost switches); a first placement takes the centre's bucket."""
-        ctx, dctx = req.context_tokens, req.decision_contexts
-        scale = 1.0
-        if self.drift is not None or self.growth is not None:
-            # A multiplier on the remaining lengths the tree predicts for this request; the core runs the
-            # rule unchanged in the tree's units (contexts and thresholds divided by it).
-            if self.drift is not None:
-                scale = self._levels.get(req.step, 0.0)
-                if not scale:  # cached per step until the next refit
-                    scale = self._levels[req.step] = self.drift.level(self.drift.routed_step(req.step))
-            if self.growth is not None and req.tool_returns:
-                typical = self.growth.typical(req.prompt_id, len(req.tool_returns))
-                scale *= growth_factor((req.context_tokens - req.prompt_tokens) / scale, typical,
-                                       self.config.growth)
-        bucket, from_global = self._tree_decide(req.prompt_id, ids, ctx, dctx, current, placing, scale)
+        bucket, from_global = self._tree_decide(req, current, placing)  # C++: this is the only call into it
         self.decisions += 1
         self.lookups_from_global += from_global
         return bucket
@@ -594,7 +593,7 @@ class CMLFQPolicy(_Base):
         req = self._track(req)
         if not self.config.start_lookup or (self._mlfq_at and (0, False) in self._mlfq_at):
             return 0
-        return self._decide(req, 0, [], placing=True)
+        return self._decide(req, 0, True)
 
     def tool_return(self, req: RequestInfo, current: int) -> int:
         if self._auto_ready is not None:
@@ -604,7 +603,7 @@ class CMLFQPolicy(_Base):
             b = self._mlfq_decision(req, current)
             if b is not None:
                 return b
-        return self._decide(req, current, self.tree.return_ids(req.tool_returns))
+        return self._decide(req, current)
 
     def _masked(self, st: ToolState) -> ToolState:
         tool, size, status = self._mask

@@ -3,7 +3,9 @@ of tool-return states; each node keeps the distribution of remaining length (fin
 context at that decision point): total count, and mean / nearest-rank P90 over the last `window` samples.
 
 The hot path runs in C++ (areal_libra._prefix_tree, built from csrc/prefix_tree.cpp) when it is built,
-else in the pure-Python core; both give identical results (tests/test_prefix_tree_backends.py).
+else in the pure-Python core; both give identical results (tests/cmlfq/test_prefix_tree_backends.py). A
+policy decision is one call (request_decider): the rule, the switches and the drift/growth state are
+installed in the core beforehand (set_rule, set_scaling), never per decision.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from areal_libra.cmlfq._pytree import PyTreeCore
+from areal_libra.cmlfq.drift import GrowthTable, LengthDrift
 from areal_libra.cmlfq.states import SizeClasses, ToolState, tool_state
 from areal_libra.trace import ToolReturn, Trajectory
 from areal_libra.utils import atomic_write_bytes
@@ -73,6 +77,9 @@ class PrefixTree:
         self.min_samples, self.window, self.max_nodes, self.sizes = min_samples, window, max_nodes, sizes
         core_cls = _cpp.TreeCore if self.backend == "cpp" else PyTreeCore
         self._core = core_cls(min_samples, window, max_nodes)
+        if self.backend == "cpp":
+            self._core.set_sizes(sizes.small, sizes.medium)  # the core's own return-state cache key
+            self._core.set_resolver(weakref.WeakMethod(self.resolve_return))  # for its cache misses
         self._ids: dict[ToolState, int] = {}
         self._states: list[ToolState] = []
         self._state_map: Callable[[ToolState], ToolState] | None = None
@@ -87,7 +94,12 @@ class PrefixTree:
     @state_map.setter
     def state_map(self, fn: Callable[[ToolState], ToolState] | None) -> None:
         self._state_map = fn
+        self._clear_rcache()
+
+    def _clear_rcache(self) -> None:
         self._rcache.clear()
+        if self.backend == "cpp":
+            self._core.clear_return_cache()
 
     # --- state interning: both backends see the same small integers ---
     def state_id(self, st: ToolState) -> int:
@@ -112,12 +124,16 @@ class PrefixTree:
             key = (t.name, 0 if p <= small else (1 if p <= medium else 2), t.status)
             i = cache.get(key)
             if i is None:
-                st = tool_state(t, self.sizes)
-                i = self._ids.get(st if self._state_map is None else self._state_map(st), -2)
+                i = self.resolve_return(t)
                 if i >= 0:  # unknown states may appear later: do not cache them
                     cache[key] = i
             out.append(i)
         return out
+
+    def resolve_return(self, tool: ToolReturn) -> int:
+        """State id of one raw tool return (-2: a state the tree has never seen)."""
+        st = tool_state(tool, self.sizes)
+        return self._ids.get(st if self._state_map is None else self._state_map(st), -2)
 
     # --- hot path ---
     def insert(self, traj: Trajectory, scale: float = 1.0) -> None:
@@ -150,12 +166,48 @@ class PrefixTree:
         self._rule = (list(map(float, thresholds)), use_mean, q, move_cost, overrun, condition, prompt_first)
         self._core.set_rule(*self._rule)
 
+    def growth_table(self) -> GrowthTable:
+        """An empty growth table of this tree's backend (the C++ core reads only its own kind)."""
+        return _cpp.GrowthCore() if self.backend == "cpp" else GrowthTable()
+
+    def accepts_growth(self, table: object) -> bool:
+        return isinstance(table, _cpp.GrowthCore) if self.backend == "cpp" else isinstance(table, GrowthTable)
+
+    def set_scaling(self, drift: LengthDrift | None, growth: GrowthTable | None, growth_exp: float) -> None:
+        """Install the policy's drift and growth switches in the core (once per step boundary, not per
+        decision): each decision's multiplier on the remaining lengths is computed there from them."""
+        if growth is not None and not self.accepts_growth(growth):
+            raise TypeError(f"growth table {type(growth).__name__} does not fit the {self.backend} tree core")
+        on = drift is not None
+        ref = drift.ref if on and drift.ref is not None else None
+        self._core.set_scaling(on, drift.rate if on else 0.0, ref is not None, 0 if ref is None else ref,
+                               bool(on and drift.past_ok), growth, float(growth_exp))
+
     def decide(self, prompt_id: str, ids: list[int], ctx: int, dctx: Sequence[int], current: int,
-               placing: bool = False, scale: float = 1.0) -> tuple[int, bool]:
-        """One C-MLFQ decision in the core: (bucket, whether the global subtree answered). scale: the
-        request's multiplier on the tree's remaining lengths; the core divides the contexts (rounded) and
-        the thresholds by it for this call, so the rule runs in the tree's units."""
-        return self._core.decide(prompt_id, ids, ctx, dctx, current, placing, scale)
+               placing: bool = False, step: int = 0, depth: int | None = None, prompt_tokens: int = 0
+               ) -> tuple[int, bool]:
+        """One C-MLFQ decision in the core: (bucket, whether the global subtree answered). The core scales
+        the request (set_scaling: drift level of `step`, growth at `depth` tool returns of its context past
+        `prompt_tokens`; depth defaults to len(ids)), then divides the contexts (rounded) and the thresholds
+        by that multiplier so the rule runs in the tree's units."""
+        return self._core.decide(prompt_id, ids, ctx, dctx, current, placing, step,
+                                 len(ids) if depth is None else depth, prompt_tokens)
+
+    def decide_request(self, req, current: int, placing: bool = False) -> tuple[int, bool]:
+        """decide() for a policy.RequestInfo: its tool returns mapped to state ids (none when placing),
+        growth read at its depth. The C++ core does all of it in one call (request_decider)."""
+        ids = [] if placing else self.return_ids(req.tool_returns)
+        return self._core.decide(req.prompt_id, ids, req.context_tokens, req.decision_contexts, current, placing,
+                                 req.step, len(req.tool_returns), req.prompt_tokens)
+
+    def request_decider(self) -> Callable[[object, int, bool], tuple[int, bool]]:
+        """decide_request as one callable for the policy's per-decision path: with the C++ core a single
+        call into C++ (request fields, return-state cache, scaling, lookup, rule), else the Python path."""
+        return self._core.decide_request if self.backend == "cpp" else self.decide_request
+
+    def request_scale(self, prompt_id: str, step: int, depth: int, ctx: int, prompt_tokens: int) -> float:
+        """The multiplier a decision applies (for tests and diagnostics)."""
+        return self._core.scale(prompt_id, step, depth, ctx, prompt_tokens)
 
     def rebuild(self, trajs: Iterable[Trajectory], scale_of: Callable[[Trajectory], float] | None = None) -> None:
         """Forget everything and re-insert `trajs` in order (the caller bounds the window); scale_of(traj)
@@ -163,7 +215,7 @@ class PrefixTree:
         self._core.clear()
         self._ids.clear()
         self._states.clear()
-        self._rcache.clear()
+        self._clear_rcache()
         for t in trajs:
             self.insert(t, 1.0 if scale_of is None else scale_of(t))
 

@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_path=config.tokenizer_path,
         max_turns=int(libra.max_turns),
     )
+    wf_cls = getattr(wf_module, str(libra.workflow).rpartition(".")[2])
+    if hasattr(wf_cls, "libra_kwargs"):  # a workflow's own settings from the libra: config (e.g. its tool's URL)
+        workflow_kwargs.update(wf_cls.libra_kwargs(libra))
     with PPOTrainer(config, train_dataset=dataset, valid_dataset=None) as trainer:
         trainer.stats_logger.add_sink(metrics.on_commit)
         from areal_libra.integration.elastic_live import hybrids_serve

@@ -1,7 +1,7 @@
 """The embedded default's policy: a small Qwen2-architecture model and a local BPE tokenizer, warmed up by a
 short supervised stage, built offline and cached.
 
-    python -m areal_libra.models.tiny [--out DIR] [--force] [--seed N]
+    python -m areal_libra.models.tiny [--out DIR] [--force] [--seed N] [--task NAME]
 """
 
 from __future__ import annotations
@@ -238,12 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", help="cache root (default: $AREAL_LIBRA_CACHE or ~/.cache/areal_libra)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="rebuild even when a complete build exists")
+    ap.add_argument("--task", default="math", help="the warm-up task (areal_libra.models.warmup.get_task)")
     args = ap.parse_args(argv)
+    try:
+        config = TinyModelConfig.for_task(args.task)
+    except ValueError as e:
+        print(f"error: --task: {e}", file=sys.stderr)
+        return 2
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
         return 2
     try:
-        path = ensure_model(cache_dir=args.cache_dir, seed=args.seed, out=args.out, force=args.force)
+        path = ensure_model(cache_dir=args.cache_dir, seed=args.seed, config=config, out=args.out, force=args.force)
     except OSError as e:
         print(f"error: cannot build the model: {e}", file=sys.stderr)
         return 1

@@ -106,6 +106,7 @@ MATH_TASK = WarmupTask("math", lambda n, seed, prefix: generate_problems(n, seed
                        _math_messages, lambda p, rng, cfg: demonstration(p, rng, cfg), CALC_CLOSE, extract_call,
                        _math_tool, _math_reward, _math_corpus, TOOL_TOKENS)
 _TASKS = {"math": "areal_libra.models.warmup:MATH_TASK", "code": "areal_libra.models.code_task:CODE_TASK"}
+_TASKS["search_r1"] = "areal_libra.models.search_task:SEARCH_TASK"
 
 
 def get_task(name: str) -> WarmupTask:
