@@ -256,6 +256,11 @@ def main() -> None:
                      "outputs": []}
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
+    # stdin closed: the caller is gone (even if it was killed and could not clean up): leave nothing behind
+    if child is not None:
+        _discard(child)
+    if BASE_DIR is not None:
+        shutil.rmtree(BASE_DIR, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,30 @@ def test_writes_inside_the_temp_dir_are_allowed_and_removed(tool, tmp_path):
     base = other.base_dir
     other.close()
     assert not os.path.exists(base)
+
+
+def test_a_killed_caller_leaves_nothing_behind(tmp_path):
+    """The caller (a trainer killed with SIGKILL, which runs no clean-up) is gone: the worker sees its
+    stdin close, ends its pre-forked child and removes the temp dirs."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import sys; from areal_libra.workflows.sandbox import CodeExecTool\n"
+              "t = CodeExecTool(1.0); t.call('def f(x): return x', [([1], 1)])\n"
+              "print(t.base_dir, t._proc.pid, flush=True); sys.stdin.read()")
+    caller = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[2])
+    base, worker = caller.stdout.readline().split()
+    assert os.path.isdir(base) and os.listdir(base)
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    for _ in range(100):
+        if not os.path.exists(base) and not os.path.exists(f"/proc/{worker}"):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(base), "temp dirs left behind"
+    assert not os.path.exists(f"/proc/{worker}") or "Z" in open(f"/proc/{worker}/stat").read().split()[2]
 
 
 def test_network_is_refused(tool, tmp_path):
