@@ -191,6 +191,10 @@ class ClusterEmulation:
     server_threads: int = 1  # CPU threads per emulated server: speed comes from the pacing, not threads
     length_growth: float = 0.0  # emulated lengths grow to (1 + length_growth)x over growth_horizon steps
     growth_horizon: int = 40
+    # Accelerators of the Elastic Hybrid Pool (libra.elastic.hybrids, one each): outside the rollout groups
+    # and the trainer's core; each adds one to the trainer while it trains and serves as a TP1 server
+    # while in rollout.
+    hybrid_accelerators: int = 0
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -202,6 +206,9 @@ class ClusterEmulation:
         t = self.trainer_accelerators
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise EmulationError(f"libra.emulated.trainer_accelerators must be an integer >= 1 or null, got {t!r}")
+        if isinstance(self.hybrid_accelerators, bool) or not isinstance(self.hybrid_accelerators, int) \
+                or self.hybrid_accelerators < 0:
+            raise EmulationError(f"hybrid accelerators must be an integer >= 0, got {self.hybrid_accelerators!r}")
         if not (math.isfinite(float(self.length_growth)) and self.length_growth >= 0) or self.growth_horizon < 1:
             raise EmulationError("libra.emulated.length_growth must be >= 0 and growth_horizon >= 1")
         _ = self.truth  # unknown model / accelerator: fail now
@@ -222,6 +229,14 @@ class ClusterEmulation:
 
         if not get("enabled", False):
             return None
+        el = libra.get("elastic") if hasattr(libra, "get") else getattr(libra, "elastic", None)
+
+        def el_get(key: str, default: Any) -> Any:
+            if el is None:
+                return default
+            return el.get(key, default) if hasattr(el, "get") else getattr(el, key, default)
+
+        hybrids = int(el_get("hybrids", 1)) if el_get("enabled", False) else 0
         return cls(
             accelerators=get("accelerators", 16),
             model=str(get("model", DEFAULT_MODEL)),
@@ -231,6 +246,7 @@ class ClusterEmulation:
             server_threads=get("server_threads", 1),
             length_growth=float(get("length_growth", 0.0)),
             growth_horizon=int(get("growth_horizon", 40)),
+            hybrid_accelerators=hybrids,
         )
 
     def multiplier(self, version: int | str | None) -> float:
@@ -271,21 +287,29 @@ class ClusterEmulation:
             except EmulationError as e:
                 raise EmulationError(f"rollout group {g.name}: {e}") from None
         rollout = sum(int(g.tp) * int(g.count) for g in groups)
-        n = self.accelerators
+        n, h = self.accelerators, self.hybrid_accelerators
         train = trainer if trainer is not None else self.trainer_accelerators
         mix = "+".join(f"{g.count}xTP{g.tp}" for g in groups) or "none"
+        pool = f" + {h} hybrid" if h else ""
         if train is None:
-            train = n - rollout
+            train = n - h - rollout
             if train < 1:
                 raise EmulationError(
-                    f"rollout servers ({mix}) use {rollout} of the {n} emulated accelerators; none is left for the trainer"
+                    f"rollout servers ({mix}){pool} use {rollout + h} of the {n} emulated accelerators; none is left "
+                    f"for the trainer"
                 )
-        elif rollout + train > n:
+        elif rollout + train + h > n:
             raise EmulationError(
-                f"layout needs {rollout} rollout ({mix}) + {train} trainer accelerators = {rollout + train}, "
+                f"layout needs {rollout} rollout ({mix}) + {train} trainer{pool} accelerators = {rollout + train + h}, "
                 f"but the emulated cluster has {n} (libra.emulated.accelerators)"
             )
         return rollout, train
+
+    def hybrid_server_args(self) -> dict[str, Any]:
+        """ServerArgs fields that pace a hybrid replica's in-process server as a TP1 server of this cluster."""
+        s = self.server(1)
+        return {"emulate_model": s.model, "emulate_gpu": s.gpu, "emulate_tp": 1, "emulate_time_scale": s.time_scale,
+                "emulate_growth": float(self.length_growth), "emulate_horizon": int(self.growth_horizon)}
 
     # ------------------------------------------------------------ the trainer
     def train_target_s(self, tokens: int | Sequence[int], n_accel: int, n_seqs: int = 1) -> float:
@@ -374,9 +398,10 @@ def pacing_report(addrs: Sequence[str], timeout: float = 5.0) -> dict[str, float
 
 
 def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any,
-                         version_fn: Any = lambda: 0) -> None:
+                         version_fn: Any = lambda: 0, hybrids_fn: Any = lambda: 0) -> None:
     """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
-    trainer's accelerators (all the rollout servers leave, as the current layout has them)."""
+    trainer's accelerators (all the rollout servers and the hybrid pool leave, as the current layout has
+    them), plus one per hybrid replica training now (`hybrids_fn`)."""
     configure(emulation)
     actor = trainer.actor
     original = actor.ppo_update
@@ -387,7 +412,7 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
         out = original(*args, **kwargs)
         m = emulation.multiplier(version_fn())
         lens = [int(x * m) for x in _batch_lengths(args[0] if args else next(iter(kwargs.values()), None))]
-        n_train = emulation.check_layout(groups_fn())[1]
+        n_train = emulation.check_layout(groups_fn())[1] + int(hybrids_fn())
         last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
         last["emul/length_multiplier"] = m
         return out

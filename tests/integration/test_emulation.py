@@ -236,3 +236,24 @@ def test_emulated_lengths_grow_with_the_weight_version():
     assert "--emulate-growth" in emu.growth_args() and ClusterEmulation().growth_args() == ()
     with pytest.raises(ValueError, match="length_growth"):
         ClusterEmulation(length_growth=-1.0)
+
+
+def test_hybrid_pool_accelerators_are_outside_the_layout():
+    from areal_libra.config import compose
+
+    emu = ClusterEmulation(accelerators=8, hybrid_accelerators=1)
+    groups = [RolloutGroup("short", tp=1, count=3)]
+    assert emu.check_layout(groups) == (3, 4)  # 8 - 1 hybrid - 3 rollout
+    with pytest.raises(EmulationError, match="= 9, but the emulated cluster has 8"):
+        emu.check_layout(groups, trainer=5)
+    with pytest.raises(EmulationError, match="hybrid accelerators"):
+        ClusterEmulation(hybrid_accelerators=-1)
+    args = emu.hybrid_server_args()
+    assert args["emulate_tp"] == 1 and args["emulate_model"] == "qwen3-14b"
+    from areal_libra.server.embedded_server import ServerArgs
+
+    assert ServerArgs(model_path="m", port=1, **args).emulation().tp == 1  # the hybrid's server is paced
+    c = compose(["cluster=emulated", "libra.elastic.enabled=true", "libra.elastic.hybrids=2"])
+    assert ClusterEmulation.from_libra(c.libra).hybrid_accelerators == 2
+    c = compose(["cluster=emulated"])
+    assert ClusterEmulation.from_libra(c.libra).hybrid_accelerators == 0
