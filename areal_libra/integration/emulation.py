@@ -57,8 +57,10 @@ def length_multiplier(version: int | str | None, growth: float, horizon: int) ->
 
 
 class GrowingPacer:
-    """A server's pacer under growing lengths: every real token of the batch stands for m emulated ones, so
-    a decode iteration costs m iterations over m times the resident KV, and a prefill m times the tokens."""
+    """A server's pacer under growing lengths: every generated or tool token stands for m emulated ones (the
+    prompt does not grow), so a decode iteration costs m iterations over m times the resident KV, and a
+    prefill after the first turn (tool output, prior tokens cached) m times the tokens; a request's first
+    prefill (nothing cached: its prompt) is not scaled."""
 
     def __init__(self, base: Any, growth: float, horizon: int, version_fn: Any) -> None:
         self.base, self.growth, self.horizon, self.version_fn = base, growth, horizon, version_fn
@@ -72,7 +74,7 @@ class GrowingPacer:
 
     def prefill_s(self, chunks: Iterable[tuple[int, int]]) -> float:
         m = self._m()
-        return self.base.prefill_s([(int(n * m), int(p * m)) for n, p in chunks])
+        return self.base.prefill_s([(n, 0) if p == 0 else (int(n * m), int(p * m)) for n, p in chunks])
 
 
 def emulated_truth(model: str, gpu: str) -> HardwareTruth:
@@ -411,7 +413,7 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
         t0 = time.perf_counter()
         out = original(*args, **kwargs)
         m = emulation.multiplier(version_fn())
-        lens = [int(x * m) for x in _batch_lengths(args[0] if args else next(iter(kwargs.values()), None))]
+        lens = _batch_lengths(args[0] if args else next(iter(kwargs.values()), None), m)
         n_train = emulation.check_layout(groups_fn())[1] + int(hybrids_fn())
         last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
         last["emul/length_multiplier"] = m
@@ -427,12 +429,24 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
     metrics.add_step_hook(emulated_tokens)
 
 
-def _batch_lengths(batch: Any) -> list[int]:
-    """Per-sequence token counts of a training batch (a dict, or list of dicts, with attention_mask)."""
+def _batch_lengths(batch: Any, m: float = 1.0) -> list[int]:
+    """Per-sequence emulated token counts of a training batch (a dict, or list of dicts, with attention_mask):
+    the prompt (the tokens before the first one with loss_mask set) as it is, everything after it m times,
+    as the planner's history counts them (LiveCluster.on_trajectory); without a loss_mask, all of it m times."""
     parts = batch if isinstance(batch, list) else [batch]
     out: list[int] = []
     for part in parts:
         mask = part.get("attention_mask") if isinstance(part, dict) else None
-        if mask is not None and hasattr(mask, "sum"):
-            out += [int(x) for x in mask.sum(-1).reshape(-1).tolist()]
+        if mask is None or not hasattr(mask, "sum"):
+            continue
+        lens = [int(x) for x in mask.sum(-1).reshape(-1).tolist()]
+        loss = part.get("loss_mask")
+        if loss is None or not hasattr(loss, "argmax") or tuple(loss.shape) != tuple(mask.shape) or loss.dim() != 2:
+            out += [int(x * m) for x in lens]
+            continue
+        has = (loss > 0).any(-1).tolist()
+        first = (loss > 0).int().argmax(-1).tolist()  # index of the first generated token (left-aligned rows)
+        for n, h, p in zip(lens, has, first):
+            p = min(int(p), n) if h else n
+            out.append(p + int((n - p) * m))
     return out

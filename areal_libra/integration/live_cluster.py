@@ -205,6 +205,8 @@ class LiveControl:
             for e in events:
                 self._record({"step": e.step, "event": e.kind, "detail": e.detail})
             out["plan/predicted_vs_measured_step"] = predicted / obs.interval_s if obs.interval_s > 0 else 0.0
+            # What the elastic policy read this step (T_train/T_rollout as the controller saw them).
+            out["plan/obs_train_s"], out["plan/obs_rollout_s"] = obs.train_s, obs.rollout_s
             out["plan/events"] = float(len(events))
         if self.ctl is not None:
             out.update(self.ctl.metrics())

@@ -232,7 +232,9 @@ def test_emulated_lengths_grow_with_the_weight_version():
     assert pacer.decode_s(16, 16 * 1024) == pytest.approx(base.decode_s(16, 16 * 1024))
     version["v"] = "40"
     assert pacer.decode_s(16, 16 * 1024) == pytest.approx(2 * base.decode_s(16, 32 * 1024))
-    assert pacer.prefill_s([(100, 0)]) == pytest.approx(base.prefill_s([(200, 0)]))
+    # A request's prompt does not grow; a later turn's prefill (tool output, prior tokens cached) does.
+    assert pacer.prefill_s([(100, 0)]) == pytest.approx(base.prefill_s([(100, 0)]))
+    assert pacer.prefill_s([(10, 100)]) == pytest.approx(base.prefill_s([(20, 200)]))
     assert "--emulate-growth" in emu.growth_args() and ClusterEmulation().growth_args() == ()
     with pytest.raises(ValueError, match="length_growth"):
         ClusterEmulation(length_growth=-1.0)
@@ -257,3 +259,15 @@ def test_hybrid_pool_accelerators_are_outside_the_layout():
     assert ClusterEmulation.from_libra(c.libra).hybrid_accelerators == 2
     c = compose(["cluster=emulated"])
     assert ClusterEmulation.from_libra(c.libra).hybrid_accelerators == 0
+
+
+def test_trainer_pacing_grows_what_follows_the_prompt():
+    import torch
+
+    from areal_libra.integration.emulation import _batch_lengths
+
+    attn = torch.tensor([[1] * 10 + [0] * 2, [1] * 12])
+    loss = torch.tensor([[0] * 4 + [1] * 6 + [0] * 2, [0] * 12])  # row 2: nothing generated
+    assert _batch_lengths({"attention_mask": attn, "loss_mask": loss}, 3.0) == [4 + 6 * 3, 12]
+    assert _batch_lengths({"attention_mask": attn}, 2.0) == [20, 24]  # no loss_mask: all of it
+    assert _batch_lengths([{"attention_mask": attn, "loss_mask": loss}], 1.0) == [10, 12]
