@@ -4,12 +4,13 @@
 
 Runs `python -m areal_libra.launch experiment=dapo_math cluster=emulated libra.elastic.enabled=true` (one
 hybrid replica serving rollout while in rollout, no join_at_step script) on an 8-accelerator emulated H100
-cluster whose generated lengths grow 16x over 20 steps, then prints, from the run's files, every control decision
-(control_events.jsonl) and per step what the policy read: T_train, T_rollout (the rollout side's busy time,
-areal_libra.elastic.measure), their ratio, the trainer's wait, the rollout side's idle time, the emulated
-length multiplier and the hybrid replicas training. Early the short trajectories leave rollout idle most of
-the step (the trainer is the bottleneck: the policy joins the hybrid); as they grow rollout becomes the
-bottleneck (the policy releases it). `--set` overrides any launch key (e.g. the defaults below).
+cluster (4 prompts x 8 samples a step) whose generated lengths grow 40x over 20 steps, then prints, from the
+run's files, every control decision (control_events.jsonl) and per step what the policy read: T_train,
+T_rollout (the rollout side's busy time, areal_libra.elastic.measure), their ratio, the trainer's wait, the
+rollout side's idle time, the emulated length multiplier and the trainer's emulated accelerators (4 + 1
+while the hybrid trains). Early the short trajectories leave rollout idle most of the step (the trainer is
+the bottleneck: the policy joins the hybrid); once they have grown rollout is the bottleneck (the policy
+releases it). `--set` overrides any launch key (e.g. the defaults below).
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ DEFAULTS = {
     "libra.elastic.enabled": "true",
     "libra.emulated.accelerators": "8",  # 1 hybrid + what the planner splits (4 server processes at most)
     "libra.emulated.gpu": "h100",
-    "libra.emulated.length_growth": "15.0",
+    "libra.emulated.length_growth": "39.0",
     "libra.emulated.growth_horizon": "20",
     "libra.emulated.time_scale": "2.0",
     "libra.control.elastic_persist": "3",
+    # A small batch: the emulated trainer's time is a fixed part (optimizer, weight update) plus one per token
+    # of the batch, rollout's is the latency of the longest trajectory, so growing lengths tip the balance
+    # towards rollout within the run (at 16 prompts the trainer stays the bottleneck throughout).
+    "train_dataset.batch_size": "4",
 }
 
 
