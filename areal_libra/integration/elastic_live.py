@@ -17,8 +17,8 @@ FSDPEngine built from the run's AReaL config), installs the FSDP hook on the act
 reduction, batch sharing, snapshots). A hybrid in rollout serves requests on its own embedded server,
 registered with the trainer's AReaL engine and request router (`elastic_serving.ServeRegistry`: routable
 once it holds the latest weights, drained with no request lost when it joins). Before each training step
-it measures T_train, T_rollout (from the trainer's wait for its batch, `elastic.measure.rollout_time`) and
-the rollout servers' pressure; the decisions come from
+it measures T_train, T_rollout (from the trainer's wait for its batch and the rollout side's idle time,
+`elastic.measure.rollout_time`) and the rollout servers' pressure; the decisions come from
 - the shared LibraController (`decide_in: controller`, the default): the LiveCluster calls
   `pool_view()`, `join(n)`, `release(n)` and reads `observation(step)`;
 - LiveElastic's own ElasticController (`decide_in: pool`);
@@ -40,7 +40,7 @@ from typing import Any
 
 from areal_libra.config import LiveElasticConfig
 from areal_libra.control.controller import PoolView, StepObservation
-from areal_libra.elastic.measure import rollout_time
+from areal_libra.elastic.measure import RolloutIdleClock, rollout_time
 from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.elastic.state import JOINING, ReplicaState
 from areal_libra.elastic_runtime.controller import ElasticController
@@ -76,6 +76,23 @@ def hybrids_serve(libra: Any) -> bool:
     return bool(cfg.enabled and cfg.serve and cfg.hybrids > 0)
 
 
+def follow_in_flight(manager: Any, clock: RolloutIdleClock) -> bool:
+    """Feed `clock` the in-flight rollout count of AReaL's StalenessManager after every submit, accept and
+    reject (instance attributes: this manager only). False when there is no such manager."""
+    if manager is None or not hasattr(manager, "rollout_stat"):
+        return False
+    for name in ("on_rollout_submitted", "on_rollout_accepted", "on_rollout_rejected"):
+        fn = getattr(manager, name)
+
+        def counted(*a: Any, _fn: Any = fn, **k: Any) -> Any:
+            out = _fn(*a, **k)
+            clock.on_change(int(manager.rollout_stat.running))
+            return out
+
+        setattr(manager, name, counted)
+    return True
+
+
 class ElasticPoolControl:
     """pool_view / join / release over the core's pool, for the shared LibraController (via the LiveCluster)."""
 
@@ -84,6 +101,9 @@ class ElasticPoolControl:
         self.core, self.cfg, self.router, self.inference = core, cfg, router, inference
         self.registry, self.device = registry, device
         self.asked = {"join": 0, "release": 0}
+        # The trainer's core in hybrid units (an emulated cluster: its trainer accelerators); None: one
+        # data-parallel replica, the single-rank FSDP core.
+        self.core_fn: Any = None
 
     def ready(self, rid: str) -> bool:
         return self.core.kv.has(f"hb/{rid}/0")
@@ -105,7 +125,8 @@ class ElasticPoolControl:
             rollout += unit * len(hybrid)
         elif self.inference is not None:
             rollout = len(self.inference.addresses)
-        return PoolView(training=len(training), idle=len(idle), train_replicas=1 + len(training),
+        core = max(1, int(self.core_fn()) // unit) if self.core_fn is not None else 1
+        return PoolView(training=len(training), idle=len(idle), train_replicas=core + len(training),
                         rollout_gpus=rollout, unit_gpus=unit,
                         busy=bool(pool.in_state(*JOINING, ReplicaState.RELEASING)))
 
@@ -130,9 +151,11 @@ class ElasticPoolControl:
 
 class LiveElastic:
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
-                 router: Any = None, batch_size: int = 1, device: str = "cpu") -> None:
+                 router: Any = None, batch_size: int = 1, device: str = "cpu",
+                 server_args: dict[str, Any] | None = None) -> None:
         """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
-        do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained)."""
+        do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained);
+        server_args: extra ServerArgs fields of a hybrid's server (an emulated cluster's pacing)."""
         import torch.distributed as dist
 
         if int(engine.data_parallel_world_size) != 1:
@@ -159,6 +182,7 @@ class LiveElastic:
 
             self.registry = ServeRegistry("127.0.0.1", self.store.port, rt.namespace, self.rids, inference, router,
                                           group=cfg.rollout_group)
+        self.idle_measured = False
         self.pressure = None
         if inference is not None:
             from areal_libra.integration.elastic_serving import PressureSampler
@@ -176,6 +200,8 @@ class LiveElastic:
             if self.serve:
                 cmd += ["--serve", "--server-threads", str(cfg.server_threads), "--server-max-running",
                         str(cfg.server_max_running), "--ack-timeout", str(cfg.serve_ack_timeout_s)]
+                if server_args:
+                    cmd += ["--server-args", json.dumps(server_args)]
             log_f = open(self.dir / f"{rid}.log", "w")  # noqa: SIM115 - lives as long as the worker
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT,
                                                start_new_session=True))
@@ -186,6 +212,9 @@ class LiveElastic:
         self.last_decision = ""
         self.wait_s: float | None = None  # the trainer's wait for this step's batch (prepare_batch)
         self.backlog = 0
+        self.idle = RolloutIdleClock()
+        self.idle_s: float | None = None  # the rollout side's idle time in the last step (None: not measured)
+        self.interval_s: float | None = None  # the last step's wall time, as the pool timed it
         self.last_obs: StepObservation | None = None
         self.pool = ElasticPoolControl(self.core, cfg, router, inference, self.registry, device)
         self._routed0: dict[str, int] = {}
@@ -194,8 +223,15 @@ class LiveElastic:
     # -- measurements ------------------------------------------------------------------------------
     def watch_rollout(self, actor: Any, executor: Any = None) -> None:
         """Time the trainer's wait for each batch (`actor.prepare_batch`) and, after it, the finished groups
-        left over beyond the batch (the workflow executor's pending results)."""
+        left over beyond the batch (the workflow executor's pending results); and the rollout side's idle
+        time: the executor's in-flight count, followed through its staleness manager's callbacks."""
         original = actor.prepare_batch
+        manager = None
+        try:
+            manager = executor.staleness_manager if executor is not None else None
+        except RuntimeError:  # not initialised: no idle measurement, the backlog rule applies
+            manager = None
+        self.idle_measured = follow_in_flight(manager, self.idle)
 
         def prepare_batch(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -212,10 +248,14 @@ class LiveElastic:
         t_iter = now - self.t_iter_start if self.t_iter_start is not None else None
         self.t_iter_start = now
         q, a = self.pressure.take() if self.pressure is not None else (0.0, 0.0)
+        idle = self.idle.take()
         if t_iter is None:
             return None
+        self.idle_s = idle if self.idle_measured else None
+        self.interval_s = t_iter
         if self.wait_s is not None:
-            t_roll = rollout_time(t_train_s, self.wait_s, self.backlog, self.batch_size)
+            t_roll = rollout_time(t_train_s, self.wait_s, self.backlog, self.batch_size, idle_s=self.idle_s,
+                                  interval_s=t_iter)
         else:  # no prepare_batch seen: the rest of the iteration is the rollout side's share
             t_roll = max(t_iter - t_train_s, 1e-6)
         self.last_obs = StepObservation(step=step, interval_s=t_iter, train_s=t_train_s, rollout_s=t_roll,
@@ -225,6 +265,14 @@ class LiveElastic:
     def observation(self) -> StepObservation | None:
         """The latest step's measurements (for the LiveCluster's StepObservation)."""
         return self.last_obs
+
+    def rollout_inputs(self) -> dict[str, Any] | None:
+        """What the latest T_rollout was computed from (wait, backlog, batch, idle), so that the controller's
+        observation can apply the same rule on AReaL's fuller train time; None before a batch was seen."""
+        if self.wait_s is None:
+            return None
+        return {"wait_s": self.wait_s, "backlog": self.backlog, "batch": self.batch_size, "idle_s": self.idle_s,
+                "interval_s": self.interval_s}
 
     # -- the pool as the shared controller sees it (ElasticPoolControl) -------------------------------
     def pool_view(self) -> PoolView:
@@ -238,6 +286,10 @@ class LiveElastic:
 
     def _ready(self, rid: str) -> bool:
         return self.pool.ready(rid)
+
+    def training_hybrids(self) -> int:
+        """Hybrid replicas training now (an emulated trainer counts their accelerators)."""
+        return len(self.core.pool.in_state(ReplicaState.TRAINING))
 
     # -- per step ----------------------------------------------------------------------------------
     def _before_step(self, step: int, t_train_s: float) -> None:
@@ -270,6 +322,8 @@ class LiveElastic:
         if self.wait_s is not None:
             out["elastic/rollout_wait_s"] = self.wait_s
             out["elastic/rollout_backlog"] = float(self.backlog)
+        if self.idle_s is not None:
+            out["elastic/rollout_idle_s"] = self.idle_s
         if self.registry is not None:
             serving = self.registry.serving()
             out["elastic/hybrids_serving"] = float(len(serving))
@@ -313,8 +367,11 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> Li
     router = getattr(inference, "request_router", None) if inference is not None else None
     device = str(libra.get("device", "cpu")) if libra is not None else "cpu"
     batch = int(trainer.config.train_dataset.batch_size) if hasattr(trainer, "config") else 1
+    from areal_libra.integration.emulation import ClusterEmulation
+
+    emu = ClusterEmulation.from_libra(libra) if libra is not None else None
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
-                       device=device)
+                       device=device, server_args=emu.hybrid_server_args() if emu is not None else None)
     live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live

@@ -57,8 +57,10 @@ def length_multiplier(version: int | str | None, growth: float, horizon: int) ->
 
 
 class GrowingPacer:
-    """A server's pacer under growing lengths: every real token of the batch stands for m emulated ones, so
-    a decode iteration costs m iterations over m times the resident KV, and a prefill m times the tokens."""
+    """A server's pacer under growing lengths: every generated or tool token stands for m emulated ones (the
+    prompt does not grow), so a decode iteration costs m iterations over m times the resident KV, and a
+    prefill after the first turn (tool output, prior tokens cached) m times the tokens; a request's first
+    prefill (nothing cached: its prompt) is not scaled."""
 
     def __init__(self, base: Any, growth: float, horizon: int, version_fn: Any) -> None:
         self.base, self.growth, self.horizon, self.version_fn = base, growth, horizon, version_fn
@@ -72,7 +74,7 @@ class GrowingPacer:
 
     def prefill_s(self, chunks: Iterable[tuple[int, int]]) -> float:
         m = self._m()
-        return self.base.prefill_s([(int(n * m), int(p * m)) for n, p in chunks])
+        return self.base.prefill_s([(n, 0) if p == 0 else (int(n * m), int(p * m)) for n, p in chunks])
 
 
 def emulated_truth(model: str, gpu: str) -> HardwareTruth:
@@ -191,6 +193,10 @@ class ClusterEmulation:
     server_threads: int = 1  # CPU threads per emulated server: speed comes from the pacing, not threads
     length_growth: float = 0.0  # emulated lengths grow to (1 + length_growth)x over growth_horizon steps
     growth_horizon: int = 40
+    # Accelerators of the Elastic Hybrid Pool (libra.elastic.hybrids, one each): outside the rollout groups
+    # and the trainer's core; each adds one to the trainer while it trains and serves as a TP1 server
+    # while in rollout.
+    hybrid_accelerators: int = 0
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -202,6 +208,9 @@ class ClusterEmulation:
         t = self.trainer_accelerators
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise EmulationError(f"libra.emulated.trainer_accelerators must be an integer >= 1 or null, got {t!r}")
+        if isinstance(self.hybrid_accelerators, bool) or not isinstance(self.hybrid_accelerators, int) \
+                or self.hybrid_accelerators < 0:
+            raise EmulationError(f"hybrid accelerators must be an integer >= 0, got {self.hybrid_accelerators!r}")
         if not (math.isfinite(float(self.length_growth)) and self.length_growth >= 0) or self.growth_horizon < 1:
             raise EmulationError("libra.emulated.length_growth must be >= 0 and growth_horizon >= 1")
         _ = self.truth  # unknown model / accelerator: fail now
@@ -222,6 +231,14 @@ class ClusterEmulation:
 
         if not get("enabled", False):
             return None
+        el = libra.get("elastic") if hasattr(libra, "get") else getattr(libra, "elastic", None)
+
+        def el_get(key: str, default: Any) -> Any:
+            if el is None:
+                return default
+            return el.get(key, default) if hasattr(el, "get") else getattr(el, key, default)
+
+        hybrids = int(el_get("hybrids", 1)) if el_get("enabled", False) else 0
         return cls(
             accelerators=get("accelerators", 16),
             model=str(get("model", DEFAULT_MODEL)),
@@ -231,6 +248,7 @@ class ClusterEmulation:
             server_threads=get("server_threads", 1),
             length_growth=float(get("length_growth", 0.0)),
             growth_horizon=int(get("growth_horizon", 40)),
+            hybrid_accelerators=hybrids,
         )
 
     def multiplier(self, version: int | str | None) -> float:
@@ -271,21 +289,29 @@ class ClusterEmulation:
             except EmulationError as e:
                 raise EmulationError(f"rollout group {g.name}: {e}") from None
         rollout = sum(int(g.tp) * int(g.count) for g in groups)
-        n = self.accelerators
+        n, h = self.accelerators, self.hybrid_accelerators
         train = trainer if trainer is not None else self.trainer_accelerators
         mix = "+".join(f"{g.count}xTP{g.tp}" for g in groups) or "none"
+        pool = f" + {h} hybrid" if h else ""
         if train is None:
-            train = n - rollout
+            train = n - h - rollout
             if train < 1:
                 raise EmulationError(
-                    f"rollout servers ({mix}) use {rollout} of the {n} emulated accelerators; none is left for the trainer"
+                    f"rollout servers ({mix}){pool} use {rollout + h} of the {n} emulated accelerators; none is left "
+                    f"for the trainer"
                 )
-        elif rollout + train > n:
+        elif rollout + train + h > n:
             raise EmulationError(
-                f"layout needs {rollout} rollout ({mix}) + {train} trainer accelerators = {rollout + train}, "
+                f"layout needs {rollout} rollout ({mix}) + {train} trainer{pool} accelerators = {rollout + train + h}, "
                 f"but the emulated cluster has {n} (libra.emulated.accelerators)"
             )
         return rollout, train
+
+    def hybrid_server_args(self) -> dict[str, Any]:
+        """ServerArgs fields that pace a hybrid replica's in-process server as a TP1 server of this cluster."""
+        s = self.server(1)
+        return {"emulate_model": s.model, "emulate_gpu": s.gpu, "emulate_tp": 1, "emulate_time_scale": s.time_scale,
+                "emulate_growth": float(self.length_growth), "emulate_horizon": int(self.growth_horizon)}
 
     # ------------------------------------------------------------ the trainer
     def train_target_s(self, tokens: int | Sequence[int], n_accel: int, n_seqs: int = 1) -> float:
@@ -374,9 +400,10 @@ def pacing_report(addrs: Sequence[str], timeout: float = 5.0) -> dict[str, float
 
 
 def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any,
-                         version_fn: Any = lambda: 0) -> None:
+                         version_fn: Any = lambda: 0, hybrids_fn: Any = lambda: 0) -> None:
     """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
-    trainer's accelerators (all the rollout servers leave, as the current layout has them)."""
+    trainer's accelerators (all the rollout servers and the hybrid pool leave, as the current layout has
+    them), plus one per hybrid replica training now (`hybrids_fn`)."""
     configure(emulation)
     actor = trainer.actor
     original = actor.ppo_update
@@ -386,8 +413,8 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
         t0 = time.perf_counter()
         out = original(*args, **kwargs)
         m = emulation.multiplier(version_fn())
-        lens = [int(x * m) for x in _batch_lengths(args[0] if args else next(iter(kwargs.values()), None))]
-        n_train = emulation.check_layout(groups_fn())[1]
+        lens = _batch_lengths(args[0] if args else next(iter(kwargs.values()), None), m)
+        n_train = emulation.check_layout(groups_fn())[1] + int(hybrids_fn())
         last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
         last["emul/length_multiplier"] = m
         return out
@@ -402,12 +429,24 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
     metrics.add_step_hook(emulated_tokens)
 
 
-def _batch_lengths(batch: Any) -> list[int]:
-    """Per-sequence token counts of a training batch (a dict, or list of dicts, with attention_mask)."""
+def _batch_lengths(batch: Any, m: float = 1.0) -> list[int]:
+    """Per-sequence emulated token counts of a training batch (a dict, or list of dicts, with attention_mask):
+    the prompt (the tokens before the first one with loss_mask set) as it is, everything after it m times,
+    as the planner's history counts them (LiveCluster.on_trajectory); without a loss_mask, all of it m times."""
     parts = batch if isinstance(batch, list) else [batch]
     out: list[int] = []
     for part in parts:
         mask = part.get("attention_mask") if isinstance(part, dict) else None
-        if mask is not None and hasattr(mask, "sum"):
-            out += [int(x) for x in mask.sum(-1).reshape(-1).tolist()]
+        if mask is None or not hasattr(mask, "sum"):
+            continue
+        lens = [int(x) for x in mask.sum(-1).reshape(-1).tolist()]
+        loss = part.get("loss_mask")
+        if loss is None or not hasattr(loss, "argmax") or tuple(loss.shape) != tuple(mask.shape) or loss.dim() != 2:
+            out += [int(x * m) for x in lens]
+            continue
+        has = (loss > 0).any(-1).tolist()
+        first = (loss > 0).int().argmax(-1).tolist()  # index of the first generated token (left-aligned rows)
+        for n, h, p in zip(lens, has, first):
+            p = min(int(p), n) if h else n
+            out.append(p + int((n - p) * m))
     return out

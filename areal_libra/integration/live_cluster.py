@@ -139,12 +139,14 @@ class LiveCluster:
 
 
 def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0),
-                measured: StepObservation | None = None) -> StepObservation:
+                measured: StepObservation | None = None, inputs: dict | None = None) -> StepObservation:
     """A StepObservation from one committed step. T_train is everything the trainer does between batches
     (log-probs, advantages, the step, the weight update, AReaL's timeperf/*); T_rollout follows the elastic
     policy's shared rule (areal_libra.elastic.measure.rollout_time) from the trainer's wait for the batch.
-    `measured`: the elastic pool's own measurement of the step (it also counts the backlog of finished groups
-    and samples the servers' queues), preferred when there is one."""
+    `measured`: the elastic pool's own measurement of the step (it also counts the backlog of finished groups,
+    the rollout side's idle time and samples the servers' queues), preferred when there is one; `inputs`:
+    what it computed T_rollout from (LiveElastic.rollout_inputs), so the rule runs again on the fuller train
+    time."""
     from areal_libra.elastic.measure import rollout_time
 
     interval = float(rec.get("step_time_s", 0.0))
@@ -152,9 +154,12 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
                 ("recompute_logp", "ref_logp", "compute_advantage", "train_step", "update_weights"))
     if measured is not None:
         # The pool times the engine's own step; AReaL's timings also hold what wraps it (e.g. an emulated
-        # cluster's pacing). Keep the pool's verdict on the wait/backlog, on the longer train time.
+        # cluster's pacing). Apply the shared rule to the pool's wait/backlog/idle on the longer train time.
         full = max(train, measured.train_s)
-        if measured.rollout_s > measured.train_s:  # the trainer waited: T_rollout = T_train + wait
+        if inputs is not None:
+            rollout = rollout_time(full, float(inputs["wait_s"]), int(inputs["backlog"]), int(inputs["batch"]),
+                                   idle_s=inputs.get("idle_s"), interval_s=inputs.get("interval_s"))
+        elif measured.rollout_s > measured.train_s:  # the trainer waited: T_rollout = T_train + wait
             rollout = full + (measured.rollout_s - measured.train_s)
         else:  # rollout was ahead by the backlog's share
             rollout = full * measured.rollout_s / max(1e-9, measured.train_s)
@@ -188,7 +193,8 @@ class LiveControl:
         pressure = self.pressure_fn() if self.pressure_fn is not None else (0.0, 0.0)
         elastic = self.cluster.elastic
         measured = elastic.observation() if elastic is not None and hasattr(elastic, "observation") else None
-        obs = observation(step, rec, pressure, measured)
+        inputs = elastic.rollout_inputs() if measured is not None and hasattr(elastic, "rollout_inputs") else None
+        obs = observation(step, rec, pressure, measured, inputs)
         out: dict[str, float] = {}
         if self.ctl is None:
             if step >= self.profile_steps and len(self.cluster.finished) >= self.cfg.min_history:
@@ -199,6 +205,8 @@ class LiveControl:
             for e in events:
                 self._record({"step": e.step, "event": e.kind, "detail": e.detail})
             out["plan/predicted_vs_measured_step"] = predicted / obs.interval_s if obs.interval_s > 0 else 0.0
+            # What the elastic policy read this step (T_train/T_rollout as the controller saw them).
+            out["plan/obs_train_s"], out["plan/obs_rollout_s"] = obs.train_s, obs.rollout_s
             out["plan/events"] = float(len(events))
         if self.ctl is not None:
             out.update(self.ctl.metrics())
@@ -279,14 +287,16 @@ class LiveControl:
 def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
     """The planner for this run: `libra.control.cluster` (cost preset, resized to `accelerators`), the run's
     model from its config.json, one step's batch, AReaL's staleness bound."""
-    from areal_libra.cost.presets import ClusterSpec, load_cluster
+    from areal_libra.cost.presets import ClusterSpec, load_cluster, load_hardware
     from areal_libra.planner import PlannerConfig
 
     c = libra.control
     emulated = libra.emulated if libra.emulated.enabled else None
-    name = f"{emulated.gpu}x{emulated.accelerators}" if emulated is not None else str(c.cluster)
+    name = str(emulated.gpu) if emulated is not None else str(c.cluster)
     try:
-        cluster = load_cluster(name)
+        # An emulated cluster: its accelerators, resized below (any count, not only whole nodes).
+        cluster = (ClusterSpec(load_hardware(name), nodes=1, gpus_per_node=1) if emulated is not None
+                   else load_cluster(name))
     except (ValueError, OSError) as e:
         raise ControlError(f"libra.control.cluster={name}: {e}") from None
     n = 0
@@ -298,6 +308,10 @@ def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
 
         groups = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))
         n = int(libra.trainer_threads) + sum(g.tp * g.count for g in groups)
+    if emulated is not None:
+        # The hybrid pool's accelerators are the elastic pool's, not the plan's (integration.emulation).
+        hybrids = int(libra.elastic.hybrids) if libra.elastic.enabled else 0
+        n = int(emulated.accelerators) - hybrids
     if n > 0:
         cluster = ClusterSpec(cluster.hardware, nodes=1, gpus_per_node=n, name=f"{cluster.hardware.name}x{n}")
     batch = int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples)

@@ -85,7 +85,7 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
     return control
 
 
-def install_emulation(trainer, libra, run_dir: Path, metrics, control) -> None:
+def install_emulation(trainer, libra, run_dir: Path, metrics, control, elastic=None) -> None:
     """cluster=emulated: pace the trainer (servers pace themselves) to the emulated model and accelerators."""
     from areal_libra.integration.emulation import ClusterEmulation
 
@@ -98,8 +98,12 @@ def install_emulation(trainer, libra, run_dir: Path, metrics, control) -> None:
     static_groups = read_groups_file(run_dir / GROUPS_FILE)[0]
     if control is not None:
         control.cluster.emulation = emu
-    install_train_pacing(trainer, emu, (lambda: control.cluster.groups) if control is not None
-                         else (lambda: static_groups), metrics, version_fn=lambda: trainer.actor.get_version())
+    groups_fn = (lambda: control.cluster.groups) if control is not None else (lambda: static_groups)
+    hybrids_fn = elastic.training_hybrids if elastic is not None else (lambda: 0)
+    if elastic is not None:  # the pool sees the trainer's core in emulated accelerators (hybrid units)
+        elastic.pool.core_fn = lambda: emu.check_layout(groups_fn())[1]
+    install_train_pacing(trainer, emu, groups_fn, metrics, version_fn=lambda: trainer.actor.get_version(),
+                         hybrids_fn=hybrids_fn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
         elastic = install_elastic(trainer, libra, run_dir, metrics)  # None unless libra.elastic.enabled
         control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks)
-        install_emulation(trainer, libra, run_dir, metrics, control)
+        install_emulation(trainer, libra, run_dir, metrics, control, elastic)
         try:
             trainer.train(workflow=str(libra.workflow), workflow_kwargs=workflow_kwargs)
         finally:

@@ -38,6 +38,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -46,6 +47,8 @@ from typing import Any
 from aiohttp import web
 
 from areal_libra.server.protocol import RequestError, finish_text, names, parse_generate, short
+
+_VERSIONED_PATH = re.compile(r"^weight_update_v(\d+)$")
 
 logger = logging.getLogger("areal_libra.embedded_server")
 
@@ -485,6 +488,12 @@ class EmbeddedServer:
             if body.get("abort_all_requests"):
                 await self._engine_call(lambda: self.engine.abort(None, "Aborted by update_weights_from_disk"))
             wv = None if version is None else str(version)
+            if wv is None:
+                # AReaL 1.0.4 sends no weight_version; its disk updates are versioned directories
+                # (WeightUpdateMeta.with_version: weight_update_v<N>). Report that version, so responses and an
+                # emulated server's length growth follow the trainer's.
+                m = _VERSIONED_PATH.search(os.path.basename(path.rstrip("/")))
+                wv = m.group(1) if m else None
             n = await self._engine_call(lambda: self.engine.set_model(model, wv))
             self.args.model_path = path
         return web.json_response(

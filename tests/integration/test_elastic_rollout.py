@@ -229,3 +229,52 @@ def test_rollout_time_from_wait_and_backlog() -> None:
     assert rollout_time(2.0, 0.0, 100, 8) == 1.0  # floored at half the train time
     assert pressures([(8, 8, 32), (16, 0, 32)]) == (0.25, 0.5)
     assert pressures([]) == (0.0, 0.0)
+
+
+def test_rollout_time_from_the_rollout_sides_idle_time() -> None:
+    from areal_libra.elastic.measure import IDLE_FLOOR, rollout_time
+
+    # A 4 s step, 4 s of training, no wait; rollout idle 3 s of it (the staleness bound held it back): it
+    # needed 1 s for the batch. The backlog rule says T_rollout = T_train (nothing beyond the batch).
+    assert rollout_time(4.0, 0.0, 0, 8, idle_s=3.0, interval_s=4.0) == 1.0
+    assert rollout_time(4.0, 0.0, 0, 8) == 4.0
+    assert rollout_time(4.0, 0.0, 0, 8, idle_s=0.0, interval_s=4.0) == 4.0  # never idle: as fast as training
+    assert rollout_time(4.0, 0.0, 0, 8, idle_s=10.0, interval_s=4.0) == IDLE_FLOOR * 4.0
+    # Rollout never idle, the trainer waited 2 s: T_train + wait, as without the idle measurement.
+    assert rollout_time(4.0, 2.0, 0, 8, idle_s=0.0, interval_s=6.0) == 6.0 == rollout_time(4.0, 2.0, 0, 8)
+    # The trainer waited 0.5 s for stragglers, yet rollout idled 4.5 s of the 6.5 s step: busy 2 s against
+    # the trainer's 6 s: rollout is ahead (the wait-based rule would say 4.5 s, behind).
+    assert rollout_time(4.0, 0.5, 0, 8, idle_s=4.5, interval_s=6.5) == pytest.approx(4.0 * 2.0 / 6.0)
+
+
+def test_idle_clock_follows_arealss_in_flight_count() -> None:
+    """The real StalenessManager of AReaL, its callbacks followed: idle is the time with nothing in flight."""
+    from areal.infra.staleness_manager import StalenessManager
+
+    from areal_libra.elastic.measure import RolloutIdleClock
+    from areal_libra.integration.elastic_live import follow_in_flight
+
+    class Version:
+        def get_version(self) -> int:
+            return 0
+
+    t = [100.0]
+    clock = RolloutIdleClock(now=lambda: t[0])
+    m = StalenessManager(Version(), max_concurrent_rollouts=8, consumer_batch_size=2, max_staleness=1)
+    assert follow_in_flight(m, clock) and not follow_in_flight(None, clock)
+    t[0] = 101.0  # idle 1 s before the first submission
+    for _ in range(2):
+        m.on_rollout_enqueued()
+        m.on_rollout_submitted()
+    t[0] = 104.0
+    m.on_rollout_accepted()  # one still running: busy
+    t[0] = 105.0
+    m.on_rollout_rejected()  # none running from here
+    t[0] = 107.5
+    assert clock.take() == pytest.approx(1.0 + 2.5)
+    m.on_rollout_enqueued()
+    m.on_rollout_submitted()
+    t[0] = 109.0
+    assert clock.take() == pytest.approx(0.0)  # busy throughout
+    # AReaL's own accounting untouched: (1 + 0 + 1) * 2 - (1 accepted + 1 running) = 2
+    assert m.get_capacity() == 2

@@ -232,7 +232,42 @@ def test_emulated_lengths_grow_with_the_weight_version():
     assert pacer.decode_s(16, 16 * 1024) == pytest.approx(base.decode_s(16, 16 * 1024))
     version["v"] = "40"
     assert pacer.decode_s(16, 16 * 1024) == pytest.approx(2 * base.decode_s(16, 32 * 1024))
-    assert pacer.prefill_s([(100, 0)]) == pytest.approx(base.prefill_s([(200, 0)]))
+    # A request's prompt does not grow; a later turn's prefill (tool output, prior tokens cached) does.
+    assert pacer.prefill_s([(100, 0)]) == pytest.approx(base.prefill_s([(100, 0)]))
+    assert pacer.prefill_s([(10, 100)]) == pytest.approx(base.prefill_s([(20, 200)]))
     assert "--emulate-growth" in emu.growth_args() and ClusterEmulation().growth_args() == ()
     with pytest.raises(ValueError, match="length_growth"):
         ClusterEmulation(length_growth=-1.0)
+
+
+def test_hybrid_pool_accelerators_are_outside_the_layout():
+    from areal_libra.config import compose
+
+    emu = ClusterEmulation(accelerators=8, hybrid_accelerators=1)
+    groups = [RolloutGroup("short", tp=1, count=3)]
+    assert emu.check_layout(groups) == (3, 4)  # 8 - 1 hybrid - 3 rollout
+    with pytest.raises(EmulationError, match="= 9, but the emulated cluster has 8"):
+        emu.check_layout(groups, trainer=5)
+    with pytest.raises(EmulationError, match="hybrid accelerators"):
+        ClusterEmulation(hybrid_accelerators=-1)
+    args = emu.hybrid_server_args()
+    assert args["emulate_tp"] == 1 and args["emulate_model"] == "qwen3-14b"
+    from areal_libra.server.embedded_server import ServerArgs
+
+    assert ServerArgs(model_path="m", port=1, **args).emulation().tp == 1  # the hybrid's server is paced
+    c = compose(["cluster=emulated", "libra.elastic.enabled=true", "libra.elastic.hybrids=2"])
+    assert ClusterEmulation.from_libra(c.libra).hybrid_accelerators == 2
+    c = compose(["cluster=emulated"])
+    assert ClusterEmulation.from_libra(c.libra).hybrid_accelerators == 0
+
+
+def test_trainer_pacing_grows_what_follows_the_prompt():
+    import torch
+
+    from areal_libra.integration.emulation import _batch_lengths
+
+    attn = torch.tensor([[1] * 10 + [0] * 2, [1] * 12])
+    loss = torch.tensor([[0] * 4 + [1] * 6 + [0] * 2, [0] * 12])  # row 2: nothing generated
+    assert _batch_lengths({"attention_mask": attn, "loss_mask": loss}, 3.0) == [4 + 6 * 3, 12]
+    assert _batch_lengths({"attention_mask": attn}, 2.0) == [20, 24]  # no loss_mask: all of it
+    assert _batch_lengths([{"attention_mask": attn, "loss_mask": loss}], 1.0) == [10, 12]

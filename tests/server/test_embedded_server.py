@@ -178,6 +178,27 @@ def test_update_weights_from_disk_changes_outputs(server, models):
     assert info["weight_version"] == "v2" and info["model_path"] == models[0]
 
 
+def test_areal_versioned_update_sets_the_weight_version(server, models, tmp_path):
+    """AReaL 1.0.4 sends no weight_version; its versioned update directory (weight_update_v<N>) gives it."""
+    from areal.api.io_struct import WeightUpdateMeta
+    from areal.engine.sglang_remote import SGLangBackend
+
+    path = tmp_path / "weight_update_v3"
+    path.symlink_to(models[0], target_is_directory=True)
+    meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "weight_update")).with_version(3)
+    assert meta.path == str(path)
+    (req,) = SGLangBackend().build_disk_weight_update_requests(meta).requests
+    assert "weight_version" not in req.payload
+    try:
+        status, body = http(server.addr, req.endpoint, req.payload)
+        assert status == 200 and body["success"] is True
+        assert http(server.addr, "/get_weight_version")[1]["weight_version"] == "3"
+        status, _ = http(server.addr, req.endpoint, {"model_path": models[0]})  # not versioned: unchanged
+        assert status == 200 and http(server.addr, "/get_weight_version")[1]["weight_version"] == "3"
+    finally:
+        http(server.addr, req.endpoint, {"model_path": models[0], "weight_version": "default"})
+
+
 def test_update_weights_bad_path_keeps_serving(server, tmp_path):
     status, body = http(server.addr, "/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
     assert status == 400 and body["success"] is False and "nope" in body["message"]
