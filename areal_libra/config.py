@@ -238,7 +238,12 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         raw = hydra_compose(config_name="config", overrides=[f"{k}={v}" for k, v in choices.items()])
     OmegaConf.set_struct(raw, False)
-    # libra's interpolations (e.g. dataset.seed: ${seed}) resolve against the composed YAML, as before typing.
+    # libra's interpolations (e.g. dataset.seed: ${seed}) resolve against the composed YAML, as before typing,
+    # so a top-level override they read (seed=2) must be in that YAML before they resolve.
+    for ov in rest:
+        key, val = ov.split("=", 1)
+        if "." not in key and key in raw and not OmegaConf.is_config(raw[key]):
+            raw[key] = OmegaConf.from_dotlist([ov])[key]
     try:
         libra_raw = OmegaConf.to_container(raw.pop("libra", OmegaConf.create({})), resolve=True)
     except OmegaConfBaseException as e:

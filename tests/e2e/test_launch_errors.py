@@ -37,6 +37,15 @@ def test_overrides_keep_areal_names_and_fall_through_to_libra() -> None:
     assert c.areal.rollout.trial_name == "t1" and str(c.log_dir).endswith("/dapo-math/t1")
 
 
+
+@pytest.mark.parametrize("experiment", ["dapo_math", "search_r1", "code_sandbox"])
+def test_seed_override_reaches_libra_interpolations(experiment: str) -> None:
+    """`seed=2` must change the generated problem set too (libra.dataset.seed: ${seed}), not only AReaL's seed."""
+    c = compose([f"experiment={experiment}", "seed=2"])
+    assert c.areal.seed == 2 and c.libra.dataset.seed == 2
+    assert compose([f"experiment={experiment}"]).libra.dataset.seed == 1
+
+
 @pytest.mark.parametrize("bad", ["actor.optimizer.lr=abc", "libra.nope=1", "cluster=nope", "novalue"])
 def test_compose_rejects(bad: str) -> None:
     with pytest.raises(ConfigError):
