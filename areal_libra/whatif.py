@@ -64,9 +64,6 @@ def whatif(trace: str, cluster: str, model: str, steps: int, seed: int = 0, batc
     from areal_libra.sim.systems import check_cluster
 
     env = make_env(trace, cluster, model, seed, batch_prompts)
-    groups = [len(g) for gs in getattr(env.workload, "groups", {}).values() for g in gs]
-    if env.workload.cfg.group_size == 0 and groups:  # replay the trace's own groups: its median group size
-        env.workload.cfg.group_size = sorted(groups)[len(groups) // 2]
     check_cluster(env.truth, env.n_gpus)
     hist = profile_history(env.workload.profile(env.profile_groups))
     plan = plan_for(env, hist, homogeneous=False)

@@ -98,6 +98,9 @@ class TraceWorkload(Workload):
         self.steps = sorted(by_step)
         self.groups = {s: list(by_step[s].values()) for s in self.steps}
         self.growth_on_gen = growth_on_gen
+        if not cfg.group_size:  # replay the trace's own groups at its median group size (the planner needs one)
+            sizes = sorted(len(g) for gs in self.groups.values() for g in gs)
+            cfg.group_size = sizes[len(sizes) // 2]
 
     def sample_group(self, version: int, rng: random.Random) -> list[Trajectory]:
         step = self.steps[min(max(version, 0), len(self.steps) - 1)]

@@ -76,3 +76,16 @@ def test_main_reason_names_the_bottleneck():
     assert level.startswith("level")
     short = main_reason(_res(100, 0.5, 0.5, step=5.0), _res(90, 0.5, 0.5, step=5.5), 3.0, fixed_step_s=3.0)
     assert short.startswith("steps are short")
+
+
+def test_throughput_replays_a_trace_file_under_libra_without_group_size(tmp_path):
+    """A live run's trace replays through the simulator's Libra as is: the group size is the trace's own
+    (it used to fail with 'global batch must be >= 1, got 0' unless --group-size was given)."""
+    trace = tmp_path / "t.jsonl"
+    _trace(trace, group=4)
+    p = subprocess.run([sys.executable, "-m", "evaluation.throughput", "--workload", str(trace), "--cluster",
+                        "a800x16", "--model", "qwen3-14b", "--steps", "3", "--batch-prompts", "4", "--systems",
+                        "libra", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["systems"]["libra"]["tokens_per_s"] > 0
