@@ -17,6 +17,10 @@ from pathlib import Path
 
 from areal_libra.config import Composed, ConfigError, compose, save
 
+# libra mode: how long every rollout server may be dead while the trainer starts replacements
+# (integration/revive.py) before the launcher gives up.
+REVIVE_GRACE_S = 180.0
+
 
 class LaunchError(RuntimeError):
     """A launch problem the user can fix; printed as one line."""
@@ -158,8 +162,9 @@ def _read_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
 
 
 def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, quiet: bool,
-              run_dir: Path | None = None) -> int:
-    """Show step, reward, tokens/s and ETA until the trainer exits; fail fast if a server dies."""
+              run_dir: Path | None = None, revive_grace_s: float = 0.0) -> int:
+    """Show step, reward, tokens/s and ETA until the trainer exits; fail if every server is dead, at once or,
+    when the trainer replaces dead servers (revive_grace_s > 0), if none serves again within that time."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -174,6 +179,7 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
     ]
     seen = 0
+    all_dead_since: float | None = None
     run_dir = metrics_path.parent if run_dir is None else run_dir
     with Progress(*columns, disable=quiet, transient=False) as progress:
         task = progress.add_task("train", total=total, info="starting trainer ...")
@@ -195,7 +201,10 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
             for s in servers:
                 s.alive()  # reaps a server of ours the trainer stopped (a reconfiguration)
             dead, n_servers = dead_servers(run_dir, servers)
-            if dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1" and len(dead) == n_servers:
+            all_dead = bool(dead) and len(dead) == n_servers
+            all_dead_since = (all_dead_since or time.monotonic()) if all_dead else None
+            if (all_dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1"
+                    and time.monotonic() - all_dead_since >= revive_grace_s):
                 proc.send_signal(signal.SIGTERM)
                 raise LaunchError(f"all rollout servers died (first: {dead[0]}); see their logs")
             time.sleep(0.5)
@@ -287,8 +296,9 @@ def run(argv: list[str]) -> int:
                 start_new_session=True,
             )
             try:
+                revive = c.libra.mode == "libra" and bool(c.libra.get("revive_servers", True))
                 rc = supervise(proc, metrics_path, int(c.areal.total_train_steps or 0), servers, quiet,
-                               run_dir=log_dir)
+                               run_dir=log_dir, revive_grace_s=REVIVE_GRACE_S if revive else 0.0)
             except BaseException:
                 _stop(proc)
                 raise
