@@ -259,8 +259,15 @@ def run(argv: list[str]) -> int:
     log_dir = c.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = log_dir / "metrics.jsonl"
-    if metrics_path.exists():
+    from areal_libra.integration.recover import clear_name_resolve, recovered_steps, trim_metrics
+
+    resumed = recovered_steps(c.areal)  # recover.mode=auto|resume with a checkpoint: AReaL resumes after it
+    if resumed:
+        kept = trim_metrics(metrics_path, resumed)
+        print(f"areal_libra: recovering after step {resumed} (metrics.jsonl keeps {kept} steps)", flush=True)
+    elif metrics_path.exists():
         metrics_path.unlink()  # a re-used trial name starts a fresh record
+    clear_name_resolve(c.areal)  # a killed trainer's weight-update records would fail the next run's
     save(c, log_dir)
     if c.libra.mode == "libra":
         from areal_libra.integration.live_cluster import ControlError, check_feasible

@@ -143,6 +143,26 @@ def kill_a_server(run_dir: Path) -> dict | None:
     return None
 
 
+def stop_run(proc: subprocess.Popen) -> None:
+    """Stop the launcher like Ctrl-C does (it then stops its trainer and servers); whatever of the run is
+    still alive after that (the trainer and its servers run in their own sessions) is SIGKILLed."""
+    if proc.poll() is None:
+        tree = [(p, _cmdline(p)) for p in descendants(proc.pid)]
+        os.kill(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        for pid, cmd in tree[1:]:
+            if _cmdline(pid) != cmd or not cmd:  # gone, or the pid was reused
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def _reward(rec: dict) -> float | None:
     for k in ("ppo_actor/task_reward/avg", "rollout/reward"):
         v = rec.get(k)
@@ -264,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 print("soak: timeout; stopping the run", flush=True)
-                os.killpg(proc.pid, signal.SIGTERM)
                 break
             if run_dir is None:
                 m = next(root.rglob("metrics.jsonl"), None) if root.exists() else None
@@ -292,11 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"rejected {r.get('rollout/rejected_total')} kills {len(kills)} "
                           f"elapsed {(t - t0) / 60:.1f} min", flush=True)
             time.sleep(0.5)
-        proc.wait(timeout=120)
     except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        print("soak: interrupted; stopping the run", flush=True)
     finally:
+        stop_run(proc)
         log.close()
     if run_dir is None:
         print(f"soak: error: the run wrote no metrics (rc {proc.returncode}); see {out / 'launch.log'}",

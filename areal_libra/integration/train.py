@@ -75,6 +75,10 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
                           max_running=groups[0].max_running if groups else 256,
                           max_tokens=int(config.gconfig.max_tokens), groups=groups)
     sinks.append(cluster.on_trajectory)
+    from areal_libra.integration.recover import recover_enabled, restore_control_state, save_control_state
+
+    if recover_enabled(config):
+        restore_control_state(run_dir, cluster)  # the planner's length history before the restart
     pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
     control = LiveControl(control_config(typed), plan_source(libra, config, str(config.actor.path)), cluster,
                           fleet=fleet,
@@ -83,6 +87,8 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
 
     def hook(step: int, rec: dict) -> dict:
         out = control.on_step(step, rec)
+        if recover_enabled(config):
+            save_control_state(run_dir, step, cluster)
         publish_metrics(out)  # W&B, next to AReaL's own stats
         return out | {"plan/allocation": control.allocation()}
 

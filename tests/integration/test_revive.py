@@ -4,16 +4,28 @@ request is lost (real embedded servers, AReaL's engine and the project's router 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
+import uuid
 
 import pytest
 
 from areal_libra.integration.fleet import ServerFleet
 from areal_libra.integration.revive import REVIVE_LOG, ServerReviver, rollout_counters
-from tests.integration.test_fleet import TP1, Load, make_engine, make_router
+from tests.integration.test_fleet import NEW_TOKENS, TP1, Load, make_engine, make_router
 
 pytestmark = pytest.mark.slow  # two embedded servers, one after the other
+
+
+async def _one(eng):
+    from areal.api.cli_args import GenerationHyperparameters
+    from areal.api.io_struct import ModelRequest
+
+    req = ModelRequest(rid=uuid.uuid4().hex, input_ids=[3, 4, 5], gconfig=GenerationHyperparameters(
+        max_new_tokens=NEW_TOKENS, max_tokens=256, temperature=1.0, ignore_eos=True))
+    return await eng.agenerate(req)
 
 
 def test_the_only_server_killed_under_load_is_replaced_and_nothing_is_lost(tiny_model_pair, embedded_servers,
@@ -31,9 +43,19 @@ def test_the_only_server_killed_under_load_is_replaced_and_nothing_is_lost(tiny_
     try:
         assert reviver.check_once() is None  # nothing dead: nothing done
         a.kill()  # SIGKILL with requests in flight
+        deadline = time.monotonic() + 30
+        while a.addr not in router.down_addresses() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # A new request while no server is healthy (AReaL submits new rollouts all the time): it waits for
+        # the replacement instead of failing its trajectory.
+        fresh: list = []
+        t = threading.Thread(target=lambda: fresh.append(asyncio.run(_one(eng))), daemon=True)
+        t.start()
         deadline = time.monotonic() + 120
         while reviver.revived < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
+        t.join(timeout=60)
+        assert fresh and len(fresh[0].output_tokens) == NEW_TOKENS
         assert reviver.revived == 1, "no replacement within 120 s"
         done = len(load.results)
         deadline = time.monotonic() + 60
