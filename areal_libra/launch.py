@@ -309,6 +309,7 @@ def run(argv: list[str]) -> int:
             except BaseException:
                 _stop(proc)
                 raise
+            _reap_group(proc.pid)  # the trainer's helpers outlive a trainer that was killed (seen: SIGKILL)
         if rc != 0:
             tail = (log_dir / "trainer.log").read_text(errors="replace").strip().splitlines()[-15:]
             print("\n".join(tail), file=sys.stderr)
@@ -318,6 +319,14 @@ def run(argv: list[str]) -> int:
         kill_leftover_servers(log_dir)  # servers the trainer started and did not stop
     print(f"areal_libra: done; metrics in {metrics_path}", flush=True)
     return 0
+
+
+def _reap_group(pgid: int) -> None:
+    """SIGKILL what is left of an exited trainer's session (its own process group)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _stop(proc: subprocess.Popen) -> None:
