@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     tlog = (run_dir / "trainer.log").read_text(errors="replace") if (run_dir / "trainer.log").exists() else ""
     rew_a = [(int(r["step"]), _reward(r)) for r in recs_a]
     rew_b = [(int(r["step"]), _reward(r)) for r in recs_b if ckpt_steps is not None and int(r["step"]) > ckpt_steps]
+    nodes_a = [int(r.get("cmlfq/tree_nodes", 0)) for r in recs_a]
+    nodes_b = [int(r.get("cmlfq/tree_nodes", 0)) for r in recs_b if ckpt_steps is not None and int(r["step"]) > ckpt_steps]
     first_a = [v for _, v in rew_a[:3] if v is not None]
     first_b = [v for _, v in rew_b[:3] if v is not None]
     checks = {
@@ -107,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": ckpt_steps is not None and ckpt_steps <= a.kill_after,
         "resumed_from_checkpoint": ckpt_steps is not None and "Recovering from" in tlog and rb["rc"] == 0,
         "steps_once_each": [int(r["step"]) for r in recs_b] == list(range(1, a.steps + 1)),
-        "tree_restored": had_tree,
-        "history_restored": had_history and "recover: restored" in tlog,
+        # the live prefix tree run B starts with is run A's (a fresh one has ~tens of nodes after one step)
+        "tree_restored": had_tree and bool(nodes_b) and nodes_b[0] >= max(nodes_a[:ckpt_steps or 0] or [1 << 30]),
+        "history_restored": had_history and "areal_libra recover: restored" in tlog,
         "reward_continues": bool(first_a and first_b) and sum(first_b) / len(first_b) > sum(first_a) / len(first_a),
     }
     summary = {"command": " ".join(cmd), "steps": a.steps, "freq": a.freq, "kill_after": a.kill_after,
-               "run_a": ra, "run_b": rb, "checkpoint_steps": ckpt_steps, "reward_a": rew_a, "reward_b": rew_b,
+               "run_a": ra, "run_b": rb, "checkpoint_steps": ckpt_steps, "tree_nodes_a": nodes_a, "tree_nodes_b": nodes_b, "reward_a": rew_a, "reward_b": rew_b,
                "first3_a": sum(first_a) / len(first_a) if first_a else None,
                "first3_b_after_resume": sum(first_b) / len(first_b) if first_b else None,
                "checks": checks, "ok": all(checks.values()), "load_avg": os.getloadavg()}

@@ -17,13 +17,10 @@ this project restores its own state:
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from areal_libra.utils import atomic_write_text
-
-log = logging.getLogger(__name__)
 
 CONTROL_STATE = "control_state.json"
 
@@ -86,5 +83,7 @@ def restore_control_state(run_dir: Path, cluster: Any) -> int:
     except (OSError, ValueError, KeyError, TypeError):
         return 0
     cluster.finished.extend(items)
-    log.info("recover: restored %d finished lengths (control history of step %s)", len(items), body.get("step"))
+    # stdout (trainer.log), like the control loop's own decisions
+    print(f"areal_libra recover: restored {len(items)} finished lengths (control history of step "
+          f"{body.get('step')})", flush=True)
     return len(items)
