@@ -176,6 +176,7 @@ class LibraConfig:
     elastic: LiveElasticConfig = field(default_factory=LiveElasticConfig)
     emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
     control: ControlSettings = field(default_factory=ControlSettings)
+    revive_servers: bool = True  # libra mode: a rollout server that dies is replaced (integration/revive.py)
 
     def __post_init__(self) -> None:
         if self.mode not in ("libra", "static"):

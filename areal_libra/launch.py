@@ -17,6 +17,10 @@ from pathlib import Path
 
 from areal_libra.config import Composed, ConfigError, compose, save
 
+# libra mode: how long every rollout server may be dead while the trainer starts replacements
+# (integration/revive.py) before the launcher gives up.
+REVIVE_GRACE_S = 180.0
+
 
 class LaunchError(RuntimeError):
     """A launch problem the user can fix; printed as one line."""
@@ -163,9 +167,10 @@ def _read_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
 
 
 def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, quiet: bool,
-              run_dir: Path | None = None, tool_servers=()) -> int:
-    """Show step, reward, tokens/s and ETA until the trainer exits; fail fast if a server (or a tool server:
-    `.alive()`, `.log_path`) dies."""
+              run_dir: Path | None = None, revive_grace_s: float = 0.0, tool_servers=()) -> int:
+    """Show step, reward, tokens/s and ETA until the trainer exits; fail if every server is dead, at once or,
+    when the trainer replaces dead servers (revive_grace_s > 0), if none serves again within that time; fail
+    fast if a tool server (`.alive()`, `.log_path`) dies."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -180,6 +185,7 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
     ]
     seen = 0
+    all_dead_since: float | None = None
     run_dir = metrics_path.parent if run_dir is None else run_dir
     with Progress(*columns, disable=quiet, transient=False) as progress:
         task = progress.add_task("train", total=total, info="starting trainer ...")
@@ -201,7 +207,10 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
             for s in servers:
                 s.alive()  # reaps a server of ours the trainer stopped (a reconfiguration)
             dead, n_servers = dead_servers(run_dir, servers)
-            if dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1" and len(dead) == n_servers:
+            all_dead = bool(dead) and len(dead) == n_servers
+            all_dead_since = (all_dead_since or time.monotonic()) if all_dead else None
+            if (all_dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1"
+                    and time.monotonic() - all_dead_since >= revive_grace_s):
                 proc.send_signal(signal.SIGTERM)
                 raise LaunchError(f"all rollout servers died (first: {dead[0]}); see their logs")
             for t in tool_servers:
@@ -293,8 +302,15 @@ def start_retriever(c: Composed, log_dir: Path):
 
 def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers: list) -> int:
     metrics_path = log_dir / "metrics.jsonl"
-    if metrics_path.exists():
+    from areal_libra.integration.recover import clear_name_resolve, recovered_steps, trim_metrics
+
+    resumed = recovered_steps(c.areal)  # recover.mode=auto|resume with a checkpoint: AReaL resumes after it
+    if resumed:
+        kept = trim_metrics(metrics_path, resumed)
+        print(f"areal_libra: recovering after step {resumed} (metrics.jsonl keeps {kept} steps)", flush=True)
+    elif metrics_path.exists():
         metrics_path.unlink()  # a re-used trial name starts a fresh record
+    clear_name_resolve(c.areal)  # a killed trainer's weight-update records would fail the next run's
     save(c, log_dir)
     if c.libra.mode == "libra":
         from areal_libra.integration.live_cluster import ControlError, check_feasible
@@ -330,11 +346,14 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
                 start_new_session=True,
             )
             try:
+                revive = c.libra.mode == "libra" and bool(c.libra.get("revive_servers", True))
                 rc = supervise(proc, metrics_path, int(c.areal.total_train_steps or 0), servers, quiet,
-                               run_dir=log_dir, tool_servers=tool_servers)
+                               run_dir=log_dir, revive_grace_s=REVIVE_GRACE_S if revive else 0.0,
+                               tool_servers=tool_servers)
             except BaseException:
                 _stop(proc)
                 raise
+            _reap_group(proc.pid)  # the trainer's helpers outlive a trainer that was killed (seen: SIGKILL)
         if rc != 0:
             tail = (log_dir / "trainer.log").read_text(errors="replace").strip().splitlines()[-15:]
             print("\n".join(tail), file=sys.stderr)
@@ -344,6 +363,14 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
         kill_leftover_servers(log_dir)  # servers the trainer started and did not stop
     print(f"areal_libra: done; metrics in {metrics_path}", flush=True)
     return 0
+
+
+def _reap_group(pgid: int) -> None:
+    """SIGKILL what is left of an exited trainer's session (its own process group)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _stop(proc: subprocess.Popen) -> None:

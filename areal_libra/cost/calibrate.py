@@ -85,6 +85,7 @@ class Calibration:
     model: ModelSpec
     samples: list[Sample] = field(default_factory=list)
     ema_alpha: float = 0.2
+    per_seq: bool = True  # fit a per-running-request decode overhead (seq_overhead_s)
     _ema: dict[str, float] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- samples
@@ -104,13 +105,15 @@ class Calibration:
             assert s.par is not None
             return train_cost["cost"](hw).step_time_s(s.par, list(s.seq_lengths)), 0.0
         rc = RolloutCost(hw, self.model, s.tp)
+        n_layers = self.model.n_layers
         if s.kind == "decode":
             total = float(rc.decode_step_s(s.batch, s.kv_tokens))
-            comm = float(rc._comm_s(s.batch))
-            return total - comm - hw.step_overhead_s - hw.seq_overhead_s * s.batch, comm
+            # fixed: communication and the per-layer overhead (a preset figure, not fitted here)
+            fixed = float(rc._comm_s(s.batch)) + n_layers * hw.decode_layer_overhead_s
+            return total - fixed - hw.step_overhead_s - hw.seq_overhead_s * s.batch, fixed
         total = float(rc.prefill_s(s.tokens, s.context))
-        comm = float(rc._comm_s(s.tokens))
-        return total - comm - hw.prefill_overhead_s, comm
+        fixed = float(rc._comm_s(s.tokens)) + n_layers * hw.prefill_layer_overhead_s
+        return total - fixed - hw.prefill_overhead_s, fixed
 
     def predict(self, hw: HardwareSpec, s: Sample, train_kw: dict | None = None) -> float:
         tc = self._train_cost_factory(train_kw or {})
@@ -174,13 +177,15 @@ class Calibration:
                 m_, c_ = rc.decode_parts(s.batch, s.kv_tokens)
                 mem.append(float(m_))
                 comp.append(float(c_))
-                comm.append(float(rc._comm_s(s.batch)))
+                comm.append(float(rc._comm_s(s.batch)) + self.model.n_layers * hw.decode_layer_overhead_s)
             mem_a, comp_a = np.array(mem), np.array(comp)
             mb = mem_a >= comp_a
             if prev is not None and np.array_equal(mb, prev):
                 break
             prev = mb
-            X = np.stack([np.where(mb, mem_a, 0.0), np.where(mb, 0.0, comp_a), np.ones(len(dec)), batch], axis=1)
+            # per_seq=False: no per-request term (a one-layer fit, whose overheads are per layer)
+            X = np.stack([np.where(mb, mem_a, 0.0), np.where(mb, 0.0, comp_a), np.ones(len(dec)),
+                          batch if self.per_seq else np.zeros(len(dec))], axis=1)
             coef = _nnls(X / y[:, None], (y - np.array(comm)) / y)
             a_m, a_c, b0, b1 = (float(v) for v in coef)
             # a regime without samples (or a degenerate zero) keeps the other regime's scale

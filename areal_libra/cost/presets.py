@@ -39,6 +39,10 @@ class HardwareSpec:
     step_overhead_s: float = 1.5e-3  # per decode step: scheduling, sampling, launch
     seq_overhead_s: float = 0.0  # per running request per decode step (host-side bookkeeping); calibrated
     prefill_overhead_s: float = 5e-3  # per prefill call
+    # Per layer of the model (fitted from one layer's timings, cost.layer_fit): what a layer costs beyond its
+    # roofline share (kernel launches and tails); whole model = n_layers x these + the per-step/call terms.
+    decode_layer_overhead_s: float = 0.0  # per layer per decode step
+    prefill_layer_overhead_s: float = 0.0  # per layer per prefill call
     workspace_bytes: float = 8e9  # per GPU: activations, CUDA graphs, NCCL buffers (not KV, not weights)
 
     def link_bw(self, group: int, span: int) -> float:

@@ -1,10 +1,17 @@
-"""python -m areal_libra.cost.profile [--device cpu|cuda] [--out FILE.yaml] [--json] [--quick]
+"""python -m areal_libra.cost.profile [--device cpu|cuda] [--layer] [--table FILE.json] [--out FILE.yaml] [--json]
 
-Measures a small Hugging Face Qwen2 model with torch on this machine — prefill, decode steps at several
-batch sizes and cache lengths, and full training steps (forward, backward, AdamW) — and fits the hardware
-preset's efficiency factors to them (areal_libra.cost.calibrate). On CPU one "device" is one thread;
-the result is the `cpu` preset the planner uses for the embedded CPU cluster. On a GPU machine the same
-command measures there (the start values are the --hardware preset).
+Two profiles, both fitted by areal_libra.cost.calibrate:
+
+- layer (the GPU profile; `--device cuda`, or `--layer` on CPU): times ONE decoder layer of the target model
+  (--model, a preset; --shape to override) at its real shape (cost.layer_bench: decode under CUDA graphs
+  across batch sizes and contexts, prefill across lengths, forward + backward) and fits per-layer figures
+  (cost.layer_fit: efficiencies + per-layer overheads; whole model = layers x layer + head + per-step
+  terms). `--table FILE.json` fits a measured table instead of measuring (tests/data/h200_measured.json:
+  the `h200-fitted` preset). A fit outside its tolerances (decode 15% at batch >= 16, prefill 25%) is
+  refused: one line, exit 2, nothing written.
+- whole model (`--device cpu`, the default): a small Hugging Face Qwen2 with torch on this machine
+  (prefill, decode steps, training steps with AdamW): the `cpu` preset of the embedded CPU cluster, whose
+  model is this small. On CPU one "device" is one thread.
 
 Writes the calibrated HardwareSpec as YAML (atomically) to --out, or prints it.
 """
@@ -132,7 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU (one device = one thread)")
     ap.add_argument("--hidden", type=int, default=ProfileShape.hidden)
     ap.add_argument("--layers", type=int, default=ProfileShape.layers)
+    ap.add_argument("--layer", action="store_true", help="the layer profile on CPU (the default on cuda)")
+    ap.add_argument("--model", default="qwen3-14b", help="layer profile: the target model preset")
+    ap.add_argument("--shape", default=None, help="layer profile: HIDDEN,HEADS,KV_HEADS,HEAD_DIM,FFN instead of --model's")
+    ap.add_argument("--table", default=None, help="layer profile: fit this measured table (JSON) instead of measuring")
+    ap.add_argument("--save-table", default=None, help="layer profile: also write the measured table (JSON) here")
+    ap.add_argument("--name", default=None, help="layer profile: the preset's name (default: <hardware>-fitted)")
     args = ap.parse_args(argv)
+    if args.table or args.layer or args.device == "cuda":
+        from areal_libra.cost.profile_layer import main_layer
+
+        return main_layer(args)
     try:
         import torch
 

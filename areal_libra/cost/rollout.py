@@ -86,7 +86,15 @@ class RolloutCost:
         """One decode iteration for `batch` running requests holding `kv_tokens` tokens of KV in total."""
         mem, comp = self.decode_parts(batch, kv_tokens)
         hw = self.hw
-        return np.maximum(mem, comp) + self._comm_s(batch) + hw.step_overhead_s + hw.seq_overhead_s * batch
+        return np.maximum(mem, comp) + self._comm_s(batch) + self.step_overhead_s() + hw.seq_overhead_s * batch
+
+    def step_overhead_s(self) -> float:
+        """Fixed time of one decode step: the per-step term plus the per-layer term for every layer."""
+        return self.hw.step_overhead_s + self.model.n_layers * self.hw.decode_layer_overhead_s
+
+    def call_overhead_s(self) -> float:
+        """Fixed time of one prefill call: the per-call term plus the per-layer term for every layer."""
+        return self.hw.prefill_overhead_s + self.model.n_layers * self.hw.prefill_layer_overhead_s
 
     def prefill_s(self, tokens, context: float = 0.0):
         """Prefill `tokens` new tokens (compute bound) on top of `context` cached tokens."""
@@ -95,7 +103,7 @@ class RolloutCost:
         flops = 2.0 * m.active_params * tokens + attn
         mem = (self._weight_read_bytes(tokens) / tp) / (hw.hbm_bw * hw.hbm_eff)
         comp = flops / (tp * hw.flops * hw.prefill_mfu)
-        return np.maximum(comp, mem) + self._comm_s(tokens) + hw.prefill_overhead_s
+        return np.maximum(comp, mem) + self._comm_s(tokens) + self.call_overhead_s()
 
     # ---------------------------------------------------------------- makespan
     def makespan_s(self, requests: Sequence[tuple[int, int]]) -> float:
@@ -115,7 +123,7 @@ class RolloutCost:
         reserved = 0
         running: list[tuple[int, int, int]] = []  # heap of (finish_step, final_len, idx)
         nxt = 0
-        ovh = self.hw.prefill_overhead_s
+        ovh = self.call_overhead_s()
         while nxt < len(reqs) or running:
             # admit in order while it fits; one batched prefill call per admission burst
             burst = nxt
@@ -157,7 +165,7 @@ class RolloutCost:
         mem_s = self._kv_bytes_gpu / bw  # per KV token
         comp0 = 2.0 * m.active_params * batch / (tp * hw.flops * hw.decode_mfu)
         comp_s = 4.0 * m.n_layers * m.attn_dim / (tp * hw.flops * hw.decode_mfu)
-        const = float(self._comm_s(batch)) + hw.step_overhead_s + hw.seq_overhead_s * batch
+        const = float(self._comm_s(batch)) + self.step_overhead_s() + hw.seq_overhead_s * batch
 
         def lin(a: float, s: float, j0: int, j1: int) -> float:  # sum over j in [j0, j1) of a + s*(kv0 + j*batch)
             n = j1 - j0
@@ -210,7 +218,7 @@ class RolloutCost:
         own_kv = np.maximum(max_final - max_output / 2.0, avg_kv)
         t_crit = max_output * self.decode_step_s(conc, np.maximum(conc - 1.0, 0.0) * avg_kv + own_kv)
         t_crit = t_crit / max(window, 1.0)
-        ovh = self.hw.prefill_overhead_s
+        ovh = self.call_overhead_s()
         prefill = n_req * (self.prefill_s(mean_prompt) - ovh) + ovh * np.maximum(n_req / conc, 1.0)
         if window > 1.0 and reprefill:
             resident = np.minimum(conc, in_flight)

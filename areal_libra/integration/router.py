@@ -381,34 +381,44 @@ class RequestRouter:
             )
         tid = str(meta["trajectory_id"])
         n_tools = len(meta.get("tool_returns") or ())
-        with self._layout_lock:
-            addr = self.dispatcher.route(meta)
-            self._begin(addr)
-            placed = self.dispatcher.placement(tid)
-            bucket = placed[0] if placed else self.group_of[addr]
-            gi = self.group_of[addr]
-            with self._lock:
-                self.addr_requests[addr] = self.addr_requests.get(addr, 0) + 1
-                tr = self._tracks.get(tid)
-                if tr is None:
-                    tr = self._tracks[tid] = _Track([[bucket, 0]], n_tools, gi, addr, anonymous)
-                else:
-                    if n_tools > tr.n_tools:
-                        tr.decisions.append([bucket, 0])
-                        tr.n_tools = n_tools
-                        if 0 <= tr.group != gi:  # -1: its group left the layout (no migration)
-                            ctx = int(meta.get("context_tokens", len(req.input_ids)))
-                            for c in (self._step, self._totals):
-                                c.migrations += 1
-                                c.migrated_tokens += ctx
-                    elif 0 <= tr.group != gi:
+        deadline = time.monotonic() + self.config.failover_wait_s
+        while True:
+            # No healthy server anywhere (e.g. the only one died and a replacement is starting): wait for
+            # one, as a failed-over request does, instead of failing the trajectory. The wait is outside the
+            # layout lock, which the replacement's layout switch takes.
+            try:
+                with self._layout_lock:
+                    addr = self.dispatcher.route(meta)
+                    self._begin(addr)
+                    placed = self.dispatcher.placement(tid)
+                    bucket = placed[0] if placed else self.group_of[addr]
+                    gi = self.group_of[addr]
+                    with self._lock:
+                        self.addr_requests[addr] = self.addr_requests.get(addr, 0) + 1
+                        tr = self._tracks.get(tid)
+                        if tr is None:
+                            tr = self._tracks[tid] = _Track([[bucket, 0]], n_tools, gi, addr, anonymous)
+                        else:
+                            if n_tools > tr.n_tools:
+                                tr.decisions.append([bucket, 0])
+                                tr.n_tools = n_tools
+                                if 0 <= tr.group != gi:  # -1: its group left the layout (no migration)
+                                    ctx = int(meta.get("context_tokens", len(req.input_ids)))
+                                    for c in (self._step, self._totals):
+                                        c.migrations += 1
+                                        c.migrated_tokens += ctx
+                            elif 0 <= tr.group != gi:
+                                for c in (self._step, self._totals):
+                                    c.fallback_moves += 1
+                            tr.group, tr.addr = gi, addr
+                        tr.placements.append((n_tools, addr))
                         for c in (self._step, self._totals):
-                            c.fallback_moves += 1
-                    tr.group, tr.addr = gi, addr
-                tr.placements.append((n_tools, addr))
-                for c in (self._step, self._totals):
-                    c.routed += 1
-        return addr
+                            c.routed += 1
+                return addr
+            except NoHealthyServer:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
 
     def done(self, req, addr: str, output_tokens: Sequence[int], stop_reason: str | None) -> None:
         self._end(addr)

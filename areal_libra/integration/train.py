@@ -65,11 +65,21 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
         from areal_libra.integration.fleet import build_fleet
 
         fleet = build_fleet(trainer, router, run_dir)
+        if bool(libra.get("revive_servers", True)):  # a dead server is replaced (integration/revive.py)
+            from areal_libra.integration.revive import ServerReviver
+
+            reviver = ServerReviver(fleet, router, run_dir).start()
+            metrics.add_source(reviver.metrics)
+            trainer._libra_reviver = reviver  # stopped in main() before the router closes
     groups = read_groups_file(run_dir / GROUPS_FILE)[0] if (run_dir / GROUPS_FILE).exists() else []
     cluster = LiveCluster(fleet, elastic, history_len=typed.control.history,
                           max_running=groups[0].max_running if groups else 256,
                           max_tokens=int(config.gconfig.max_tokens), groups=groups)
     sinks.append(cluster.on_trajectory)
+    from areal_libra.integration.recover import recover_enabled, restore_control_state, save_control_state
+
+    if recover_enabled(config):
+        restore_control_state(run_dir, cluster)  # the planner's length history before the restart
     pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
     control = LiveControl(control_config(typed), plan_source(libra, config, str(config.actor.path)), cluster,
                           fleet=fleet,
@@ -78,6 +88,8 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
 
     def hook(step: int, rec: dict) -> dict:
         out = control.on_step(step, rec)
+        if recover_enabled(config):
+            save_control_state(run_dir, step, cluster)
         publish_metrics(out)  # W&B, next to AReaL's own stats
         return out | {"plan/allocation": control.allocation()}
 
@@ -155,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         elastic = install_elastic(trainer, libra, run_dir, metrics)  # None unless libra.elastic.enabled
         control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks)
         install_emulation(trainer, libra, run_dir, metrics, control, elastic)
+        from areal_libra.integration.revive import rollout_counters
+
+        metrics.add_source(lambda: rollout_counters(trainer.rollout))  # nothing lost: accepted vs rejected
         try:
             trainer.train(workflow=str(libra.workflow), workflow_kwargs=workflow_kwargs)
         finally:
+            if getattr(trainer, "_libra_reviver", None) is not None:
+                trainer._libra_reviver.stop()
             if control is not None:
                 control.close(run_dir / "allocation.png")
             if elastic is not None:

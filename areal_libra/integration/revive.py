@@ -1,0 +1,104 @@
+"""Replace rollout servers that died, inside the trainer (rank 0, libra mode, where the fleet lives).
+
+A server that dies (SIGKILL, OOM) is marked down by the router's health probe; its in-flight requests wait
+in the router's failover path (up to scheduler.failover_wait_s) for a healthy server. Without a
+replacement a run with one server would stall there and fail. The reviver polls for servers of the fleet
+that are down or whose process is gone and asks the fleet for the same layout again: the fleet keeps the
+healthy servers, starts a new one with the current weights (the last disk weight update) and switches the
+router to it, so the waiting requests resume there with their tokens so far.
+
+Every replacement is one line in <run_dir>/revive.jsonl; `rollout_counters` adds AReaL's own rollout
+counters (submitted, accepted, rejected) to the step metrics so a run can show that nothing was lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_libra.utils import append_jsonl, first_line
+
+log = logging.getLogger(__name__)
+
+REVIVE_LOG = "revive.jsonl"
+
+
+class ServerReviver:
+    """A daemon thread that replaces dead rollout servers through `fleet.reconfigure(fleet.groups)`."""
+
+    def __init__(self, fleet: Any, router: Any, run_dir: str | Path | None = None, interval_s: float = 1.0) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.interval_s = interval_s
+        self.revived = 0  # servers replaced
+        self.failures = 0  # replacement attempts that failed (retried)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def dead(self) -> list[str]:
+        """Addresses of fleet servers that are marked down or whose process is gone."""
+        down = self.router.down_addresses()
+        return [s.addr for s in list(self.fleet.servers) if s.addr in down or not s.alive()]
+
+    def check_once(self) -> dict | None:
+        """Replace what is dead now; the fleet's result, or None when nothing was dead or it failed."""
+        dead = self.dead()
+        if not dead:
+            return None
+        from areal_libra.integration.fleet import FleetError
+
+        t0 = time.monotonic()
+        try:
+            out = self.fleet.reconfigure(list(self.fleet.groups), step=-1)
+        except FleetError as e:  # e.g. a weight update in progress: the next round retries
+            self.failures += 1
+            log.warning("revive: cannot replace %s yet: %s", dead, first_line(e))
+            return None
+        self.revived += len(out.get("started", []))
+        rec = {"t": round(time.time(), 3), "dead": dead, "started": out.get("started", []),
+               "stopped": out.get("stopped", []), "revive_s": round(time.monotonic() - t0, 3)}
+        log.warning("revive: replaced %s by %s in %.1fs", dead, rec["started"], rec["revive_s"])
+        if self.run_dir is not None:
+            with contextlib.suppress(OSError):
+                append_jsonl(self.run_dir / REVIVE_LOG, rec)
+        return rec
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check_once()
+            except Exception as e:  # noqa: BLE001 - the thread must outlive one bad round
+                self.failures += 1
+                log.warning("revive: round failed: %s", first_line(e))
+
+    def start(self) -> ServerReviver:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rollout-revive", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def metrics(self) -> dict[str, float]:
+        return {"revive/servers_replaced": self.revived, "revive/failed_attempts": self.failures}
+
+
+def rollout_counters(engine: Any) -> dict[str, float]:
+    """AReaL's cumulative rollout counters (one rollout = one prompt's group): accepted and rejected
+    (a workflow that raised or returned nothing) since the start, and those running or queued now."""
+    inner = getattr(engine, "_engine", engine)
+    try:
+        st = inner.workflow_executor.staleness_manager.get_stats()
+    except Exception:  # noqa: BLE001 - no executor yet (before the first rollout)
+        return {}
+    return {"rollout/accepted_total": st.accepted, "rollout/rejected_total": st.rejected,
+            "rollout/running": st.running, "rollout/enqueued": st.enqueued}
