@@ -6,6 +6,8 @@ generation resumes. The last code block is the submission, graded on hidden test
 
 from __future__ import annotations
 
+from areal_libra.workflows.markup import trailing_call
+
 CODE_OPEN = "<py>"
 CODE_CLOSE = "</py>"
 OUT_OPEN = "<out>"
@@ -32,12 +34,7 @@ def run_payload(status: str, output: str | None, error: str | None, ok: bool) ->
 
 def extract_code(text: str) -> str | None:
     """The code of the block that `text` ends with, or None when it does not end with one."""
-    stripped = text.rstrip()
-    if not stripped.endswith(CODE_CLOSE):
-        return None
-    body = stripped[: -len(CODE_CLOSE)]
-    start = body.rfind(CODE_OPEN)
-    return None if start < 0 else body[start + len(CODE_OPEN):]
+    return trailing_call(text, CODE_OPEN, CODE_CLOSE)
 
 
 def last_code(text: str) -> str | None:

@@ -23,13 +23,18 @@ def format_result(payload: str) -> str:
     return f"{RESULT_OPEN}{payload}{RESULT_CLOSE}"
 
 
+def trailing_call(text: str, open_tag: str, close_tag: str) -> str | None:
+    """The body of the `open_tag...close_tag` call that `text` ends with (unstripped), or None when it does
+    not end with one. Every workflow's tool-call parser."""
+    stripped = text.rstrip()
+    if not stripped.endswith(close_tag):
+        return None
+    body = stripped[: -len(close_tag)]
+    start = body.rfind(open_tag)
+    return None if start < 0 else body[start + len(open_tag) :]
+
+
 def extract_call(text: str) -> str | None:
     """The expression of the tool call that `text` ends with, or None when it does not end with one."""
-    stripped = text.rstrip()
-    if not stripped.endswith(CALC_CLOSE):
-        return None
-    body = stripped[: -len(CALC_CLOSE)]
-    start = body.rfind(CALC_OPEN)
-    if start < 0:
-        return None
-    return body[start + len(CALC_OPEN) :].strip()
+    body = trailing_call(text, CALC_OPEN, CALC_CLOSE)
+    return None if body is None else body.strip()

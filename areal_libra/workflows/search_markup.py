@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from areal_libra.workflows.markup import trailing_call
+
 SEARCH_OPEN = "<search>"
 SEARCH_CLOSE = "</search>"
 INFO_OPEN = "<information>"
@@ -31,14 +33,8 @@ def format_information(payload: str) -> str:
 
 def extract_query(text: str) -> str | None:
     """The query of the search call that `text` ends with, or None when it does not end with one."""
-    stripped = text.rstrip()
-    if not stripped.endswith(SEARCH_CLOSE):
-        return None
-    body = stripped[: -len(SEARCH_CLOSE)]
-    start = body.rfind(SEARCH_OPEN)
-    if start < 0:
-        return None
-    return body[start + len(SEARCH_OPEN) :].strip()
+    body = trailing_call(text, SEARCH_OPEN, SEARCH_CLOSE)
+    return None if body is None else body.strip()
 
 
 def extract_answer(text: str) -> str | None:

@@ -70,3 +70,17 @@ def test_dataset_rows_and_bad_path():
     assert example == p.example and hidden == p.hidden_tests and row["prompt_id"] == p.prompt_id
     with pytest.raises(DatasetError, match="generated"):
         load_code_dataset("/no/such.parquet", 8)
+
+
+def test_every_workflow_parses_its_trailing_tool_call_with_one_rule() -> None:
+    """markup.trailing_call serves the calculator, the search and the code parsers: only a call the text
+    ends with counts; the calculator and search strip the body, code keeps its indentation."""
+    from areal_libra.workflows.markup import extract_call
+    from areal_libra.workflows.search_markup import extract_query
+
+    assert extract_call("so <calc> 2+3 </calc>  ") == "2+3"
+    assert extract_call("<calc>2+3</calc> and more") is None and extract_call("2+3</calc>") is None
+    assert extract_query("x <search> capital of Zed </search>") == "capital of Zed"
+    assert extract_query("<search>q</search><information>p</information>") is None
+    assert extract_code("<py>\n    return 1\n</py>") == "\n    return 1\n"
+    assert extract_code("<py>x</py> trailing text") is None
