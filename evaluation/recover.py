@@ -8,7 +8,8 @@ then stops with an error). Run B: the same command again. Checks:
 
 - resumed: run B starts after the last recover checkpoint (AReaL's "Recovering from" in trainer.log), and
   metrics.jsonl holds steps 1..STEPS exactly once;
-- state restored: the live prefix tree file and the control history were present and reloaded;
+- state restored: the live prefix tree file and the control history were present and reloaded, and the
+  controller resumed from its state at the checkpoint's step (control_state.json snapshots);
 - the reward curve continues: the mean task reward of run B's first 3 steps is above that of run A's
   first 3 steps (a restart from scratch would fall back to the start).
 
@@ -112,12 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         # the live prefix tree run B starts with is run A's (a fresh one has ~tens of nodes after one step)
         "tree_restored": had_tree and bool(nodes_b) and nodes_b[0] >= max(nodes_a[:ckpt_steps or 0] or [1 << 30]),
         "history_restored": had_history and "areal_libra recover: restored" in tlog,
+        # the controller continues from its state at the checkpoint's step instead of a fresh first plan
+        "controller_restored": f"resumed: controller state of step {ckpt_steps}:" in tlog,
         "reward_continues": bool(first_a and first_b) and sum(first_b) / len(first_b) > sum(first_a) / len(first_a),
     }
     summary = {"command": " ".join(cmd), "steps": a.steps, "freq": a.freq, "kill_after": a.kill_after,
                "run_a": ra, "run_b": rb, "checkpoint_steps": ckpt_steps, "tree_nodes_a": nodes_a, "tree_nodes_b": nodes_b, "reward_a": rew_a, "reward_b": rew_b,
                "first3_a": sum(first_a) / len(first_a) if first_a else None,
                "first3_b_after_resume": sum(first_b) / len(first_b) if first_b else None,
+               "control_after_resume": [ln.strip() for ln in tlog.splitlines()
+                                        if "areal_libra control:" in ln or "areal_libra recover:" in ln],
                "checks": checks, "ok": all(checks.values()), "load_avg": os.getloadavg()}
     tmp = out / "recover.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1) + "\n")
