@@ -69,9 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-after", type=int, default=7)
     ap.add_argument("--out", default="/tmp/areal_libra_recover")
     ap.add_argument("--timeout-min", type=float, default=30.0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra launch override for both runs, e.g. libra.elastic.enabled=true (repeatable)")
     a = ap.parse_args(argv)
     if not (1 <= a.freq < a.kill_after < a.steps):
         print("recover: error: need 1 <= --freq < --kill-after < --steps", file=sys.stderr)
+        return 2
+    if any("=" not in x for x in a.set):
+        print("recover: error: --set takes KEY=VALUE", file=sys.stderr)
         return 2
     out = Path(a.out)
     root = (out / "run").resolve()
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "areal_libra.launch", "experiment=dapo_math", f"total_train_steps={a.steps}",
-           f"cluster.fileroot={root}", "trial_name=recover", "recover.mode=auto", f"recover.freq_steps={a.freq}"]
+           f"cluster.fileroot={root}", "trial_name=recover", "recover.mode=auto", f"recover.freq_steps={a.freq}", *a.set]
     run_dir = root / "logs" / os.environ.get("USER", "root") / "dapo-math" / "recover"
     metrics = run_dir / "metrics.jsonl"
     print("recover: $ " + " ".join(cmd), flush=True)

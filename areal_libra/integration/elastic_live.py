@@ -305,8 +305,10 @@ class LiveElastic:
     def _rejoin_ready(self) -> None:
         for rid in list(self.rejoin):
             if self._ready(rid):
-                self.core.request_join(rid)
+                asked = self.core.request_join(rid)
                 self.rejoin.remove(rid)
+                print(f"areal_libra recover: hybrid {rid} (training before the restart) "
+                      f"{'asked to re-join training' if asked else 'could not re-join (not in rollout)'}", flush=True)
 
     # -- per step ----------------------------------------------------------------------------------
     def _before_step(self, step: int, t_train_s: float) -> None:
