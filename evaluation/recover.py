@@ -10,6 +10,8 @@ then stops with an error). Run B: the same command again. Checks:
   metrics.jsonl holds steps 1..STEPS exactly once;
 - state restored: the live prefix tree file and the control history were present and reloaded, and the
   controller resumed from its state at the checkpoint's step (control_state.json snapshots);
+- with the elastic pool on (--set elastic.enabled=true ...) and a hybrid training at the checkpoint: it
+  re-joins and trains again in run B (pool_rejoined);
 - the reward curve continues: the mean task reward of run B's first 3 steps is above that of run A's
   first 3 steps (a restart from scratch would fall back to the start).
 
@@ -122,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         "controller_restored": f"resumed: controller state of step {ckpt_steps}:" in tlog,
         "reward_continues": bool(first_a and first_b) and sum(first_b) / len(first_b) > sum(first_a) / len(first_a),
     }
+    train_a = {int(r["step"]): r.get("elastic/n_training", 0) for r in recs_a}
+    if ckpt_steps is not None and train_a.get(ckpt_steps):
+        # a hybrid trained at the checkpoint: it re-joins (the join protocol) and trains again after the resume
+        checks["pool_rejoined"] = "asked to re-join training" in tlog and any(
+            r.get("elastic/n_training", 0) >= 1 for r in recs_b if int(r["step"]) > ckpt_steps)
     summary = {"command": " ".join(cmd), "steps": a.steps, "freq": a.freq, "kill_after": a.kill_after,
                "run_a": ra, "run_b": rb, "checkpoint_steps": ckpt_steps, "tree_nodes_a": nodes_a, "tree_nodes_b": nodes_b, "reward_a": rew_a, "reward_b": rew_b,
                "first3_a": sum(first_a) / len(first_a) if first_a else None,
