@@ -302,18 +302,18 @@ class LiveElastic:
         self.rejoin = sorted(h.rid for h in saved.in_state(ReplicaState.TRAINING, *JOINING) if h.rid in self.rids)
         return list(self.rejoin)
 
-    def _rejoin_ready(self) -> None:
+    def _rejoin_ready(self, step: int | None = None) -> None:
         for rid in list(self.rejoin):
             if self._ready(rid):
                 asked = self.core.request_join(rid)
                 self.rejoin.remove(rid)
-                print(f"areal_libra recover: hybrid {rid} (training before the restart) "
+                print(f"areal_libra recover: step {step}: hybrid {rid} (training before the restart) "
                       f"{'asked to re-join training' if asked else 'could not re-join (not in rollout)'}", flush=True)
 
     # -- per step ----------------------------------------------------------------------------------
     def _before_step(self, step: int, t_train_s: float) -> None:
         obs = self._measure(step, t_train_s)
-        self._rejoin_ready()
+        self._rejoin_ready(step)
         for ev in self.core.events:
             if ev["event"] == "first_real_gradient":
                 self.first_real.setdefault(ev["rid"], ev["step"])
