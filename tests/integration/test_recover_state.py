@@ -183,7 +183,7 @@ def test_bad_or_missing_state_is_one_line_and_a_fresh_start(tmp_path: Path, caps
     for step in range(1, 6):
         control.on_step(step, _rec(step))
     f.save(5, control.cluster, control)
-    assert f.load(2) is None  # nothing at or before the checkpoint (the controller started at step 1 ... 5 kept)
+    assert f.load(2) is None  # only step 5 was saved: nothing at or before the checkpoint
     capsys.readouterr()
     snap = f.load(5)
     snap["controller"]["intervals"] = "garbage"
