@@ -8,7 +8,10 @@ then stops with an error). Run B: the same command again. Checks:
 
 - resumed: run B starts after the last recover checkpoint (AReaL's "Recovering from" in trainer.log), and
   metrics.jsonl holds steps 1..STEPS exactly once;
-- state restored: the live prefix tree file and the control history were present and reloaded;
+- state restored: the live prefix tree file and the control history were present and reloaded, and the
+  controller resumed from its state at the checkpoint's step (control_state.json snapshots);
+- with the elastic pool on (--set elastic.enabled=true ...) and a hybrid training at the checkpoint: it
+  re-joins and trains again in run B (pool_rejoined);
 - the reward curve continues: the mean task reward of run B's first 3 steps is above that of run A's
   first 3 steps (a restart from scratch would fall back to the start).
 
@@ -68,9 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-after", type=int, default=7)
     ap.add_argument("--out", default="/tmp/areal_libra_recover")
     ap.add_argument("--timeout-min", type=float, default=30.0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra launch override for both runs, e.g. libra.elastic.enabled=true (repeatable)")
     a = ap.parse_args(argv)
     if not (1 <= a.freq < a.kill_after < a.steps):
         print("recover: error: need 1 <= --freq < --kill-after < --steps", file=sys.stderr)
+        return 2
+    if any("=" not in x for x in a.set):
+        print("recover: error: --set takes KEY=VALUE", file=sys.stderr)
         return 2
     out = Path(a.out)
     root = (out / "run").resolve()
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "areal_libra.launch", "experiment=dapo_math", f"total_train_steps={a.steps}",
-           f"cluster.fileroot={root}", "trial_name=recover", "recover.mode=auto", f"recover.freq_steps={a.freq}"]
+           f"cluster.fileroot={root}", "trial_name=recover", "recover.mode=auto", f"recover.freq_steps={a.freq}", *a.set]
     run_dir = root / "logs" / os.environ.get("USER", "root") / "dapo-math" / "recover"
     metrics = run_dir / "metrics.jsonl"
     print("recover: $ " + " ".join(cmd), flush=True)
@@ -112,12 +120,21 @@ def main(argv: list[str] | None = None) -> int:
         # the live prefix tree run B starts with is run A's (a fresh one has ~tens of nodes after one step)
         "tree_restored": had_tree and bool(nodes_b) and nodes_b[0] >= max(nodes_a[:ckpt_steps or 0] or [1 << 30]),
         "history_restored": had_history and "areal_libra recover: restored" in tlog,
+        # the controller continues from its state at the checkpoint's step instead of a fresh first plan
+        "controller_restored": f"resumed: controller state of step {ckpt_steps}:" in tlog,
         "reward_continues": bool(first_a and first_b) and sum(first_b) / len(first_b) > sum(first_a) / len(first_a),
     }
+    train_a = {int(r["step"]): r.get("elastic/n_training", 0) for r in recs_a}
+    if ckpt_steps is not None and train_a.get(ckpt_steps):
+        # a hybrid trained at the checkpoint: it re-joins (the join protocol) and trains again after the resume
+        checks["pool_rejoined"] = "asked to re-join training" in tlog and any(
+            r.get("elastic/n_training", 0) >= 1 for r in recs_b if int(r["step"]) > ckpt_steps)
     summary = {"command": " ".join(cmd), "steps": a.steps, "freq": a.freq, "kill_after": a.kill_after,
                "run_a": ra, "run_b": rb, "checkpoint_steps": ckpt_steps, "tree_nodes_a": nodes_a, "tree_nodes_b": nodes_b, "reward_a": rew_a, "reward_b": rew_b,
                "first3_a": sum(first_a) / len(first_a) if first_a else None,
                "first3_b_after_resume": sum(first_b) / len(first_b) if first_b else None,
+               "control_after_resume": [ln.strip() for ln in tlog.splitlines()
+                                        if "areal_libra control:" in ln or "areal_libra recover:" in ln],
                "checks": checks, "ok": all(checks.values()), "load_avg": os.getloadavg()}
     tmp = out / "recover.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1) + "\n")

@@ -136,6 +136,42 @@ class LibraController:
         self.replans = 0
         self.last_predicted_s = plan.makespan_s if plan is not None else 0.0
 
+    # ------------------------------------------------------------------ state across a restart
+    def to_state(self) -> dict[str, Any]:
+        """The decision state (JSON-able) a restarted run resumes from; the plan and the events are the
+        caller's to keep (the plan is the cluster's object, the events an append-only log)."""
+        rp = self.replan_policy
+        return {"intervals": list(self.intervals), "t_train": list(self.t_train), "t_roll": list(self.t_roll),
+                "verdicts": list(self.verdicts), "last_change": self.last_change, "last_replan": self.last_replan,
+                "replans": self.replans, "last_predicted_s": self.last_predicted_s,
+                "replan_trigger": None if rp is None else rp.last_trigger,
+                "replan_reason": "" if rp is None else rp.last_reason}
+
+    @classmethod
+    def from_state(cls, cfg: ControlConfig, planner: PlanSource, plan: Any, state: dict[str, Any],
+                   events: list[ControlEvent] | None = None) -> LibraController:
+        """A controller that continues where the one that wrote `state` (to_state) stopped; ValueError when
+        the state is malformed (the caller then starts fresh)."""
+        try:
+            ctl = cls(cfg, planner, plan)
+            ctl.intervals.extend(float(x) for x in state["intervals"])
+            ctl.t_train.extend(float(x) for x in state["t_train"])
+            ctl.t_roll.extend(float(x) for x in state["t_roll"])
+            ctl.verdicts.extend(str(x) for x in state["verdicts"])
+            lc = state["last_change"]
+            ctl.last_change = None if lc is None else int(lc)
+            ctl.last_replan = int(state["last_replan"])
+            ctl.replans = int(state["replans"])
+            ctl.last_predicted_s = float(state["last_predicted_s"])
+            if ctl.replan_policy is not None:
+                t = state["replan_trigger"]
+                ctl.replan_policy.last_trigger = None if t is None else int(t)
+                ctl.replan_policy.last_reason = str(state["replan_reason"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad controller state: {e!r}") from None
+        ctl.events = list(events or [])
+        return ctl
+
     # ------------------------------------------------------------------ the loop body
     def on_step(self, obs: StepObservation, cluster: Cluster) -> list[ControlEvent]:
         n0 = len(self.events)

@@ -137,6 +137,25 @@ class Pool:
     def revive(self, rid: str) -> None:
         self.hybrid[rid].alive = True
 
+    def to_state(self) -> dict:
+        """The pool's bookkeeping as JSON (the replicas' states and generations, the counters)."""
+        return {"core_train_replicas": self.core_train_replicas, "core_rollout_servers": self.core_rollout_servers,
+                "hybrid": [{"rid": h.rid, "n_ranks": h.n_ranks, "state": h.state.value, "generation": h.generation,
+                            "alive": h.alive} for h in self.hybrid.values()],
+                "counters": dict(vars(self.counters))}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Pool:
+        """The pool `to_state` described; ValueError when the state is malformed."""
+        try:
+            pool = cls(int(state["core_train_replicas"]), int(state["core_rollout_servers"]),
+                       [HybridReplica(str(h["rid"]), int(h["n_ranks"]), ReplicaState(h["state"]),
+                                      int(h["generation"]), alive=bool(h["alive"])) for h in state["hybrid"]])
+            pool.counters = PoolCounters(**{k: int(v) for k, v in state["counters"].items()})
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad pool state: {e!r}") from None
+        return pool
+
     def metrics(self, prefix: str = "elastic/") -> dict[str, float]:
         out: dict[str, float] = {f"{prefix}core_train_replicas": float(self.core_train_replicas),
                                  f"{prefix}core_rollout_servers": float(self.core_rollout_servers)}

@@ -42,7 +42,7 @@ from areal_libra.config import LiveElasticConfig
 from areal_libra.control.controller import PoolView, StepObservation
 from areal_libra.elastic.measure import RolloutIdleClock, rollout_time
 from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
-from areal_libra.elastic.state import JOINING, ReplicaState
+from areal_libra.elastic.state import JOINING, Pool, ReplicaState
 from areal_libra.elastic_runtime.controller import ElasticController
 from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
 from areal_libra.integration.elastic_hook import FSDPElasticHook
@@ -218,6 +218,7 @@ class LiveElastic:
         self.last_obs: StepObservation | None = None
         self.pool = ElasticPoolControl(self.core, cfg, router, inference, self.registry, device)
         self._routed0: dict[str, int] = {}
+        self.rejoin: list[str] = []  # hybrids to bring back to training after a restart (resume)
         (self.dir / "config.json").write_text(json.dumps(asdict(cfg)))
 
     # -- measurements ------------------------------------------------------------------------------
@@ -291,9 +292,28 @@ class LiveElastic:
         """Hybrid replicas training now (an emulated trainer counts their accelerators)."""
         return len(self.core.pool.in_state(ReplicaState.TRAINING))
 
+    # -- resuming after a restart (integration.recover) ----------------------------------------------
+    def resume(self, state: dict) -> list[str]:
+        """Take the saved pool's counters, and have the hybrids that were training (or joining) re-join
+        through the join protocol once their restarted workers are ready: a restarted worker holds no weights,
+        so it cannot be marked training directly. Returns their ids; ValueError on a malformed state."""
+        saved = Pool.from_state(state)
+        self.core.pool.counters = saved.counters
+        self.rejoin = sorted(h.rid for h in saved.in_state(ReplicaState.TRAINING, *JOINING) if h.rid in self.rids)
+        return list(self.rejoin)
+
+    def _rejoin_ready(self, step: int | None = None) -> None:
+        for rid in list(self.rejoin):
+            if self._ready(rid):
+                asked = self.core.request_join(rid)
+                self.rejoin.remove(rid)
+                print(f"areal_libra recover: step {step}: hybrid {rid} (training before the restart) "
+                      f"{'asked to re-join training' if asked else 'could not re-join (not in rollout)'}", flush=True)
+
     # -- per step ----------------------------------------------------------------------------------
     def _before_step(self, step: int, t_train_s: float) -> None:
         obs = self._measure(step, t_train_s)
+        self._rejoin_ready(step)
         for ev in self.core.events:
             if ev["event"] == "first_real_gradient":
                 self.first_real.setdefault(ev["rid"], ev["step"])

@@ -186,6 +186,7 @@ class LiveControl:
         self.ctl: LibraController | None = None
         self.timeline: list[dict] = []  # per step: allocation and throughput, for the end-of-run figure
         self._metrics: dict[str, float] = {}
+        self.resume: dict | None = None  # a saved snapshot (integration.recover) to continue from
 
     def on_step(self, step: int, rec: dict) -> dict[str, float]:
         """Called once per committed step with that step's flat record; returns plan/* metrics."""
@@ -196,6 +197,8 @@ class LiveControl:
         inputs = elastic.rollout_inputs() if measured is not None and hasattr(elastic, "rollout_inputs") else None
         obs = observation(step, rec, pressure, measured, inputs)
         out: dict[str, float] = {}
+        if self.ctl is None and self.resume is not None:
+            self._resume(step)
         if self.ctl is None:
             if step >= self.profile_steps and len(self.cluster.finished) >= self.cfg.min_history:
                 self._start(step)
@@ -233,6 +236,33 @@ class LiveControl:
                 (g.tp, g.count, g.max_len) for g in self.cluster.groups]:
             self.cluster.apply_plan(plan, step)
         self.ctl = LibraController(self.cfg, self.source, plan)
+
+    def _resume(self, step: int) -> None:
+        """Continue from the saved controller (integration.recover): its plan's layout is brought back (the
+        restarted servers start in the launch layout), then it decides on this step as if it never stopped.
+        A state that does not load: one line, and the ordinary first plan."""
+        from areal_libra.control.controller import ControlEvent
+        from areal_libra.integration.recover import plan_from_state
+
+        snap, self.resume = self.resume, None
+        try:
+            if snap.get("controller") is None or snap.get("plan") is None:
+                raise ValueError("no controller had started")
+            plan = plan_from_state(snap["plan"])
+            events = [ControlEvent(*e) for e in snap.get("events", [])]
+            ctl = LibraController.from_state(self.cfg, self.source, plan, snap["controller"], events)
+            if [(g.tp, g.count, g.max_len) for g in self.cluster.groups_for(plan)] != [
+                    (g.tp, g.count, g.max_len) for g in self.cluster.groups]:
+                self.cluster.apply_plan(plan, step)
+        except (ValueError, RuntimeError) as e:  # FleetError is a RuntimeError: the launch layout serves
+            print(f"areal_libra recover: controller state of step {snap.get('step')} not restored ({e}); "
+                  "the controller starts fresh", flush=True)
+            return
+        self.ctl = ctl
+        self._record({"step": step, "event": "resumed", "detail": (
+            f"controller state of step {snap['step']}: plan {plan.rollout_alloc()} train {plan.train_alloc()}, "
+            f"{ctl.replans} re-plans, last re-plan step {ctl.last_replan}, last change "
+            f"{ctl.last_change}, {len(ctl.verdicts)} elastic verdicts pending")})
 
     def _record(self, event: dict) -> None:
         """Control decisions go to <run_dir>/control_events.jsonl and the trainer log."""

@@ -11,12 +11,20 @@ this project restores its own state:
 - the router reloads the live prefix tree from the run directory (router.build_router, restore=True);
 - the control loop's length history (what the planner plans from) is saved every step to
   <run_dir>/control_state.json and reloaded, so the first plan after the restart is made from the same
-  history as before instead of waiting for new profile steps.
+  history as before instead of waiting for new profile steps;
+- in the same file, per step (the last KEEP steps): the LibraController's decision state (its plan, measured
+  windows, persistence verdicts, last re-plan/change steps, cooldown trigger, counters) and the elastic
+  pool's (which hybrids were training, its counters). On resume the snapshot of the checkpoint's step is
+  restored (AReaL trains the steps after it again), the rollout layout is brought back to the saved plan,
+  and hybrids that were training re-join through the ordinary join protocol once their restarted workers
+  are ready (a restarted worker holds no weights, so it cannot simply be marked training).
+A missing or unreadable state is one printed line and a fresh start, never a crash.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +76,78 @@ def trim_metrics(path: Path, steps: int) -> int:
     return len(keep)
 
 
+KEEP = 64  # per-step snapshots kept: covers any recover.freq_steps up to it
+
+
+def plan_to_state(plan: Any) -> dict[str, Any]:
+    """A planner Plan as JSON (what the controller and the layout need; not the solver's explanations)."""
+    return {"train": asdict(plan.train), "rollout_gpus": plan.rollout_gpus,
+            "instances": [asdict(i) for i in plan.instances], "t_train_s": plan.t_train_s,
+            "t_rollout_s": plan.t_rollout_s, "makespan_s": plan.makespan_s, "solve_s": plan.solve_s,
+            "n_gpus": plan.n_gpus, "train_backend": plan.train_backend, "rollout_backend": plan.rollout_backend,
+            "idle_gpus": plan.idle_gpus, "notes": list(plan.notes)}
+
+
+def plan_from_state(d: dict[str, Any]) -> Any:
+    from areal_libra.cost.training import TrainParallel
+    from areal_libra.planner.types import Plan, RolloutInstance
+
+    try:
+        return Plan(**{**d, "train": TrainParallel(**d["train"]),
+                       "instances": [RolloutInstance(**i) for i in d["instances"]]})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"bad plan state: {e!r}") from None
+
+
+class ControlStateFile:
+    """<run_dir>/control_state.json: the length history, the controller's events, and per step the controller's
+    and the elastic pool's state; one atomic write per step."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / CONTROL_STATE
+        self.snapshots: dict[int, dict[str, Any]] = {}
+
+    def save(self, step: int, cluster: Any, control: Any = None) -> None:
+        ctl = getattr(control, "ctl", None)
+        pool = getattr(getattr(getattr(cluster, "elastic", None), "core", None), "pool", None)
+        self.snapshots[step] = {
+            "plan": plan_to_state(ctl.plan) if ctl is not None else None,
+            "controller": ctl.to_state() if ctl is not None else None,
+            "pool": pool.to_state() if pool is not None else None}
+        for s in sorted(self.snapshots)[:-KEEP]:
+            del self.snapshots[s]
+        body = {"step": step, "finished": [list(x) for x in cluster.finished],
+                "events": [[e.step, e.kind, e.detail] for e in (ctl.events if ctl is not None else [])],
+                "snapshots": {str(s): v for s, v in sorted(self.snapshots.items())}}
+        atomic_write_text(self.path, json.dumps(body) + "\n")
+
+    def load(self, resume_step: int | None) -> dict[str, Any] | None:
+        """The snapshot of `resume_step` (else the latest one before it) with the events up to it, or None
+        (one printed line) when there is no usable one. Keeps it for the next saves."""
+        try:
+            body = json.loads(self.path.read_text())
+            snaps = {int(k): v for k, v in body["snapshots"].items()}
+            events = [(int(a), str(b), str(c)) for a, b, c in body["events"]]
+        except FileNotFoundError:
+            print(f"areal_libra recover: no {CONTROL_STATE}; the controller starts fresh", flush=True)
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            print(f"areal_libra recover: control state unreadable ({type(e).__name__}); the controller starts "
+                  "fresh", flush=True)
+            return None
+        usable = [s for s in snaps if resume_step is None or s <= resume_step]
+        if not usable:
+            print(f"areal_libra recover: no controller state at or before step {resume_step}; the controller "
+                  "starts fresh", flush=True)
+            return None
+        step = max(usable)
+        self.snapshots = {s: v for s, v in snaps.items() if s <= step}
+        return {"step": step, **snaps[step], "events": [e for e in events if e[0] <= step]}
+
+
 def save_control_state(run_dir: Path, step: int, cluster: Any) -> None:
     """The control loop's inputs worth keeping across a restart: the finished lengths history."""
-    body = {"step": step, "finished": [list(x) for x in cluster.finished]}
-    atomic_write_text(Path(run_dir) / CONTROL_STATE, json.dumps(body) + "\n")
+    ControlStateFile(run_dir).save(step, cluster)
 
 
 def restore_control_state(run_dir: Path, cluster: Any) -> int:
@@ -80,7 +156,10 @@ def restore_control_state(run_dir: Path, cluster: Any) -> int:
     try:
         body = json.loads(p.read_text())
         items = [(int(a), int(b)) for a, b in body["finished"]]
+    except FileNotFoundError:
+        return 0
     except (OSError, ValueError, KeyError, TypeError):
+        print("areal_libra recover: control history unreadable; the planner waits for new lengths", flush=True)
         return 0
     cluster.finished.extend(items)
     # stdout (trainer.log), like the control loop's own decisions

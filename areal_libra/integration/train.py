@@ -76,25 +76,57 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
                           max_running=groups[0].max_running if groups else 256,
                           max_tokens=int(config.gconfig.max_tokens), groups=groups)
     sinks.append(cluster.on_trajectory)
-    from areal_libra.integration.recover import recover_enabled, restore_control_state, save_control_state
+    from areal_libra.integration.recover import (
+        ControlStateFile,
+        recover_enabled,
+        recovered_steps,
+        restore_control_state,
+    )
 
+    state_file = ControlStateFile(run_dir)
+    snap = None
     if recover_enabled(config):
         restore_control_state(run_dir, cluster)  # the planner's length history before the restart
+        resume_at = recovered_steps(config)
+        if resume_at is not None:  # the controller and pool at the checkpoint's step
+            snap = state_file.load(resume_at)
     pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
     control = LiveControl(control_config(typed), plan_source(libra, config, str(config.actor.path)), cluster,
                           fleet=fleet,
                           profile_steps=typed.control.profile_steps, pressure_fn=pressure,
                           events_path=run_dir / "control_events.jsonl")
+    if snap is not None:
+        control.resume = snap
+        if snap.get("pool") is not None:
+            resume_pool(control, elastic, snap)
 
     def hook(step: int, rec: dict) -> dict:
         out = control.on_step(step, rec)
         if recover_enabled(config):
-            save_control_state(run_dir, step, cluster)
+            state_file.save(step, cluster, control)
         publish_metrics(out)  # W&B, next to AReaL's own stats
         return out | {"plan/allocation": control.allocation()}
 
     metrics.add_step_hook(hook)
     return control
+
+
+def resume_pool(control, elastic, snap: dict) -> None:
+    """The elastic pool's saved state: hybrids that were training re-join (LiveElastic.resume); logged in
+    control_events.jsonl either way."""
+    step = int(snap["step"])
+    if elastic is None:
+        control._record({"step": step, "event": "elastic_resume", "detail": "saved pool state ignored: "
+                         "libra.elastic is off in this run"})
+        return
+    try:
+        rids = elastic.resume(snap["pool"])
+    except ValueError as e:
+        print(f"areal_libra recover: pool state not restored ({e}); hybrids start in rollout", flush=True)
+        return
+    detail = (f"{', '.join(rids)} training at step {step}: re-join through the join protocol once the "
+              "restarted worker is ready") if rids else f"no hybrid was training at step {step}"
+    control._record({"step": step, "event": "elastic_resume", "detail": detail})
 
 
 def install_emulation(trainer, libra, run_dir: Path, metrics, control, elastic=None) -> None:

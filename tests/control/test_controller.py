@@ -229,3 +229,94 @@ def test_bad_settings_are_refused():
         ControlConfig(every_k=0)
     with pytest.raises(ValueError, match="elastic_persist"):
         ControlConfig(elastic_persist=0)
+
+
+class _LenientReplay(PoolReplay):
+    """The recorded pool answers while they last, then the last view; a move does what was asked."""
+
+    last = None
+
+    def pool_view(self):
+        if self.pools:
+            self.last = self.pools.pop(0)
+        return self.last
+
+    def join(self, n):
+        return self.moves.pop(0) if self.moves else n
+
+    def release(self, n):
+        return self.moves.pop(0) if self.moves else n
+
+
+def _replay(ctl, live, pool, steps, fed):
+    for s in steps:
+        for p, f in s["finished"][fed:]:
+            live.on_trajectory(_Traj(p, f))
+        fed = len(s["finished"])
+        pool.pools, pool.moves = list(s["pools"]), list(s["moves"])
+        ctl.on_step(s["obs"], live)
+    return fed
+
+
+@pytest.mark.parametrize("k", [6, 13])
+def test_restored_controller_makes_the_same_decisions(recorded, tmp_path, k):
+    """Stop after step k (state saved to control_state.json as the live run does), restore into a new
+    controller and cluster, continue: the decisions are those of the run that never stopped; a controller
+    that re-starts fresh from the same plan and history (when it had acted before k) ends elsewhere."""
+    from types import SimpleNamespace
+
+    from areal_libra.integration.recover import ControlStateFile, plan_from_state, restore_control_state
+
+    env, sim_ctl, rec = recorded
+    cfg = sim_ctl.ctl.cfg
+    first_plan = SimPlanSource(env, False).solve(
+        [(t.prompt_tokens, t.final_length) for t in env.workload.profile(env.profile_groups)])
+
+    def decisions(c):
+        return [(e.step, e.kind, e.detail) for e in c.events]
+
+    pool = PoolReplay()
+    live = LiveCluster(None, pool, history_len=cfg.history, max_tokens=env.workload.cfg.max_len)
+    whole = LibraController(cfg, SimPlanSource(env, False), first_plan)
+    _replay(whole, live, pool, rec.steps, 0)
+
+    pool = PoolReplay()
+    live = LiveCluster(None, pool, history_len=cfg.history, max_tokens=env.workload.cfg.max_len)
+    first = LibraController(cfg, SimPlanSource(env, False), first_plan)
+    fed = _replay(first, live, pool, rec.steps[:k], 0)
+    ControlStateFile(tmp_path).save(rec.steps[k - 1]["obs"].step, live, SimpleNamespace(ctl=first))
+
+    live2 = LiveCluster(None, pool, history_len=cfg.history, max_tokens=env.workload.cfg.max_len)
+    restore_control_state(tmp_path, live2)
+    snap = ControlStateFile(tmp_path).load(rec.steps[k - 1]["obs"].step)
+    from areal_libra.control.controller import ControlEvent
+
+    resumed = LibraController.from_state(cfg, SimPlanSource(env, False), plan_from_state(snap["plan"]),
+                                         snap["controller"], [ControlEvent(*e) for e in snap["events"]])
+    assert resumed.to_state() == first.to_state() and resumed.replans == first.replans
+    _replay(resumed, live2, pool, rec.steps[k:], fed)
+    assert decisions(resumed) == decisions(whole) and whole.events
+    assert resumed.replans == whole.replans and resumed.last_replan == whole.last_replan
+
+    fresh = LibraController(cfg, SimPlanSource(env, False), plan_from_state(snap["plan"]))
+    pool = _LenientReplay()  # the fresh controller's moves differ from the recorded ones
+    live3 = LiveCluster(None, pool, history_len=cfg.history, max_tokens=env.workload.cfg.max_len)
+    restore_control_state(tmp_path, live3)
+    _replay(fresh, live3, pool, rec.steps[k:], fed)
+    if first.replans or first.last_change is not None:  # it had acted before k: a fresh start forgets it
+        assert fresh.to_state() != whole.to_state()
+
+
+def test_controller_state_rejects_malformed_input():
+    cfg = ControlConfig(every_k=10, elastic_persist=3)
+    ctl = LibraController(cfg, _Planner(_Plan(1.0, "x"), 1.0), _Plan(1.0, "x"))
+    for s in range(1, 6):
+        ctl.on_step(_obs(s, train=10.0), _Cluster())
+    state = ctl.to_state()
+    import json
+
+    back = LibraController.from_state(cfg, ctl.planner, ctl.plan, json.loads(json.dumps(state)))
+    assert back.to_state() == state and back.last_change == ctl.last_change
+    for bad in ({}, {**state, "verdicts": 3}, {**state, "last_replan": "x"}):
+        with pytest.raises(ValueError, match="bad controller state"):
+            LibraController.from_state(cfg, ctl.planner, ctl.plan, bad)

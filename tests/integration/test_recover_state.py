@@ -73,3 +73,149 @@ def test_clear_name_resolve_removes_the_trials_records(tmp_path: Path) -> None:
     clear_name_resolve(cfg)
     name_resolve.add(key, "2")  # would raise NameEntryExistsError had the stale record stayed
     assert name_resolve.get(other) == "1"  # another trial's records are left alone
+
+
+# -- the controller's and the elastic pool's state (control_state.json snapshots) ------------------------------
+def _plan(tp: int = 1, count: int = 2):
+    from areal_libra.cost.training import TrainParallel
+    from areal_libra.planner.types import Plan, RolloutInstance
+
+    return Plan(train=TrainParallel(1, 1, 1), rollout_gpus=tp * count, instances=[RolloutInstance(tp, count, 4096)],
+                t_train_s=1.0, t_rollout_s=1.5, makespan_s=2.5, solve_s=0.0, train_backend="fsdp")
+
+
+class _Source:
+    def solve(self, history):
+        return _plan()
+
+    def price(self, plan, history):
+        return plan.makespan_s
+
+
+def _control(tmp_path: Path):
+    from areal_libra.control import ControlConfig
+    from areal_libra.integration.groups import RolloutGroup
+    from areal_libra.integration.live_cluster import LiveCluster, LiveControl
+
+    cluster = LiveCluster(None, None, groups=[RolloutGroup("tp1", tp=1, count=2, max_len=4096)])
+    cluster.finished.extend([(10, 100)] * 32)
+    cfg = ControlConfig(every_k=4, elastic=False, min_history=16, history=64)
+    return LiveControl(cfg, _Source(), cluster, events_path=tmp_path / "control_events.jsonl")
+
+
+def _rec(step: int) -> dict:
+    return {"step_time_s": 10.0 + step, "timeperf/train_step": 4.0, "timeperf/rollout": 1.0}
+
+
+def test_pool_state_roundtrip() -> None:
+    from areal_libra.elastic.state import HybridReplica, Pool, ReplicaState
+
+    pool = Pool(1, 2, [HybridReplica("h0"), HybridReplica("h1", 2)])
+    g = pool.request_join("h0")
+    for st in (ReplicaState.FETCHING, ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING, ReplicaState.TRAINING):
+        assert pool.advance("h0", st, g)
+    pool.fail("h1", 0)
+    back = Pool.from_state(json.loads(json.dumps(pool.to_state())))
+    assert back.to_state() == pool.to_state()
+    assert [h.rid for h in back.in_state(ReplicaState.TRAINING)] == ["h0"] and back.counters.joins == 1
+    assert not back.hybrid["h1"].alive and back.counters.failures == 1
+    import pytest
+
+    with pytest.raises(ValueError, match="bad pool state"):
+        Pool.from_state({**pool.to_state(), "hybrid": [{"rid": "h0", "state": "flying"}]})
+
+
+def test_snapshot_of_the_checkpoint_step_is_restored(tmp_path: Path, capsys) -> None:
+    from areal_libra.integration.recover import ControlStateFile
+
+    control = _control(tmp_path)
+    f = ControlStateFile(tmp_path)
+    for step in range(1, 10):
+        control.on_step(step, _rec(step))
+        f.save(step, control.cluster, control)
+    ctl = control.ctl
+    assert ctl is not None and ctl.replans == 0 and ctl.last_replan == -4
+    saved = json.loads((tmp_path / "control_state.json").read_text())
+    assert sorted(int(s) for s in saved["snapshots"]) == list(range(1, 10))
+
+    # killed after step 9, the checkpoint holds 7 steps: the controller resumes from its state after step 7
+    g = ControlStateFile(tmp_path)
+    snap = g.load(7)
+    assert snap["step"] == 7 and snap["controller"]["intervals"] == [14.0, 15.0, 16.0, 17.0]
+    again = _control(tmp_path)
+    again.resume = snap
+    again.on_step(8, _rec(8))
+    assert again.ctl is not None and list(again.ctl.intervals) == [15.0, 16.0, 17.0, 18.0]
+    out = capsys.readouterr().out
+    assert "step 8: resumed: controller state of step 7" in out
+    events = [json.loads(x) for x in (tmp_path / "control_events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "resumed"
+    g.save(8, again.cluster, again)  # the snapshots after the checkpoint are dropped, the new one kept
+    assert sorted(int(s) for s in json.loads(g.path.read_text())["snapshots"]) == list(range(1, 9))
+
+
+def test_resume_brings_the_saved_layout_back(tmp_path: Path) -> None:
+    from areal_libra.integration.recover import ControlStateFile, plan_to_state
+
+    control = _control(tmp_path)
+    for step in range(1, 4):
+        control.on_step(step, _rec(step))
+    control.ctl.plan = _plan(tp=2, count=1)  # as if a re-plan had moved to one TP2 server
+    control.ctl.replans = 1
+    ControlStateFile(tmp_path).save(3, control.cluster, control)
+    again = _control(tmp_path)  # restarted servers: the launch layout, 2 x TP1
+    again.resume = ControlStateFile(tmp_path).load(3)
+    again.on_step(4, _rec(4))
+    assert [(g.tp, g.count) for g in again.cluster.groups] == [(2, 1)] and again.cluster.reconfigs == 1
+    assert again.ctl.replans == 1 and plan_to_state(again.ctl.plan) == plan_to_state(_plan(tp=2, count=1))
+
+
+def test_bad_or_missing_state_is_one_line_and_a_fresh_start(tmp_path: Path, capsys) -> None:
+    from areal_libra.integration.recover import ControlStateFile
+
+    f = ControlStateFile(tmp_path)
+    assert f.load(5) is None
+    assert capsys.readouterr().out.count("\n") == 1  # missing
+    (tmp_path / "control_state.json").write_text('{"step": 5, "finished": [], "snap')
+    assert f.load(5) is None
+    assert capsys.readouterr().out.count("\n") == 1  # cut by a kill
+    control = _control(tmp_path)
+    for step in range(1, 6):
+        control.on_step(step, _rec(step))
+    f.save(5, control.cluster, control)
+    assert f.load(2) is None  # only step 5 was saved: nothing at or before the checkpoint
+    capsys.readouterr()
+    snap = f.load(5)
+    snap["controller"]["intervals"] = "garbage"
+    again = _control(tmp_path)
+    again.resume = snap
+    again.on_step(6, _rec(6))  # no crash: the ordinary first plan instead
+    out = capsys.readouterr().out
+    assert out.count("areal_libra recover:") == 1 and "starts fresh" in out
+    assert again.ctl is not None and again.ctl.replans == 0 and len(again.ctl.intervals) == 0
+
+
+def test_live_pool_rejoins_hybrids_that_were_training(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    from areal_libra.elastic.state import HybridReplica, Pool, ReplicaState
+    from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
+    from areal_libra.integration.elastic_live import ElasticPoolControl, LiveElastic
+
+    saved = Pool(1, 1, [HybridReplica("h0"), HybridReplica("h1")])
+    g = saved.request_join("h1")
+    for st in (ReplicaState.FETCHING, ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING, ReplicaState.TRAINING):
+        saved.advance("h1", st, g)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    core = ElasticCore(store, RuntimeConfig(), 0, 1, None, str(tmp_path), dict, hybrids=[("h0", 1), ("h1", 1)])
+    live = LiveElastic.__new__(LiveElastic)  # the pool side only: no worker processes in a unit test
+    live.core, live.rids, live.rejoin = core, ["h0", "h1"], []
+    live.pool = ElasticPoolControl(core, None)
+    assert live.resume(json.loads(json.dumps(saved.to_state()))) == ["h1"]
+    assert core.pool.counters.joins == 1
+    live._rejoin_ready()  # the restarted worker has not registered yet: nothing asked
+    assert core.pool.hybrid["h1"].state == ReplicaState.ROLLOUT and live.rejoin == ["h1"]
+    core.kv.set("hb/h1/0", 1)  # its heartbeat: ready
+    live._rejoin_ready()
+    assert core.pool.hybrid["h1"].state == ReplicaState.REQUESTED and live.rejoin == []
+    assert core.pool.hybrid["h0"].state == ReplicaState.ROLLOUT
