@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import glob
 import json
 import os
@@ -32,7 +33,7 @@ import tempfile
 import threading
 import time
 
-from evaluation.soak import FLAT_ABS_MIB, FLAT_REL, flat_check, rss_mib
+from evaluation.soak import FLAT_ABS_MIB, FLAT_REL, MIN_JUDGED_SAMPLES, flat_check, memory_check, rss_mib
 
 
 def _slope_mib_per_min(pts: list[tuple[float, float]]) -> float:
@@ -45,33 +46,60 @@ def _slope_mib_per_min(pts: list[tuple[float, float]]) -> float:
     return 60.0 * sum((t - mt) * (y - my) for t, y in pts) / var if var > 0 else 0.0
 
 
-def analyse(series: list[tuple[float, float]], band_mib: float | None = None) -> dict:
-    """Plateau level (median of the last third), time to reach it (first sample after which every sample is
-    within ``band`` of the plateau or below it), second-half slope, and the soak's flat check."""
+def analyse(series: list[tuple[float, float]]) -> dict:
+    """Plateau level (median of the last third); warm-up end (time to plateau): the first sample that is
+    within the soak's limit (max(5% of the plateau, 32 MiB)) of the plateau and from which on the
+    least-squares growth of the rest of the run is within that limit; second-half slope; and the soak's own
+    flat check (first quarter dropped) over the whole life."""
     ys = [y for _, y in series]
     tail = sorted(ys[len(ys) * 2 // 3:])
     plateau = tail[len(tail) // 2]
-    band = band_mib if band_mib is not None else max(FLAT_REL * plateau, FLAT_ABS_MIB)
-    reach = series[-1][0]
-    for i in range(len(series)):
-        if all(abs(y - plateau) <= band or y < plateau for _, y in series[i:]) and series[i][1] >= plateau - band:
-            reach = series[i][0]
+    limit = max(FLAT_REL * plateau, FLAT_ABS_MIB)
+    reach = None
+    for i in range(len(series) - 3):
+        rest = series[i:]
+        growth = _slope_mib_per_min(rest) * (rest[-1][0] - rest[0][0]) / 60.0
+        if series[i][1] >= plateau - limit and growth <= limit:
+            reach = series[i][0] - series[0][0]
             break
     half = series[len(series) // 2:]
     slope = _slope_mib_per_min(half)
     span_min = (half[-1][0] - half[0][0]) / 60.0
-    limit = max(FLAT_REL * plateau, FLAT_ABS_MIB)
     return {
         "plateau_mib": round(plateau, 1),
-        "band_mib": round(band, 1),
-        "time_to_plateau_s": round(reach, 1),
+        "limit_mib": round(limit, 1),
+        "time_to_plateau_s": None if reach is None else round(reach, 1),
         "peak_mib": round(max(ys), 1),
         "second_half_slope_mib_per_min": round(slope, 2),
         "second_half_growth_mib": round(slope * span_min, 1),
-        "limit_mib": round(limit, 1),
         "flat_second_half": slope * span_min <= limit,
         "soak_flat_check_whole_life": flat_check(series),
     }
+
+
+def with_analysis(res: dict) -> dict:
+    """``res`` (a run's result) with its analysis (re)computed from its series and step end times."""
+    a = analyse([(t, y) for t, y, *_ in res["series"]])
+    ends = res.get("step_ends_s", [])
+    # in steps too: a real run steps slower (the trainer's time), and the allocator warms up per step's shapes
+    a["steps_to_plateau"] = None if a["time_to_plateau_s"] is None or not ends else bisect.bisect_right(
+        ends, a["time_to_plateau_s"])
+    return {**res, "analysis": a}
+
+
+def reevaluate_soak(path: str) -> dict[str, dict]:
+    """Every judged process of a soak.json under the soak's flat check as it was (the first quarter of the
+    samples dropped: ``before``) and as it is now (evaluation.soak.memory_check: ``after``)."""
+    with open(path) as f:
+        soak = json.load(f)
+    out = {}
+    for key, s in soak["rss_series"].items():
+        if len(s) < MIN_JUDGED_SAMPLES:
+            continue
+        pts = [(t, y) for t, y in s]
+        out[key] = {"life_s": round(pts[-1][0] - pts[0][0], 1), "before": flat_check(pts),
+                    "after": memory_check(key, pts)}
+    return out
 
 
 def _model_path(arg: str | None) -> str:
@@ -186,6 +214,7 @@ def run(args: argparse.Namespace) -> dict:
         env["AREAL_LIBRA_MEM_DEBUG"] = "1"
     stop = threading.Event()
     rng = random.Random(0)
+    step_ends: list[float] = []
     steps, totals, updates = 0, {"requests": 0, "tokens": 0, "cached": 0}, 0
     handles = launch_servers(model, [ServerSpec(tp=1, max_running=256)], os.path.join(work, "logs"),
                              backend="embedded", timeout=300, env=env)
@@ -206,6 +235,7 @@ def run(args: argparse.Namespace) -> dict:
                     for k in totals:
                         totals[k] += c[k]
                     steps += 1
+                    step_ends.append(round(time.time() - t0, 1))
                     if weights:
                         # the trainer writes a fresh versioned directory every step and deletes the old one
                         d = os.path.join(work, f"weight_update_v{steps}")
@@ -228,8 +258,7 @@ def run(args: argparse.Namespace) -> dict:
         sampler.join(timeout=10)
         shutdown(handles)
         shutil.rmtree(work, ignore_errors=True)
-    rss = [(t, y) for t, y, _ in series]
-    return {
+    return with_analysis({
         "command": "python -m evaluation.server_memory " + " ".join(sys.argv[1:]),
         "model": model,
         "minutes": args.minutes,
@@ -239,11 +268,18 @@ def run(args: argparse.Namespace) -> dict:
         "engine_stats": info.get("engine_stats", {}),
         "kv_cache_mib_end": round(info.get("kv_cache_bytes", 0) / 2**20, 1),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
-        "analysis": analyse(rss),
+        "step_ends_s": step_ends,
         "server_env": args.server_env,
         "series": series,
         "memory_debug": debug,
-    }
+    })
+
+
+def _write(path: str, res: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +299,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-env", action="append", default=[], metavar="K=V",
                    help="extra environment for the server (e.g. MALLOC_ARENA_MAX=2); repeatable")
     p.add_argument("--out", default=None)
+    p.add_argument("--reevaluate-soak", default=None, metavar="SOAK_JSON",
+                   help="no server: the soak's memory check on SOAK_JSON's samples, as it was and as it is")
+    p.add_argument("--analyse", default=None, metavar="RESULT_JSON",
+                   help="no server: recompute the analysis of a saved result (rewrites the file)")
     args = p.parse_args(argv)
+    if args.analyse:
+        try:
+            with open(args.analyse) as f:
+                res = with_analysis(json.load(f))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"server_memory: error: cannot read {args.analyse}: {e}", file=sys.stderr)
+            return 2
+        _write(args.analyse, res)
+        print(json.dumps(res["analysis"], indent=1))
+        return 0 if res["analysis"]["flat_second_half"] else 1
+    if args.reevaluate_soak:
+        if not os.path.isfile(args.reevaluate_soak):
+            print(f"server_memory: error: no such file: {args.reevaluate_soak}", file=sys.stderr)
+            return 2
+        res = reevaluate_soak(args.reevaluate_soak)
+        for k, v in res.items():
+            b, a = v["before"], v["after"]
+            print(f"{k:28s} life {v['life_s']:6.0f}s  before {b['growth_mib']:+7.1f}/{b['limit_mib']:.1f} "
+                  f"{'flat' if b['flat'] else 'NOT flat'}  after {a.get('growth_mib', float('nan')):+7.1f}/"
+                  f"{a.get('limit_mib', float('nan')):.1f} {a.get('note') or ('flat' if a['flat'] else 'NOT flat')}")
+        after = [v["after"]["flat"] for v in res.values()]
+        return 0 if any(after) and all(f is not False for f in after) else 1
     if any("=" not in kv for kv in args.server_env):
         print("server_memory: error: --server-env takes K=V", file=sys.stderr)
         return 2
@@ -279,10 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     a = res["analysis"]
     print(json.dumps({k: v for k, v in res.items() if k != "series"}, indent=1))
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f)
-        os.replace(tmp, args.out)
+        _write(args.out, res)
     return 0 if a["flat_second_half"] else 1
 
 

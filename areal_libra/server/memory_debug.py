@@ -1,8 +1,9 @@
-"""Where an embedded server's memory is (debug only: AREAL_LIBRA_MEM_DEBUG=1 in the server's environment).
+"""Where an embedded server's memory is (debug only: AREAL_LIBRA_MEM_DEBUG=1 or 2 in the server's environment).
 
 With the flag, /get_server_info carries ``memory_debug``: glibc's allocator counters (bytes in use vs held
-free in the heap vs mmapped), Python's traced allocations (tracemalloc, started at import) with the top
-allocation sites, the live object count, and the sizes of the engine's own caches. evaluation.server_memory
+free in the heap vs mmapped), the live object count, and the sizes of the engine's own caches; with 2 also
+Python's traced allocations (tracemalloc, started at import) and the top allocation sites (slow: the server
+runs several times slower). evaluation.server_memory
 reads it to tell a leak (in-use bytes or a cache that keeps growing) from allocator retention (free bytes
 the heap keeps, which shows in RSS but is reused).
 """
@@ -15,9 +16,10 @@ import os
 import tracemalloc
 from typing import Any
 
-ENABLED = os.environ.get("AREAL_LIBRA_MEM_DEBUG", "") not in ("", "0")
-if ENABLED and not tracemalloc.is_tracing():
-    tracemalloc.start(8)
+LEVEL = os.environ.get("AREAL_LIBRA_MEM_DEBUG", "")
+ENABLED = LEVEL not in ("", "0")
+if LEVEL == "2" and not tracemalloc.is_tracing():
+    tracemalloc.start(1)
 
 
 class _Mallinfo2(ctypes.Structure):
