@@ -28,6 +28,9 @@ from areal_libra.server.sampling import SamplingBatch, sample
 logger = logging.getLogger("areal_libra.server")
 
 ABORT_BEFORE_PREFILL = "Abort before prefill"  # AReaL's client treats this prefix as "no tokens"
+# Distinct stop-string sets whose candidate tokens are kept (least recently used beyond): each holds up to a
+# vocabulary of ids, and clients may send a different set with every request.
+STOP_CANDIDATE_CACHE = 64
 
 
 @dataclass
@@ -125,7 +128,9 @@ class BatchEngine:
         self._seed_counter = 0
         self._thread: threading.Thread | None = None
         self._vocab_texts: list[str] | None = None
-        self._candidate_cache: dict[tuple[str, ...], frozenset[int] | None] = {}
+        self._candidate_cache: collections.OrderedDict[tuple[str, ...], frozenset[int] | None] = (
+            collections.OrderedDict()
+        )
         self.prefix_cache = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache_tokens > 0 else None
         self._set_model(model)
 
@@ -367,6 +372,7 @@ class BatchEngine:
         """Token ids whose text may complete one of ``stops``: the expensive tail decode runs only when
         such a token is sampled. None means every token is a candidate."""
         if stops in self._candidate_cache:
+            self._candidate_cache.move_to_end(stops)
             return self._candidate_cache[stops]
         if self._vocab_texts is None:
             self._vocab_texts = [self.tokenizer.decode([i]) for i in range(self.vocab_size)]
@@ -379,6 +385,8 @@ class BatchEngine:
                 i for i, t in enumerate(self._vocab_texts) if "\ufffd" in t or not t or any(ch in t for ch in lasts)
             )
         self._candidate_cache[stops] = result
+        while len(self._candidate_cache) > STOP_CANDIDATE_CACHE:
+            self._candidate_cache.popitem(last=False)
         return result
 
     def _free_rows(self, n: int) -> list[int]:

@@ -46,6 +46,7 @@ from typing import Any
 
 from aiohttp import web
 
+from areal_libra.server import memory_debug
 from areal_libra.server.protocol import RequestError, finish_text, names, parse_generate, short
 
 _VERSIONED_PATH = re.compile(r"^weight_update_v(\d+)$")
@@ -377,6 +378,8 @@ class EmbeddedServer:
             "kv_cache_bytes": eng.cache.nbytes(),
         }
         info["engine_stats"] = stats
+        if memory_debug.ENABLED:
+            info["memory_debug"] = memory_debug.snapshot(eng)
         if self.emulation is not None:
             n = stats["paced_iterations"]
             info["emulation"] = {

@@ -241,3 +241,30 @@ def test_frequency_penalty_discourages_repeats(hf):
         outs[fp] = r.output_ids
     assert engine._counts.shape[1] == engine.vocab_size
     assert len(set(outs[2.0])) > len(set(outs[0.0]))
+
+
+def test_stop_string_candidates_cache_is_bounded(hf):
+    """Per-request stop strings (e.g. ones that quote the problem) must not grow the server's memory: each
+    distinct set caches a frozenset of up to vocabulary-size token ids (~10 MB for a 150k vocabulary), so
+    the cache keeps only the most recent STOP_CANDIDATE_CACHE sets, and a re-used set still answers."""
+    from areal_libra.server.batching import STOP_CANDIDATE_CACHE
+
+    model, tok = hf
+    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=8))
+    engine.start()
+    try:
+        reqs = run_staggered(
+            engine,
+            [(tok.encode("Hi"), SamplingParams(max_new_tokens=2, stop=[f"end{i}x"])) for i in range(3 * STOP_CANDIDATE_CACHE)],
+            gap=0.0,
+        )
+    finally:
+        engine.stop()
+    assert all(r.finish_reason is not None for r in reqs)
+    assert len(engine._candidate_cache) <= STOP_CANDIDATE_CACHE
+    # the most recent set is kept and gives the same answer as a fresh computation
+    last = (f"end{3 * STOP_CANDIDATE_CACHE - 1}x",)
+    assert last in engine._candidate_cache
+    cached = engine._candidate_cache[last]
+    engine._candidate_cache.clear()
+    assert engine._stop_candidates(last) == cached
