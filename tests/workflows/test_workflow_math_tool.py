@@ -15,6 +15,7 @@ from areal_libra.workflows import math_tool
 from areal_libra.workflows.markup import RESULT_CLOSE, RESULT_OPEN
 from areal_libra.workflows.math_data import generated_dataset
 from areal_libra.workflows.reward import dapo_math_reward
+from tests.workflows._episode import Recorder, areal_engine
 
 # Small and trained on tool-calling demonstrations only, so that episodes do call the tool.
 TOOL_USER = TinyModelConfig(
@@ -37,35 +38,12 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    from areal.api.cli_args import InferenceEngineConfig
-    from areal.engine.sglang_remote import RemoteSGLangEngine
-
     from areal_libra.server.inprocess import InProcessServer
 
     srv = InProcessServer(model_path, max_running_requests=32, seed=0)
-    cfg = InferenceEngineConfig(experiment_name="t", trial_name="t", backend="sglang:d1", setup_timeout=30,
-                                request_timeout=120, pause_grace_period=0.0, max_concurrent_rollouts=16,
-                                consumer_batch_size=4)
-    eng = RemoteSGLangEngine(cfg)
-    eng.initialize(addr=[srv.addr], train_data_parallel_size=1)
-    yield eng
-    eng.destroy()
+    with areal_engine(srv.addr) as eng:
+        yield eng
     srv.close()
-
-
-class Recorder:
-    """Passes every request to AReaL's engine and keeps it (the dispatcher's view of the episode)."""
-
-    def __init__(self, eng):
-        self.eng = eng
-        self.requests = []
-
-    async def agenerate(self, req):
-        self.requests.append(req)
-        return await self.eng.agenerate(req)
-
-    def get_version(self):
-        return self.eng.get_version()
 
 
 def _gconfig():

@@ -19,6 +19,7 @@ from areal_libra.workflows import search_r1
 from areal_libra.workflows.retriever import RetrieverProcess
 from areal_libra.workflows.search_corpus import load_search_dataset
 from areal_libra.workflows.search_markup import INFO_CLOSE, INFO_OPEN, exact_match_reward
+from tests.workflows._episode import Recorder, areal_engine
 
 # Small and trained on searching demonstrations only, so that episodes do search.
 SEARCHER = TinyModelConfig(
@@ -49,32 +50,9 @@ def retriever(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_path, embedded_servers):
-    from areal.api.cli_args import InferenceEngineConfig
-    from areal.engine.sglang_remote import RemoteSGLangEngine
-
     srv = embedded_servers(model_path, [ServerSpec(max_running=32)])[0]
-    cfg = InferenceEngineConfig(experiment_name="t", trial_name="t", backend="sglang:d1", setup_timeout=30,
-                                request_timeout=120, pause_grace_period=0.0, max_concurrent_rollouts=16,
-                                consumer_batch_size=4)
-    eng = RemoteSGLangEngine(cfg)
-    eng.initialize(addr=[srv.addr], train_data_parallel_size=1)
-    yield eng
-    eng.destroy()
-
-
-class Recorder:
-    """Passes every request to AReaL's engine and keeps it (the dispatcher's view of the episode)."""
-
-    def __init__(self, eng):
-        self.eng = eng
-        self.requests = []
-
-    async def agenerate(self, req):
-        self.requests.append(req)
-        return await self.eng.agenerate(req)
-
-    def get_version(self):
-        return self.eng.get_version()
+    with areal_engine(srv.addr) as eng:
+        yield eng
 
 
 @pytest.fixture
