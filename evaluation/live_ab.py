@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from evaluation.launch_run import RunError, launch_run
 
-class ABError(RuntimeError):
-    """A run that failed or wrote no usable metrics (one line for the user)."""
+
+class ABError(RunError):
+    """A run that wrote nothing usable (one line for the user)."""
 
 
 def summarize(metrics_path: Path, skip: int) -> dict[str, float]:
@@ -43,22 +43,9 @@ def summarize(metrics_path: Path, skip: int) -> dict[str, float]:
 
 
 def run_one(mode: str, steps: int, root: Path, extra: list[str], log) -> Path:
-    trial = f"ab-{mode}"
-    cmd = [sys.executable, "-m", "areal_libra.launch", "experiment=dapo_math", "cluster=emulated",
-           f"libra.mode={mode}", f"total_train_steps={steps}", f"cluster.fileroot={root}", f"trial_name={trial}",
-           *extra]
-    log(f"[live_ab] {mode}: {' '.join(cmd[2:])}")
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ABError(f"the {mode} run failed (exit {r.returncode}): {tail}")
-    run_dir = next((line.split("run directory ", 1)[1].strip() for line in r.stdout.splitlines()
-                    if "run directory " in line), None)
-    if run_dir is None:
-        raise ABError(f"the {mode} run did not print its run directory")
-    log(f"[live_ab] {mode}: done in {time.monotonic() - t0:.0f} s ({run_dir})")
-    return Path(run_dir) / "metrics.jsonl"
+    args = ["experiment=dapo_math", "cluster=emulated", f"libra.mode={mode}", f"total_train_steps={steps}",
+            f"cluster.fileroot={root}", f"trial_name=ab-{mode}", *extra]
+    return launch_run(args, f"live_ab {mode}", log) / "metrics.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = {mode: summarize(run_one(mode, args.steps, root, args.set, log), args.skip)
                for mode in ("libra", "static")}
-    except ABError as e:
+    except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     res["ratio"] = round(res["libra"]["tokens_per_s"] / max(1e-9, res["static"]["tokens_per_s"]), 3)

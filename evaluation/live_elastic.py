@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from evaluation.launch_run import RunError, launch_run
 
 DEFAULTS = {
     "libra.elastic.enabled": "true",
@@ -37,9 +37,6 @@ DEFAULTS = {
     "train_dataset.batch_size": "4",
 }
 
-
-class RunError(RuntimeError):
-    """The run failed or wrote nothing usable (one line for the user)."""
 
 
 def summarize(run_dir: Path) -> dict:
@@ -73,21 +70,9 @@ def summarize(run_dir: Path) -> dict:
 
 
 def run(steps: int, root: Path, overrides: dict[str, str], log) -> Path:
-    cmd = [sys.executable, "-m", "areal_libra.launch", "experiment=dapo_math", "cluster=emulated",
-           f"total_train_steps={steps}", f"cluster.fileroot={root}", "trial_name=live-elastic",
-           *(f"{k}={v}" for k, v in overrides.items())]
-    log(f"[live_elastic] {' '.join(cmd[2:])}")
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RunError(f"the run failed (exit {r.returncode}): {tail}")
-    run_dir = next((line.split("run directory ", 1)[1].strip() for line in r.stdout.splitlines()
-                    if "run directory " in line), None)
-    if run_dir is None:
-        raise RunError("the run did not print its run directory")
-    log(f"[live_elastic] done in {time.monotonic() - t0:.0f} s ({run_dir})")
-    return Path(run_dir)
+    args = ["experiment=dapo_math", "cluster=emulated", f"total_train_steps={steps}", f"cluster.fileroot={root}",
+            "trial_name=live-elastic", *(f"{k}={v}" for k, v in overrides.items())]
+    return launch_run(args, "live_elastic", log)
 
 
 def _fmt(x: object, spec: str = ".2f") -> str:
