@@ -31,7 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -165,6 +165,10 @@ class ServerFleet:
         self._lock = threading.Lock()  # weights record and in-flight weight updates
         self._reconf = threading.Lock()  # one reconfiguration at a time
         self._updating = 0
+        # Checkpoints a reconfiguration is starting servers from: a weight update that lands meanwhile must
+        # not delete them (their deletion waits in _deferred until the reconfiguration ends).
+        self._pinned: set[str] = set()
+        self._deferred: set[str] = set()
         # The servers serve model_path at the engine's version now (a fresh run: version 0).
         self._weights = _Weights(self.model_path, int(self._inner.get_version()), owned=False)
         self._orig_update = None
@@ -210,8 +214,12 @@ class ServerFleet:
                     prev = self._weights
                     if ok:
                         self._weights = _Weights(str(meta.path), meta.version, owned=clear)
-                stale = prev if ok else _Weights(str(meta.path), None, owned=clear)
-                if stale.owned and stale.path != self._weights.path:
+                    stale = prev if ok else _Weights(str(meta.path), None, owned=clear)
+                    drop = stale.owned and stale.path != self._weights.path
+                    if drop and stale.path in self._pinned:
+                        self._deferred.add(stale.path)
+                        drop = False
+                if drop:
                     shutil.rmtree(stale.path, ignore_errors=True)
 
             fut.add_done_callback(done)
@@ -361,6 +369,21 @@ class ServerFleet:
                             self.router.inflight(s.addr), s.addr)
         return moved
 
+    @contextlib.contextmanager
+    def _pinned_checkpoint(self, path: str) -> Iterator[None]:
+        """Keep `path` on disk while new servers load it, even if a weight update makes it stale."""
+        with self._lock:
+            self._pinned.add(path)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pinned.discard(path)
+                drop = path in self._deferred and path != self._weights.path
+                self._deferred.discard(path)
+            if drop:
+                shutil.rmtree(path, ignore_errors=True)
+
     def reconfigure(self, groups: Sequence[RolloutGroup], step: int) -> dict:
         """Switch the rollout servers to `groups` (see the module doc). Returns {"reconfig_s", "started",
         "stopped", "moved", "groups"}; raises FleetError (one line) with the old layout still serving."""
@@ -372,15 +395,16 @@ class ServerFleet:
                 return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [], "stopped": [], "moved": 0,
                         "groups": format_allocation(self.backend, target)}
             path, version = self.current_weights()
-            new = self._start(target, slots, path, version)
-            it = iter(new)
-            rows = [[s if s is not None else next(it) for s in row] for row in slots]
-            try:
-                self._switch(target, rows, new, path, version)
-            except BaseException:
-                for s in new:
-                    s.stop()
-                raise
+            with self._pinned_checkpoint(path):
+                new = self._start(target, slots, path, version)
+                it = iter(new)
+                rows = [[s if s is not None else next(it) for s in row] for row in slots]
+                try:
+                    self._switch(target, rows, new, path, version)
+                except BaseException:
+                    for s in new:
+                        s.stop()
+                    raise
             for g, row in zip(target, rows):
                 for s in row:
                     s.group = g.name

@@ -39,12 +39,13 @@ TP2 = RolloutGroup("tp2", tp=2, count=1, threads=2, max_running=64, max_len=256)
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_pair, embedded_servers):
-    """Three TP1 servers on the first model, started together: a (test 1), e and f (tests 2 and 3)."""
+    """Four TP1 servers on the first model, started together: a (test 1), e and f (tests 2 and 3), g (the
+    checkpoint pin)."""
     from areal_libra.integration.launcher import ServerSpec
 
-    hs = embedded_servers(tiny_model_pair[0], [ServerSpec(tp=1, threads=1, max_running=64, group="tp1")] * 3,
+    hs = embedded_servers(tiny_model_pair[0], [ServerSpec(tp=1, threads=1, max_running=64, group="tp1")] * 4,
                           timeout=240)
-    return dict(zip("aef", hs))
+    return dict(zip("aefg", hs))
 
 
 def make_engine(addrs: list[str], name: str):
@@ -213,6 +214,38 @@ def test_add_then_remove_servers_under_load_with_current_weights(servers, tiny_m
     assert [e["step"] for e in events] == [3, 4]
     fleet.close(stop_servers=True)
     assert not c.alive() and not Path(ckpt).exists()  # the kept checkpoint goes with the fleet
+
+
+def test_a_weight_update_while_new_servers_start_keeps_their_checkpoint(servers, tiny_model_pair, tmp_path) -> None:
+    """A weight update lands while a new server is being started from the last checkpoint (a revive during
+    training): that checkpoint stays on disk until the reconfiguration ends (it used to be deleted under the
+    starting server, which failed once and was retried), and the new server ends on the newest weights."""
+    g = servers["g"]
+    router = make_router([TP1], [[g.addr]], tmp_path)
+    eng = make_engine([g.addr], "fleet-d")
+    eng.set_request_router(router)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [g], [TP1], tmp_path)
+    ckpt1 = disk_weight_update(eng, tmp_path, "fleet-d", tiny_model_pair[1], version=1)
+    start = fleet._start
+    seen: list[bool] = []
+
+    def start_after_an_update(target, slots, path, version):
+        # The fault at a fixed point: the next training step's weight update lands before the server loads.
+        disk_weight_update(eng, tmp_path / "v2", "fleet-d", tiny_model_pair[0], version=2)
+        seen.append(Path(path).is_dir())
+        return start(target, slots, path, version)
+
+    fleet._start = start_after_an_update
+    try:
+        out = fleet.reconfigure([TP1, TP2], step=5)
+    finally:
+        eng.destroy()
+        router.close()
+    assert seen == [True] and out["started"]  # the pinned checkpoint survived the update; the start worked
+    (c_addr,) = out["started"]
+    assert greedy(c_addr)[2] == "2"  # then moved to the newest weights before it served
+    assert not Path(ckpt1).exists()  # and the stale checkpoint is gone after the reconfiguration
+    fleet.close(stop_servers=True)
 
 
 def test_a_group_that_cannot_start_leaves_the_old_layout(servers, tiny_model_pair, tmp_path) -> None:
