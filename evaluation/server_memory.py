@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 
-from evaluation.soak import FLAT_ABS_MIB, FLAT_REL, MIN_JUDGED_SAMPLES, flat_check, memory_check, rss_mib
+from evaluation.soak import FLAT_ABS_MIB, FLAT_REL, flat_check, rss_mib
 
 
 def _slope_mib_per_min(pts: list[tuple[float, float]]) -> float:
@@ -85,21 +85,6 @@ def with_analysis(res: dict) -> dict:
     a["steps_to_plateau"] = None if a["time_to_plateau_s"] is None or not ends else bisect.bisect_right(
         ends, a["time_to_plateau_s"])
     return {**res, "analysis": a}
-
-
-def reevaluate_soak(path: str) -> dict[str, dict]:
-    """Every judged process of a soak.json under the soak's flat check as it was (the first quarter of the
-    samples dropped: ``before``) and as it is now (evaluation.soak.memory_check: ``after``)."""
-    with open(path) as f:
-        soak = json.load(f)
-    out = {}
-    for key, s in soak["rss_series"].items():
-        if len(s) < MIN_JUDGED_SAMPLES:
-            continue
-        pts = [(t, y) for t, y in s]
-        out[key] = {"life_s": round(pts[-1][0] - pts[0][0], 1), "before": flat_check(pts),
-                    "after": memory_check(key, pts)}
-    return out
 
 
 def _model_path(arg: str | None) -> str:
@@ -266,6 +251,7 @@ def run(args: argparse.Namespace) -> dict:
         "weight_updates": updates,
         **totals,
         "engine_stats": info.get("engine_stats", {}),
+        "gc_after_update": info.get("gc_after_update", {}),
         "kv_cache_mib_end": round(info.get("kv_cache_bytes", 0) / 2**20, 1),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "step_ends_s": step_ends,
@@ -299,8 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-env", action="append", default=[], metavar="K=V",
                    help="extra environment for the server (e.g. MALLOC_ARENA_MAX=2); repeatable")
     p.add_argument("--out", default=None)
-    p.add_argument("--reevaluate-soak", default=None, metavar="SOAK_JSON",
-                   help="no server: the soak's memory check on SOAK_JSON's samples, as it was and as it is")
     p.add_argument("--analyse", default=None, metavar="RESULT_JSON",
                    help="no server: recompute the analysis of a saved result (rewrites the file)")
     args = p.parse_args(argv)
@@ -314,18 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.analyse, res)
         print(json.dumps(res["analysis"], indent=1))
         return 0 if res["analysis"]["flat_second_half"] else 1
-    if args.reevaluate_soak:
-        if not os.path.isfile(args.reevaluate_soak):
-            print(f"server_memory: error: no such file: {args.reevaluate_soak}", file=sys.stderr)
-            return 2
-        res = reevaluate_soak(args.reevaluate_soak)
-        for k, v in res.items():
-            b, a = v["before"], v["after"]
-            print(f"{k:28s} life {v['life_s']:6.0f}s  before {b['growth_mib']:+7.1f}/{b['limit_mib']:.1f} "
-                  f"{'flat' if b['flat'] else 'NOT flat'}  after {a.get('growth_mib', float('nan')):+7.1f}/"
-                  f"{a.get('limit_mib', float('nan')):.1f} {a.get('note') or ('flat' if a['flat'] else 'NOT flat')}")
-        after = [v["after"]["flat"] for v in res.values()]
-        return 0 if any(after) and all(f is not False for f in after) else 1
     if any("=" not in kv for kv in args.server_env):
         print("server_memory: error: --server-env takes K=V", file=sys.stderr)
         return 2

@@ -33,6 +33,10 @@ ABORT_BEFORE_PREFILL = "Abort before prefill"  # AReaL's client treats this pref
 STOP_CANDIDATE_CACHE = 64
 
 
+def _finished(req: Request) -> None:
+    """A finished request's callback: it has been called already."""
+
+
 @dataclass
 class Request:
     rid: str
@@ -664,8 +668,11 @@ class BatchEngine:
         req.finished_at = time.perf_counter()
         req.weight_version = self.weight_version
         self.stats.finished_requests += 1
+        # Called once; dropping it breaks request -> callback -> future -> request, a cycle that would keep
+        # every finished request (and its tensors) alive until a rare full collection.
+        on_finish, req.on_finish = req.on_finish, _finished
         try:
-            req.on_finish(req)
+            on_finish(req)
         except Exception:
             logger.exception("on_finish callback failed for %s", req.rid)
 

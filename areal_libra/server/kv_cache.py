@@ -13,6 +13,7 @@ the cache is compacted only when many rows are dead or the left padding dominate
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -27,7 +28,9 @@ class _BufferLayer(CacheLayerMixin):
 
     def __init__(self, store: SlotKVCache, idx: int):
         super().__init__()
-        self.store = store
+        # A proxy, not a reference: store -> layers -> store would be a cycle, and every replaced cache (a
+        # reset, a weight update) would keep its buffers until a rare full collection.
+        self.store = weakref.proxy(store)
         self.idx = idx
         self.is_initialized = True
 
