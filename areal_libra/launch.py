@@ -122,8 +122,10 @@ def placement(c: Composed, env: dict[str, str] | None = None, gpu_count: int | N
         raise LaunchError(f"cluster GPUs: {e}") from None
 
 
-def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = ()) -> dict[str, str]:
-    """`gpus`: the trainer's devices (placement().trainer); LOCAL_RANK 0 is then the first of them."""
+def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
+                rollout_pool: tuple[str, ...] = ()) -> dict[str, str]:
+    """`gpus`: the trainer's devices (placement().trainer); LOCAL_RANK 0 is then the first of them.
+    `rollout_pool` (placement().pool): the devices servers the trainer starts later may take."""
     from areal_libra.utils import free_port
 
     env = dict(os.environ)
@@ -145,6 +147,10 @@ def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = ()) -> di
     )
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # disjoint from every server's
+    if rollout_pool:
+        from areal_libra.integration.placement import ROLLOUT_DEVICES_ENV
+
+        env[ROLLOUT_DEVICES_ENV] = ",".join(rollout_pool)
     if c.libra.get("device", "cpu") == "cpu":
         threads = str(int(c.libra.get("trainer_threads", 1)))
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
@@ -342,7 +348,8 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
         with open(log_dir / "trainer.log", "w") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "areal_libra.integration.train", "--run-dir", str(log_dir)],
-                env=trainer_env(c, addrs, gpus.trainer if gpus else ()), stdout=log, stderr=subprocess.STDOUT,
+                env=trainer_env(c, addrs, gpus.trainer if gpus else (), gpus.pool if gpus else ()),
+                stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             try:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from areal_libra.integration.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
 from areal_libra.integration.launcher import ServerHandle, ServerLaunchError, ServerSpec, launch_servers
+from areal_libra.integration.placement import ROLLOUT_DEVICES_ENV, PlacementError, place_new_servers
 from areal_libra.utils import append_jsonl, atomic_write_text, first_line
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class FleetServer:
     handle: ServerHandle | None = None
     owner: str = "launcher"  # launcher | trainer
     log_path: str = ""
+    gpus: tuple[str, ...] = ()  # its devices (sglang), as the launcher sees them
 
     @property
     def kind(self) -> tuple[int, int, int]:
@@ -90,7 +92,7 @@ class FleetServer:
 
     def record(self, state: str) -> dict:
         return {"addr": self.addr, "group": self.group, "tp": self.tp, "pid": self.pid, "owner": self.owner,
-                "state": state, "log": self.log_path}
+                "state": state, "log": self.log_path, "gpus": list(self.gpus)}
 
 
 def pid_running(pid: int) -> bool:
@@ -139,6 +141,7 @@ class ServerFleet:
         start_timeout_s: float = 600.0,
         drain_timeout_s: float = 60.0,
         evict_timeout_s: float = 10.0,  # evicted requests give up within the watch interval
+        rollout_devices: Sequence[str] = (),  # sglang: the devices new servers may take (placement.py)
     ) -> None:
         if router is None or not hasattr(router, "set_layout"):
             raise FleetError("live reconfiguration needs the project's request router "
@@ -153,6 +156,7 @@ class ServerFleet:
         self.start_timeout_s = start_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.evict_timeout_s = evict_timeout_s
+        self.rollout_devices = tuple(rollout_devices)
         self.groups = list(groups) if groups else list(router.groups)
         self.servers: list[FleetServer] = [self._as_server(s) for s in servers]
         by_addr = {s.addr: s for s in self.servers}
@@ -182,7 +186,7 @@ class ServerFleet:
         g = next((g for g in self.groups if g.name == s.spec.group), None)
         return FleetServer(s.addr, s.spec.group, s.spec.tp, s.spec.threads,
                            g.max_running if g is not None else s.spec.max_running, s.proc.pid, s, "trainer",
-                           s.log_path)
+                           s.log_path, tuple(s.gpu_ids))
 
     # --- current weights -------------------------------------------------------------------------------
     def _hook_weight_updates(self) -> None:
@@ -285,9 +289,18 @@ class ServerFleet:
         emu = active()  # cluster=emulated: the new servers are paced like the launcher's
         if emu is not None:
             specs = [emu.emulate_spec(s) for s in specs]
+        placement = None
+        if self.backend == "sglang":
+            # Free devices of the rollout pool only: never the trainer's, never a live server's (a dead
+            # one's are free again). Make-before-break: the leaving servers still hold theirs.
+            held = {d for s in self.servers if s.alive() for d in s.gpus}
+            try:
+                placement = place_new_servers(self.rollout_devices, held, [s.tp for s in specs])
+            except PlacementError as e:
+                raise FleetError(f"reconfigure: {e}") from None
         try:
             handles = launch_servers(path, specs, str(self.log_dir), backend=self.backend,
-                                     timeout=self.start_timeout_s)
+                                     timeout=self.start_timeout_s, placement=placement)
         except (ServerLaunchError, OSError, ValueError) as e:
             what = ", ".join(f"TP{s.tp} ({s.group})" for s in specs)
             raise FleetError(f"reconfigure: cannot start {what}: {first_line(e)}") from e
@@ -476,7 +489,8 @@ def read_registry(run_dir: str | Path) -> list[dict]:
 def write_registry(run_dir: str | Path, handles: Sequence[ServerHandle], owner: str = "launcher") -> None:
     """The launcher's first registry: its servers before the trainer starts."""
     body = {"servers": [{"addr": h.addr, "group": h.spec.group, "tp": h.spec.tp, "pid": h.proc.pid,
-                         "owner": owner, "state": "serving", "log": h.log_path} for h in handles]}
+                         "owner": owner, "state": "serving", "log": h.log_path, "gpus": list(h.gpu_ids)}
+                        for h in handles]}
     atomic_write_text(Path(run_dir) / REGISTRY_FILE, json.dumps(body, indent=1) + "\n")
 
 
@@ -489,10 +503,13 @@ def build_fleet(trainer, router, run_dir: str | Path, **kwargs) -> ServerFleet:
 
     run_dir = Path(run_dir)
     groups, addrs = read_groups_file(run_dir / GROUPS_FILE)
-    pids = {r.get("addr"): r.get("pid") for r in read_registry(run_dir)}
-    servers = [FleetServer(a, g.name, g.tp, g.threads, g.max_running, pids.get(a))
+    reg = {r.get("addr"): r for r in read_registry(run_dir)}
+    servers = [FleetServer(a, g.name, g.tp, g.threads, g.max_running, reg.get(a, {}).get("pid"),
+                           gpus=tuple(str(d) for d in reg.get(a, {}).get("gpus") or ()))
                for g, row in zip(groups, addrs) for a in row]
     libra = OmegaConf.load(run_dir / "libra_config.yaml") if (run_dir / "libra_config.yaml").exists() else {}
     backend = "sglang" if libra.get("device", "cpu") == "cuda" else "embedded"
+    pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
+    kwargs.setdefault("rollout_devices", pool)
     return ServerFleet(trainer.rollout, router, str(trainer.config.actor.path), run_dir / "servers", backend,
                        servers, groups, run_dir, **kwargs)

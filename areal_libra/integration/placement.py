@@ -5,12 +5,18 @@ The devices are the node's visible ones (``CUDA_VISIBLE_DEVICES`` of the launche
 the next ``tp`` devices. Every process is started with ``CUDA_VISIBLE_DEVICES`` set to its own devices
 only (as AReaL's local launcher does), so a server's ``--base-gpu-id`` is 0 and the trainer's
 ``LOCAL_RANK=0`` is its own first device: no two processes can land on the same GPU.
+
+Servers the trainer starts later (a reconfiguration, a replacement for a dead one: fleet.py) take devices
+from the rollout pool (every visible device but the trainer's, passed to the trainer in
+``AREAL_LIBRA_ROLLOUT_DEVICES``) that no live server holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+
+ROLLOUT_DEVICES_ENV = "AREAL_LIBRA_ROLLOUT_DEVICES"
 
 
 class PlacementError(ValueError):
@@ -21,6 +27,7 @@ class PlacementError(ValueError):
 class Placement:
     trainer: tuple[str, ...]  # device ids, as the launcher sees them
     servers: tuple[tuple[str, ...], ...]  # per server, in launch order
+    pool: tuple[str, ...] = ()  # every device but the trainer's: what rollout servers may ever use
 
     @staticmethod
     def visible(devices: Sequence[str]) -> str:
@@ -53,4 +60,21 @@ def assign_gpus(devices: Sequence[str], trainer_gpus: int, server_tps: Sequence[
     for tp in server_tps:
         out.append(tuple(devices[at:at + tp]))
         at += tp
-    return Placement(trainer, tuple(out))
+    return Placement(trainer, tuple(out), tuple(devices[trainer_gpus:]))
+
+
+def place_new_servers(pool: Sequence[str], held: Collection[str], server_tps: Sequence[int]) -> Placement:
+    """Devices for servers started while others serve: the next free ones of the rollout ``pool`` (``held``:
+    the devices of live servers); PlacementError if they do not fit. Never a device outside the pool."""
+    if not pool:
+        raise PlacementError(f"no rollout device pool ({ROLLOUT_DEVICES_ENV} unset): a new server could land on "
+                             "the trainer's GPU")
+    free = [d for d in pool if d not in held]
+    try:
+        got = assign_gpus(free, 0, server_tps)
+    except PlacementError:
+        raise PlacementError(
+            f"the new servers need {sum(server_tps)} GPUs (TP {'+'.join(map(str, server_tps))}) but {len(free)} of "
+            f"the {len(pool)} rollout devices are free ({','.join(free) or 'none'}); the rest serve the current "
+            "layout") from None
+    return Placement((), got.servers, tuple(pool))

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from areal_libra import launch
 from areal_libra.config import compose
 from areal_libra.integration import launcher
 from areal_libra.integration.launcher import ServerSpec
-from areal_libra.integration.placement import PlacementError, assign_gpus, visible_devices
+from areal_libra.integration.placement import (
+    ROLLOUT_DEVICES_ENV,
+    PlacementError,
+    assign_gpus,
+    place_new_servers,
+    visible_devices,
+)
 
 
 def _disjoint(p) -> bool:
@@ -51,8 +59,10 @@ def test_launch_gives_trainer_and_servers_their_own_devices(tmp_path):
     c = compose(["cluster=gpu", f"cluster.fileroot={tmp_path}", "rollout_alloc=sglang:d2t1+d1t2"])
     p = launch.placement(c, env={}, gpu_count=8)
     assert p.trainer == ("0",) and p.servers == (("1",), ("2",), ("3", "4"))
-    env = launch.trainer_env(c, ["a:1", "b:2", "c:3"], p.trainer)
+    env = launch.trainer_env(c, ["a:1", "b:2", "c:3"], p.trainer, p.pool)
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["LOCAL_RANK"] == "0"
+    # what servers the trainer starts later may take: every device but its own
+    assert env[ROLLOUT_DEVICES_ENV] == "1,2,3,4,5,6,7"
     assert launch.placement(compose([f"cluster.fileroot={tmp_path}"]), env={}, gpu_count=8) is None  # cpu
     with pytest.raises(launch.LaunchError, match="needs 5 GPUs"):
         launch.placement(c, env={}, gpu_count=4)
@@ -91,3 +101,78 @@ def test_cli_allocation_that_does_not_fit_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("areal_libra: error: cluster GPUs: the allocation needs 513 GPUs"), err
+
+
+def test_new_servers_take_free_rollout_devices_only():
+    pool = assign_gpus([str(i) for i in range(8)], 1, [1, 2]).pool
+    assert pool == ("1", "2", "3", "4", "5", "6", "7")
+    live = {"1", "2", "3"}  # the launcher's TP1 and TP2 servers
+    assert place_new_servers(pool, live, [2, 1]).servers == (("4", "5"), ("6",))
+    assert place_new_servers(pool, live - {"1"}, [1]).servers == (("1",),)  # a dead server's device is free
+    with pytest.raises(PlacementError, match=r"need 8 GPUs \(TP 4\+4\) but 4 of the 7 rollout devices are free"):
+        place_new_servers(pool, live, [4, 4])
+    with pytest.raises(PlacementError, match=f"{ROLLOUT_DEVICES_ENV} unset"):
+        place_new_servers((), set(), [1])
+
+
+def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatch, tmp_path):
+    """A reconfiguration (or a revive) on cluster=gpu: SGLang cannot start here, so the launch is captured."""
+    import os
+    import subprocess
+    import sys
+
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+
+    from areal_libra.config import DispatchConfig
+    from areal_libra.integration import fleet as fleet_mod
+    from areal_libra.integration.fleet import FleetError, build_fleet, write_registry
+    from areal_libra.integration.groups import RolloutGroup
+    from areal_libra.integration.launcher import ServerHandle, ServerLaunchError
+    from areal_libra.integration.router import RequestRouter, write_groups_file
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tp1 = RolloutGroup("tp1", tp=1, count=1, max_len=128)
+    tp2 = RolloutGroup("tp2", tp=2, count=1, max_len=256)
+    p = assign_gpus([str(i) for i in range(6)], 1, [1, 2])  # trainer 0; servers 1 and 2,3; pool 1..5
+
+    class Proc:
+        def __init__(self, pid):
+            self.pid = pid
+
+        def poll(self):
+            return None
+
+    handles = [ServerHandle("127.0.0.1:1", Proc(os.getpid()), ServerSpec(tp=1, group="tp1"), gpu_ids=p.servers[0]),
+               ServerHandle("127.0.0.1:2", Proc(dead.pid), ServerSpec(tp=2, group="tp2"), gpu_ids=p.servers[1])]
+    write_groups_file(tmp_path, [tp1, tp2], [h.addr for h in handles])
+    write_registry(tmp_path, handles)
+    (tmp_path / "libra_config.yaml").write_text("device: cuda\n")
+    router = RequestRouter([tp1, tp2], [[handles[0].addr], [handles[1].addr]], DispatchConfig(wandb=False),
+                           health=False)
+    eng = RemoteSGLangEngine(InferenceEngineConfig(backend="sglang:d2t1", experiment_name="x", trial_name="t"))
+    (tmp_path / "model").mkdir()  # the checkpoint new servers would load
+    trainer = SimpleNamespace(rollout=eng, config=SimpleNamespace(actor=SimpleNamespace(path=str(tmp_path / "model"))))
+    monkeypatch.setenv(ROLLOUT_DEVICES_ENV, ",".join(p.pool))
+    fleet = build_fleet(trainer, router, tmp_path)
+    assert fleet.backend == "sglang" and [s.gpus for s in fleet.servers] == [("1",), ("2", "3")]
+    asked = []
+
+    def launch(path, specs, log_dir, backend, timeout, placement):
+        asked.append(placement.servers)
+        raise ServerLaunchError("captured")
+
+    monkeypatch.setattr(fleet_mod, "launch_servers", launch)
+    try:
+        # The TP2 server is dead (a revive): its devices are free again; the live TP1 keeps device 1.
+        with pytest.raises(FleetError, match="captured"):
+            fleet.reconfigure([RolloutGroup("tp1", tp=1, count=1, max_len=128),
+                               RolloutGroup("tp4", tp=4, count=1, max_len=256)], step=1)
+        assert asked == [(("2", "3", "4", "5"),)]
+        with pytest.raises(FleetError, match="need 8 GPUs") as e:
+            fleet.reconfigure([tp1, RolloutGroup("tp8", tp=8, count=1, max_len=256)], step=1)
+        assert "\n" not in str(e.value) and len(asked) == 1  # refused before anything starts
+    finally:
+        fleet.close()
+        router.close()
