@@ -308,14 +308,12 @@ def start_retriever(c: Composed, log_dir: Path):
 
 def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers: list) -> int:
     metrics_path = log_dir / "metrics.jsonl"
-    from areal_libra.integration.recover import clear_name_resolve, recovered_steps, trim_metrics
+    from areal_libra.integration.recover import clear_name_resolve, recovered_steps, reset_step_records
 
     resumed = recovered_steps(c.areal)  # recover.mode=auto|resume with a checkpoint: AReaL resumes after it
+    kept = reset_step_records(log_dir, resumed)
     if resumed:
-        kept = trim_metrics(metrics_path, resumed)
-        print(f"areal_libra: recovering after step {resumed} (metrics.jsonl keeps {kept} steps)", flush=True)
-    elif metrics_path.exists():
-        metrics_path.unlink()  # a re-used trial name starts a fresh record
+        print(f"areal_libra: recovering after step {resumed} ({kept})", flush=True)
     clear_name_resolve(c.areal)  # a killed trainer's weight-update records would fail the next run's
     save(c, log_dir)
     if c.libra.mode == "libra":

@@ -60,8 +60,12 @@ def clear_name_resolve(areal_cfg: Any) -> None:
     name_resolve.clear_subtree(names.trial_root(str(areal_cfg.experiment_name), str(areal_cfg.trial_name)))
 
 
-def trim_metrics(path: Path, steps: int) -> int:
-    """Keep the records of steps 1..steps (the rest is trained again); how many were kept."""
+# Per-step records of a run: on a resume the steps after the checkpoint are trained (and decided) again.
+STEP_RECORDS = ("metrics.jsonl", "control_events.jsonl")
+
+
+def trim_step_records(path: Path, steps: int) -> int:
+    """Keep the records of steps up to ``steps`` (the rest is trained again); how many were kept."""
     if not path.exists():
         return 0
     keep = []
@@ -74,6 +78,18 @@ def trim_metrics(path: Path, steps: int) -> int:
             keep.append(line)
     atomic_write_text(path, "".join(x + "\n" for x in keep))
     return len(keep)
+
+
+def reset_step_records(run_dir: Path, resumed: int | None) -> str:
+    """Before the trainer starts: a resume keeps the per-step records up to the checkpoint's step, a fresh
+    run (a re-used trial name) starts them empty. Returns what was kept, e.g. 'metrics.jsonl keeps 6'."""
+    kept = []
+    for name in STEP_RECORDS:
+        if resumed:
+            kept.append(f"{name} keeps {trim_step_records(run_dir / name, resumed)}")
+        else:
+            (run_dir / name).unlink(missing_ok=True)
+    return ", ".join(kept)
 
 
 KEEP = 64  # per-step snapshots kept: covers any recover.freq_steps up to it

@@ -14,9 +14,10 @@ from omegaconf import OmegaConf
 from areal_libra.integration.recover import (
     clear_name_resolve,
     recovered_steps,
+    reset_step_records,
     restore_control_state,
     save_control_state,
-    trim_metrics,
+    trim_step_records,
 )
 
 
@@ -42,12 +43,24 @@ def test_recovered_steps_reads_aReaL_step_info(tmp_path: Path) -> None:
     assert recovered_steps(cfg) is None
 
 
-def test_trim_metrics_keeps_steps_up_to_the_checkpoint(tmp_path: Path) -> None:
+def test_trim_step_records_keeps_steps_up_to_the_checkpoint(tmp_path: Path) -> None:
     p = tmp_path / "metrics.jsonl"
     p.write_text("".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(1, 9)) + '{"step": 9, "rew')
-    assert trim_metrics(p, 6) == 6
+    assert trim_step_records(p, 6) == 6
     assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
-    assert trim_metrics(tmp_path / "none.jsonl", 3) == 0
+    assert trim_step_records(tmp_path / "none.jsonl", 3) == 0
+
+
+def test_a_resume_trims_metrics_and_control_events_and_a_fresh_run_clears_them(tmp_path: Path) -> None:
+    for name, n in (("metrics.jsonl", 9), ("control_events.jsonl", 4)):
+        (tmp_path / name).write_text("".join(json.dumps({"step": 3 * s - 2, "event": "x"}) + "\n"
+                                             for s in range(1, n + 1)))
+    # control events at steps 1, 4, 7, 10: those after the step-6 checkpoint are decided again
+    assert reset_step_records(tmp_path, 6) == "metrics.jsonl keeps 2, control_events.jsonl keeps 2"
+    steps = [json.loads(x)["step"] for x in (tmp_path / "control_events.jsonl").read_text().splitlines()]
+    assert steps == [1, 4]
+    assert reset_step_records(tmp_path, None) == ""
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "control_events.jsonl").exists()
 
 
 def test_control_history_roundtrip(tmp_path: Path) -> None:
