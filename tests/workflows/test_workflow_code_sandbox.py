@@ -5,7 +5,6 @@ replay through evaluation.routing."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -13,29 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from areal_libra.models.tiny import TinyModelConfig, ensure_model
-from areal_libra.models.warmup import WarmupConfig
-from areal_libra.trace import Trajectory, read_traces, write_traces
+from areal_libra.models.tiny import ensure_model
+from areal_libra.trace import read_traces, write_traces
 from areal_libra.workflows import code_sandbox
 from areal_libra.workflows.code_data import load_code_dataset, row_tests
 from areal_libra.workflows.code_markup import OUT_CLOSE, OUT_OPEN, last_code
 from areal_libra.workflows.sandbox import grade
-from tests.workflows._episode import Recorder, areal_engine
+from tests.workflows._episode import collected_trajectories, run_episodes, served_engine, tiny_policy
 
 ROOT = Path(__file__).resolve().parents[2]
-# Small and trained briefly on code demonstrations, so that episodes do write and run code.
-CODE_USER = TinyModelConfig(
-    name="test-code-user",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    tokenizer_corpus_problems=300,
-    warmup=WarmupConfig(steps=60, batch_size=16, lr=5e-3),
-    probe_episodes=0,
-    task="code",
-)
+# Trained briefly on code demonstrations, so that episodes do write and run code.
+CODE_USER = tiny_policy("test-code-user", task="code", tool_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -45,38 +32,27 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    from areal_libra.server.inprocess import InProcessServer
-
-    srv = InProcessServer(model_path, max_running_requests=32, seed=0)
-    with areal_engine(srv.addr) as eng:
+    with served_engine(model_path) as eng:
         yield eng
-    srv.close()
 
 
 @pytest.fixture
 def sink():
-    got: list[Trajectory] = []
-    code_sandbox.set_trajectory_sink(got.append)
-    yield got
-    code_sandbox.set_trajectory_sink(None)
+    with collected_trajectories() as got:
+        yield got
 
 
-def run_episodes(engine, model_path, rows, **kw):
+def episodes(engine, model_path, rows, **kw):
     from areal.api.cli_args import GenerationHyperparameters
 
     gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=48, max_tokens=160, temperature=1.0)
     wf = code_sandbox.CodeSandboxWorkflow(gconfig=gconfig, tokenizer_path=model_path, **kw)
-    rec = Recorder(engine)
-
-    async def go():
-        return await asyncio.gather(*[wf.arun_episode(rec, row) for row in rows])
-
-    return wf, rec, asyncio.run(go())
+    return (wf, *run_episodes(wf, engine, rows))
 
 
 def test_episodes_mask_tool_outputs_reward_and_replay(engine, model_path, sink, tmp_path):
     rows = [dict(r) for r in load_code_dataset(None, 16, seed=5)]
-    wf, rec, results = run_episodes(engine, model_path, rows)
+    wf, rec, results = episodes(engine, model_path, rows)
     tok = wf.tokenizer
     assert len(sink) == len(rows)
     tools = [t for traj in sink for t in traj.tool_returns()]
@@ -137,7 +113,7 @@ def test_episodes_mask_tool_outputs_reward_and_replay(engine, model_path, sink, 
 
 def test_sandbox_timeouts_are_outcomes(engine, model_path, sink):
     rows = [dict(r) for r in load_code_dataset(None, 6, seed=6)]
-    wf, _, results = run_episodes(engine, model_path, rows, tool_timeout_s=1e-4, tool_workers=1)
+    wf, _, results = episodes(engine, model_path, rows, tool_timeout_s=1e-4, tool_workers=1)
     assert len(results) == len(rows) == len(sink)
     statuses = [t.status for traj in sink for t in traj.tool_returns()]
     # A run can still beat a 0.1 ms limit (the pre-forked child reads the code before the clock starts), so

@@ -3,32 +3,17 @@ AReaL 1.0.4's own RemoteSGLangEngine (the client the trainer uses)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
-from areal_libra.models.tiny import TinyModelConfig, ensure_model
-from areal_libra.models.warmup import WarmupConfig
-from areal_libra.trace import Trajectory
+from areal_libra.models.tiny import ensure_model
 from areal_libra.workflows import math_tool
 from areal_libra.workflows.markup import RESULT_CLOSE, RESULT_OPEN
 from areal_libra.workflows.math_data import generated_dataset
 from areal_libra.workflows.reward import dapo_math_reward
-from tests.workflows._episode import Recorder, areal_engine
+from tests.workflows._episode import collected_trajectories, run_episodes, served_engine, tiny_policy
 
-# Small and trained on tool-calling demonstrations only, so that episodes do call the tool.
-TOOL_USER = TinyModelConfig(
-    name="test-tool-user",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    tokenizer_corpus_problems=300,
-    warmup=WarmupConfig(steps=60, batch_size=16, lr=5e-3, tool_fraction=1.0, corrupt_fraction=0.0),
-    probe_episodes=0,
-)
+TOOL_USER = tiny_policy("test-tool-user")
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +23,8 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    from areal_libra.server.inprocess import InProcessServer
-
-    srv = InProcessServer(model_path, max_running_requests=32, seed=0)
-    with areal_engine(srv.addr) as eng:
+    with served_engine(model_path) as eng:
         yield eng
-    srv.close()
 
 
 def _gconfig():
@@ -54,25 +35,18 @@ def _gconfig():
 
 @pytest.fixture
 def sink():
-    got: list[Trajectory] = []
-    math_tool.set_trajectory_sink(got.append)
-    yield got
-    math_tool.set_trajectory_sink(None)
+    with collected_trajectories() as got:
+        yield got
 
 
-def run_episodes(engine, model_path, rows, **kw):
+def episodes(engine, model_path, rows, **kw):
     wf = math_tool.MathToolWorkflow(gconfig=_gconfig(), tokenizer_path=model_path, **kw)
-    rec = Recorder(engine)
-
-    async def go():
-        return await asyncio.gather(*[wf.arun_episode(rec, row) for row in rows])
-
-    return wf, rec, asyncio.run(go())
+    return (wf, *run_episodes(wf, engine, rows))
 
 
 def test_episodes_turns_masks_metadata_and_trace(engine, model_path, sink):
     rows = [dict(r) for r in generated_dataset(12, seed=5)]
-    wf, rec, results = run_episodes(engine, model_path, rows)
+    wf, rec, results = episodes(engine, model_path, rows)
     tok = wf.tokenizer
     assert len(sink) == len(rows)
     by_traj: dict[str, list] = {}
@@ -125,7 +99,7 @@ def test_episodes_turns_masks_metadata_and_trace(engine, model_path, sink):
 
 def test_tool_timeouts_are_outcomes(engine, model_path, sink):
     rows = [dict(r) for r in generated_dataset(6, seed=6)]
-    wf, _, results = run_episodes(engine, model_path, rows, tool_timeout_s=1e-6, tool_workers=1)
+    wf, _, results = episodes(engine, model_path, rows, tool_timeout_s=1e-6, tool_workers=1)
     assert len(results) == len(rows) == len(sink)
     statuses = [t.status for traj in sink for t in traj.tool_returns()]
     assert statuses and set(statuses) == {"timeout"}

@@ -4,7 +4,6 @@ replay through evaluation.routing."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import json
@@ -12,28 +11,15 @@ import json
 import pytest
 
 from areal_libra.integration.launcher import ServerSpec
-from areal_libra.models.tiny import TinyModelConfig, ensure_model
-from areal_libra.models.warmup import WarmupConfig
-from areal_libra.trace import Trajectory, read_traces, write_traces
+from areal_libra.models.tiny import ensure_model
+from areal_libra.trace import read_traces, write_traces
 from areal_libra.workflows import search_r1
 from areal_libra.workflows.retriever import RetrieverProcess
 from areal_libra.workflows.search_corpus import load_search_dataset
 from areal_libra.workflows.search_markup import INFO_CLOSE, INFO_OPEN, exact_match_reward
-from tests.workflows._episode import Recorder, areal_engine
+from tests.workflows._episode import areal_engine, collected_trajectories, run_episodes, tiny_policy
 
-# Small and trained on searching demonstrations only, so that episodes do search.
-SEARCHER = TinyModelConfig(
-    name="test-searcher",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    tokenizer_corpus_problems=300,
-    warmup=WarmupConfig(steps=60, batch_size=16, lr=5e-3, tool_fraction=1.0, corrupt_fraction=0.0),
-    probe_episodes=0,
-    task="search_r1",
-)
+SEARCHER = tiny_policy("test-searcher", task="search_r1")
 
 
 @pytest.fixture(scope="module")
@@ -57,28 +43,21 @@ def engine(model_path, embedded_servers):
 
 @pytest.fixture
 def sink():
-    got: list[Trajectory] = []
-    search_r1.set_trajectory_sink(got.append)
-    yield got
-    search_r1.set_trajectory_sink(None)
+    with collected_trajectories() as got:
+        yield got
 
 
-def run_episodes(engine, model_path, url, rows, **kw):
+def episodes(engine, model_path, url, rows, **kw):
     from areal.api.cli_args import GenerationHyperparameters
 
     gconfig = GenerationHyperparameters(n_samples=1, max_new_tokens=32, max_tokens=200, temperature=1.0)
     wf = search_r1.SearchR1Workflow(gconfig=gconfig, retriever_url=url, tokenizer_path=model_path, **kw)
-    rec = Recorder(engine)
-
-    async def go():
-        return await asyncio.gather(*[wf.arun_episode(rec, row) for row in rows])
-
-    return wf, rec, asyncio.run(go())
+    return (wf, *run_episodes(wf, engine, rows))
 
 
 def test_episodes_mask_information_and_score_exact_match(engine, model_path, retriever, sink, tmp_path):
     rows = [dict(r) for r in load_search_dataset(size=12, seed=5)]
-    wf, rec, results = run_episodes(engine, model_path, retriever.url, rows)
+    wf, rec, results = episodes(engine, model_path, retriever.url, rows)
     tok = wf.tokenizer
     assert len(sink) == len(rows)
     assert sum(len(t.tool_returns()) for t in sink) > 0, "no episode searched"
@@ -146,7 +125,7 @@ def test_reward_is_exact_match():
 
 def test_unreachable_retriever_is_a_tool_failure(engine, model_path, sink):
     rows = [dict(r) for r in load_search_dataset(size=4, seed=6)]
-    _, _, results = run_episodes(engine, model_path, "http://127.0.0.1:9", rows, tool_timeout_s=2.0)
+    _, _, results = episodes(engine, model_path, "http://127.0.0.1:9", rows, tool_timeout_s=2.0)
     assert len(results) == len(rows) == len(sink)
     tools = [t for traj in sink for t in traj.tool_returns()]
     assert tools and all(t.status == "failure" for t in tools)
