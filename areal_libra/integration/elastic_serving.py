@@ -28,6 +28,7 @@ from typing import Any
 
 from areal_libra.elastic.measure import pressures
 from areal_libra.elastic_runtime.kv import KV, connect
+from areal_libra.integration.futures import then_record
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +128,8 @@ class ServeRegistry:
                         eng.addresses.append(addr)  # this update reaches it
                     self.updating[rid] = (addr, seq, info)
             fut = original(meta)
-            if batch:
-                fut.add_done_callback(lambda f, b=batch: self._updated(b, f))
+            if batch:  # the hybrids are routable once the trainer's wait returns
+                return then_record(fut, lambda f, b=batch: self._updated(b, f))
             return fut
 
         eng.update_weights_from_disk = update_weights_from_disk  # instance attribute: this engine only

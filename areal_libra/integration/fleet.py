@@ -35,6 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from areal_libra.integration.futures import then_record
 from areal_libra.integration.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
 from areal_libra.integration.launcher import ServerHandle, ServerLaunchError, ServerSpec, launch_servers
 from areal_libra.integration.placement import ROLLOUT_DEVICES_ENV, PlacementError, place_new_servers
@@ -211,8 +212,8 @@ class ServerFleet:
                     self._updating -= 1
                 raise
 
-            def done(f) -> None:
-                ok = f.exception() is None
+            def record(f) -> None:
+                ok = not f.cancelled() and f.exception() is None
                 with self._lock:
                     self._updating -= 1
                     prev = self._weights
@@ -226,8 +227,7 @@ class ServerFleet:
                 if drop:
                     shutil.rmtree(stale.path, ignore_errors=True)
 
-            fut.add_done_callback(done)
-            return fut
+            return then_record(fut, record)  # the trainer may reconfigure as soon as it wakes
 
         inner.update_weights_from_disk = update_weights_from_disk
 

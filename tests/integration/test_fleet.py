@@ -40,7 +40,7 @@ TP2 = RolloutGroup("tp2", tp=2, count=1, threads=2, max_running=64, max_len=256)
 @pytest.fixture(scope="module")
 def servers(tiny_model_pair, embedded_servers):
     """Four TP1 servers on the first model, started together: a (test 1), e and f (tests 2 and 3), g (the
-    checkpoint pin)."""
+    weight-update record, then the checkpoint pin, which stops it)."""
     from areal_libra.integration.launcher import ServerSpec
 
     hs = embedded_servers(tiny_model_pair[0], [ServerSpec(tp=1, threads=1, max_running=64, group="tp1")] * 4,
@@ -214,6 +214,33 @@ def test_add_then_remove_servers_under_load_with_current_weights(servers, tiny_m
     assert [e["step"] for e in events] == [3, 4]
     fleet.close(stop_servers=True)
     assert not c.alive() and not Path(ckpt).exists()  # the kept checkpoint goes with the fleet
+
+
+def test_a_finished_weight_update_is_recorded_before_its_waiter_wakes(servers, tiny_model_pair, tmp_path) -> None:
+    """The trainer waits on the update's future and may reconfigure right after: by then the fleet must have
+    recorded the update. A future wakes its waiters before it runs its callbacks, so other callbacks on
+    AReaL's future that run first (made slow here) used to leave the update 'in progress' (a CI failure)."""
+    g = servers["g"]
+    router = make_router([TP1], [[g.addr]], tmp_path)
+    eng = make_engine([g.addr], "fleet-w")
+    eng.set_request_router(router)
+    inner = eng._engine
+    areal_update = inner.update_weights_from_disk
+
+    def update_with_a_slow_callback(meta):
+        fut = areal_update(meta)
+        fut.add_done_callback(lambda _: time.sleep(0.5))
+        return fut
+
+    inner.update_weights_from_disk = update_with_a_slow_callback
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [g], [TP1], tmp_path)
+    try:
+        ckpt = disk_weight_update(eng, tmp_path, "fleet-w", tiny_model_pair[1], version=1)
+        assert fleet.current_weights() == (ckpt, 1)
+    finally:
+        eng.destroy()
+        router.close()
+        fleet.close(stop_servers=False)
 
 
 def test_a_weight_update_while_new_servers_start_keeps_their_checkpoint(servers, tiny_model_pair, tmp_path) -> None:
