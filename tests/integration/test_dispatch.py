@@ -339,16 +339,27 @@ def test_single_controller_router_travels_over_areal_rpc_serialization(tmp_path:
 
 def test_mean_inflight_per_group_is_time_weighted() -> None:
     router = make_router()
+    clock = time.monotonic
+    s0 = clock()
     router.step_metrics()
+    s1 = clock()
     reqs = [req(f"t{i}", 10, []) for i in range(2)]
+    a0 = clock()
     addrs = [router.route(r, None) for r in reqs]
+    a1 = clock()
     time.sleep(0.3)
+    d0 = clock()
     for r, a in zip(reqs, addrs):
         router.done(r, a, [1], "stop")
+    d1 = clock()
     time.sleep(0.3)
+    e0 = clock()
     m = router.step_metrics()
-    # two requests for ~0.3 s out of ~0.6 s: about one in flight on average, none in the long group
-    assert 0.7 < m["cmlfq/inflight_mean/short"] < 1.3
+    e1 = clock()
+    # two requests in flight from routing to done, over the window between the two step_metrics calls
+    # (bounds from the clock readings around each call, so a loaded machine's late wake-ups do not matter)
+    low, high = 2 * (d0 - a1) / (e1 - s0), 2 * (d1 - a0) / (e0 - s1)
+    assert low - 0.01 <= m["cmlfq/inflight_mean/short"] <= high + 0.01
     assert m["cmlfq/inflight_mean/long"] == 0 and m["cmlfq/inflight/short"] == 0
 
 

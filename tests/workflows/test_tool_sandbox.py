@@ -11,6 +11,7 @@ import time
 import pytest
 
 from areal_libra.workflows.tools import CalculatorTool
+from tests.rigs.procs import children
 
 NOT_OK = ("failure", "timeout")
 
@@ -23,15 +24,6 @@ def tool():
     t.close()
 
 
-def _children() -> set[int]:
-    pid = os.getpid()
-    out: set[int] = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out |= {int(x) for x in f.read().split()}
-    return out
-
-
 def _rss_kib() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -39,7 +31,7 @@ def _rss_kib() -> int:
 
 def _check_host_untouched(tool: CalculatorTool, before: set[int], marker) -> None:
     assert not marker.exists(), f"{marker} was created"
-    assert _children() <= before | ({tool._proc.pid} if tool._proc else set()), "a process was left behind"
+    assert children(os.getpid()) <= before | ({tool._proc.pid} if tool._proc else set()), "a process was left behind"
     assert tool.call("6*7").payload == "42"  # and the tool still works
 
 
@@ -55,7 +47,7 @@ ESCAPES = {
 @pytest.mark.parametrize(("kind", "expr"), [(k, e) for k, es in ESCAPES.items() for e in es])
 def test_escapes_are_refused(tool, tmp_path, kind, expr):
     marker = tmp_path / "pwned"
-    before = _children()
+    before = children(os.getpid())
     r = tool.call(expr.format(m=marker))
     assert r.status == "failure", (kind, r)
     _check_host_untouched(tool, before, marker)
@@ -68,7 +60,7 @@ def test_escapes_are_refused(tool, tmp_path, kind, expr):
     "9**9**9**9",
 ])
 def test_huge_memory_is_refused_or_times_out(tool, tmp_path, expr):
-    before, rss0 = _children(), _rss_kib()
+    before, rss0 = children(os.getpid()), _rss_kib()
     t0 = time.monotonic()
     r = tool.call(expr)
     assert r.status in NOT_OK, r
@@ -87,20 +79,20 @@ def test_memory_limit_applies_in_the_worker(tool):
 
 @pytest.mark.parametrize("expr", ["9**9**9", "(7**7**7)**(7**7)", "-(-(-(9**9**9)))"])
 def test_endless_computation_times_out_and_is_killed(tool, tmp_path, expr):
-    before = _children()
+    before = children(os.getpid())
     old = tool._proc.pid
     t0 = time.monotonic()
     r = tool.call(expr)
     assert r.status == "timeout", r
     assert time.monotonic() - t0 < 3
-    assert old not in _children()  # killed and reaped, not left running
+    assert old not in children(os.getpid())  # killed and reaped, not left running
     _check_host_untouched(tool, before, tmp_path / "none")
 
 
 @pytest.mark.parametrize("expr", ["1+" * 5_000_000 + "1", "(" * 300 + "1" + ")" * 300,
                                   "\x00", "'a'*10**9", "1" * 300, ""])
 def test_malformed_or_huge_input_is_a_failure(tool, tmp_path, expr):
-    before = _children()
+    before = children(os.getpid())
     t0 = time.monotonic()
     r = tool.call(expr)
     assert r.status == "failure", r
