@@ -139,7 +139,7 @@ def test_fork_bombs_loops_and_recursion_end(tool, tmp_path, body):
     t0 = time.monotonic()
     r = tool.call(_fn(body), TESTS)
     assert r.status in NOT_OK and r.fraction == 0.0, r
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 10  # bounded, with room for a loaded machine
     _check_host_untouched(tool, before, tmp_path / "none")
 
 
@@ -159,7 +159,7 @@ def test_huge_memory_is_refused(tool, tmp_path, body):
     t0 = time.monotonic()
     r = tool.call(_fn(body), TESTS)
     assert r.status in NOT_OK and r.fraction == 0.0, r
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 10  # bounded, with room for a loaded machine
     assert _rss_kib() - rss0 < 50_000  # the caller did not absorb it
     _check_host_untouched(tool, before, tmp_path / "none")
 

@@ -64,7 +64,7 @@ def test_huge_memory_is_refused_or_times_out(tool, tmp_path, expr):
     t0 = time.monotonic()
     r = tool.call(expr)
     assert r.status in NOT_OK, r
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10  # bounded, with room for a loaded machine
     assert _rss_kib() - rss0 < 50_000  # the caller did not absorb it
     _check_host_untouched(tool, before, tmp_path / "none")
 
@@ -84,7 +84,7 @@ def test_endless_computation_times_out_and_is_killed(tool, tmp_path, expr):
     t0 = time.monotonic()
     r = tool.call(expr)
     assert r.status == "timeout", r
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 10  # bounded, with room for a loaded machine
     assert old not in children(os.getpid())  # killed and reaped, not left running
     _check_host_untouched(tool, before, tmp_path / "none")
 
@@ -96,5 +96,5 @@ def test_malformed_or_huge_input_is_a_failure(tool, tmp_path, expr):
     t0 = time.monotonic()
     r = tool.call(expr)
     assert r.status == "failure", r
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 10  # bounded, with room for a loaded machine
     _check_host_untouched(tool, before, tmp_path / "none")
