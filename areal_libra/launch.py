@@ -231,7 +231,10 @@ def dead_servers(run_dir: Path, servers) -> tuple[list[str], int]:
     keeps current when it reconfigures the rollout groups; the launcher's own servers without it."""
     from areal_libra.integration.fleet import pid_running, read_registry
 
-    reg = [r for r in read_registry(run_dir) if r.get("state") == "serving" and r.get("pid")]
+    entries = read_registry(run_dir)
+    reg = [r for r in entries if r.get("state") == "serving" and r.get("pid")]
+    if not reg and any(r.get("state") == "draining" for r in entries):
+        return [], 0  # every server is being replaced (break-before-make); the trainer's timeouts bound it
     if not reg:
         return [s.addr for s in servers if not s.alive()], len(servers)
     return [r["addr"] for r in reg if not pid_running(int(r["pid"]))], len(reg)

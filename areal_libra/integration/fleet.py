@@ -16,6 +16,12 @@ every change; areal_libra/launch.py supervises and cleans up from servers.json.
 A server that cannot start (or dies before the switch) fails the reconfiguration with a FleetError (one
 line) and leaves the old layout serving; a server that dies after the switch is the router's business
 (failover), as in a run without reconfiguration.
+
+Devices (cluster=gpu, or any fleet given a device pool): new servers take free devices of the rollout pool.
+On a full node the new layout cannot start beside the old one, so the leaving servers whose devices it needs
+are stopped first (break-before-make, the fewest devices: placement.servers_to_retire); their requests move
+to the servers that stay or wait for the new ones. If the new layout then fails to start, servers of the
+old layout are started again on the freed devices before the FleetError is raised.
 """
 
 from __future__ import annotations
@@ -38,7 +44,12 @@ from pathlib import Path
 from areal_libra.integration.futures import then_record
 from areal_libra.integration.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
 from areal_libra.integration.launcher import ServerHandle, ServerLaunchError, ServerSpec, launch_servers
-from areal_libra.integration.placement import ROLLOUT_DEVICES_ENV, PlacementError, place_new_servers
+from areal_libra.integration.placement import (
+    ROLLOUT_DEVICES_ENV,
+    PlacementError,
+    place_new_servers,
+    servers_to_retire,
+)
 from areal_libra.utils import append_jsonl, atomic_write_text, first_line
 
 log = logging.getLogger(__name__)
@@ -142,7 +153,7 @@ class ServerFleet:
         start_timeout_s: float = 600.0,
         drain_timeout_s: float = 60.0,
         evict_timeout_s: float = 10.0,  # evicted requests give up within the watch interval
-        rollout_devices: Sequence[str] = (),  # sglang: the devices new servers may take (placement.py)
+        rollout_devices: Sequence[str] = (),  # the devices new servers may take (placement.py)
     ) -> None:
         if router is None or not hasattr(router, "set_layout"):
             raise FleetError("live reconfiguration needs the project's request router "
@@ -158,6 +169,8 @@ class ServerFleet:
         self.drain_timeout_s = drain_timeout_s
         self.evict_timeout_s = evict_timeout_s
         self.rollout_devices = tuple(rollout_devices)
+        # sglang always places on devices; an embedded fleet only when given a device pool (tests, emulation)
+        self.places_devices = backend == "sglang" or bool(self.rollout_devices)
         self.groups = list(groups) if groups else list(router.groups)
         self.servers: list[FleetServer] = [self._as_server(s) for s in servers]
         by_addr = {s.addr: s for s in self.servers}
@@ -290,9 +303,9 @@ class ServerFleet:
         if emu is not None:
             specs = [emu.emulate_spec(s) for s in specs]
         placement = None
-        if self.backend == "sglang":
+        if self.places_devices:
             # Free devices of the rollout pool only: never the trainer's, never a live server's (a dead
-            # one's are free again). Make-before-break: the leaving servers still hold theirs.
+            # one's are free again). The leaving servers still hold theirs unless _make_room stopped them.
             held = {d for s in self.servers if s.alive() for d in s.gpus}
             try:
                 placement = place_new_servers(self.rollout_devices, held, [s.tp for s in specs])
@@ -397,6 +410,75 @@ class ServerFleet:
             if drop:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def _make_room(self, target: list[RolloutGroup], slots: list[list[FleetServer | None]],
+                   leaving: list[FleetServer]) -> tuple[list[FleetServer], int]:
+        """Break-before-make on a full node: when the new servers do not fit beside every live one, stop the
+        leaving servers whose devices they need first (the fewest devices: placement.servers_to_retire).
+        Their requests move now, with their tokens so far, to the servers that stay, or wait in the router
+        (up to scheduler.failover_wait_s) for the new ones. Returns (the servers stopped, requests moved)."""
+        tps = [g.tp for g, row in zip(target, slots) for s in row if s is None]
+        if not self.places_devices or not tps:
+            return [], 0
+        held = {s.addr: s.gpus for s in self.servers if s.alive()}
+        try:
+            names = servers_to_retire(self.rollout_devices, held, [s.addr for s in leaving if s.alive()], tps)
+        except PlacementError as e:
+            raise FleetError(f"reconfigure: {e}") from None
+        retired = [s for s in leaving if s.addr in names]
+        if not retired:
+            return [], 0
+        log.warning("fleet: the new servers need the devices of %s; stopping them first (break-before-make)",
+                    [s.addr for s in retired])
+        moved = sum(self.router.inflight(s.addr) for s in retired)
+        for s in retired:
+            self.router.remove_server(s.addr)  # in-flight requests there are moved within a watch interval
+        with self._inner.lock:
+            self._inner.addresses = [a for a in self._inner.addresses if a not in names]
+        self._write_files(draining=retired)
+        deadline = time.monotonic() + self.evict_timeout_s
+        while any(self.router.inflight(s.addr) > 0 for s in retired) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for s in retired:
+            s.stop()
+        return retired, moved
+
+    def _start_and_switch(self, target: list[RolloutGroup], slots: list[list[FleetServer | None]], path: str,
+                          version: int) -> tuple[list[list[FleetServer]], list[FleetServer]]:
+        """Start the empty slots' servers from `path`, then switch router and engine to `target`.
+        Returns (servers per group, the new ones); on failure the new ones are stopped."""
+        with self._pinned_checkpoint(path):
+            new = self._start(target, slots, path, version)
+            it = iter(new)
+            rows = [[s if s is not None else next(it) for s in row] for row in slots]
+            try:
+                self._switch(target, rows, new, path, version)
+            except BaseException:
+                for s in new:
+                    s.stop()
+                raise
+        for g, row in zip(target, rows):
+            for s in row:
+                s.group = g.name
+        self.groups = target
+        return rows, new
+
+    def _restore(self, retired: list[FleetServer], path: str, version: int, cause: BaseException) -> None:
+        """The new layout failed after servers were stopped to make room: start servers of the old layout
+        on the freed devices again (as a revive would), then raise FleetError naming both."""
+        what = ", ".join(s.addr for s in retired)
+        try:
+            slots, _ = self._plan(self.groups)  # the stopped servers' slots are empty
+            rows, _ = self._start_and_switch(self.groups, slots, path, version)
+        except BaseException as e:
+            self._write_files()
+            raise FleetError(f"{first_line(cause)}; the servers stopped to make room ({what}) could not be "
+                             f"replaced either: {first_line(e)}") from cause
+        self.router.forget([s.addr for s in retired])
+        self.servers = [s for row in rows for s in row]
+        self._write_files()
+        raise FleetError(f"{first_line(cause)}; the old layout serves again (the servers stopped to make room, "
+                         f"{what}, were replaced)") from cause
+
     def reconfigure(self, groups: Sequence[RolloutGroup], step: int) -> dict:
         """Switch the rollout servers to `groups` (see the module doc). Returns {"reconfig_s", "started",
         "stopped", "moved", "groups"}; raises FleetError (one line) with the old layout still serving."""
@@ -408,23 +490,16 @@ class ServerFleet:
                 return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [], "stopped": [], "moved": 0,
                         "groups": format_allocation(self.backend, target)}
             path, version = self.current_weights()
-            with self._pinned_checkpoint(path):
-                new = self._start(target, slots, path, version)
-                it = iter(new)
-                rows = [[s if s is not None else next(it) for s in row] for row in slots]
-                try:
-                    self._switch(target, rows, new, path, version)
-                except BaseException:
-                    for s in new:
-                        s.stop()
-                    raise
-            for g, row in zip(target, rows):
-                for s in row:
-                    s.group = g.name
-            self.groups = target
+            retired, moved = self._make_room(target, slots, leaving)
+            try:
+                rows, new = self._start_and_switch(target, slots, path, version)
+            except BaseException as e:
+                if retired and isinstance(e, Exception):
+                    self._restore(retired, path, version, e)
+                raise
             self.servers = [s for row in rows for s in row] + leaving
             self._write_files(draining=leaving)
-            moved = self._drain(leaving)
+            moved += self._drain(leaving)
             self.router.forget([s.addr for s in leaving])  # first: a stopped server is no health event
             for s in leaving:
                 s.stop()

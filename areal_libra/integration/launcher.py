@@ -254,17 +254,17 @@ def launch_servers(
 ) -> list[ServerHandle]:
     """Start one server per spec (all at once), wait until all are healthy, return their handles.
 
-    sglang: server i runs on `placement.servers[i]` (default: the visible GPUs from the first on, no
+    Server i runs on `placement.servers[i]` (sglang's default: the visible GPUs from the first on, no
     trainer; PlacementError when they do not fit). On any failure every server started here is stopped
     before ServerLaunchError is raised."""
     backend = resolve_backend(backend)
     if not specs:
         return []
     gpus: list[tuple[str, ...]] = [()] * len(specs)
-    if backend == "sglang":
-        if placement is None:
-            placement = assign_gpus(visible_devices(env if env is not None else os.environ, _cuda_count()), 0,
-                                    [s.tp for s in specs])
+    if backend == "sglang" and placement is None:
+        placement = assign_gpus(visible_devices(env if env is not None else os.environ, _cuda_count()), 0,
+                                [s.tp for s in specs])
+    if placement is not None:  # embedded servers run on CPU; their devices are bookkeeping (a device pool)
         if [len(g) for g in placement.servers] != [s.tp for s in specs]:
             raise ValueError(f"placement {placement.servers} does not match the servers' TP sizes")
         gpus = list(placement.servers)

@@ -8,11 +8,13 @@ only (as AReaL's local launcher does), so a server's ``--base-gpu-id`` is 0 and 
 
 Servers the trainer starts later (a reconfiguration, a replacement for a dead one: fleet.py) take devices
 from the rollout pool (every visible device but the trainer's, passed to the trainer in
-``AREAL_LIBRA_ROLLOUT_DEVICES``) that no live server holds.
+``AREAL_LIBRA_ROLLOUT_DEVICES``) that no live server holds. When they do not fit beside every live server
+(a full node), ``servers_to_retire`` names the leaving servers to stop first (break-before-make).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -78,3 +80,33 @@ def place_new_servers(pool: Sequence[str], held: Collection[str], server_tps: Se
             f"the {len(pool)} rollout devices are free ({','.join(free) or 'none'}); the rest serve the current "
             "layout") from None
     return Placement((), got.servers, tuple(pool))
+
+
+def servers_to_retire(pool: Sequence[str], held: Mapping[str, Sequence[str]], leaving: Sequence[str],
+                      server_tps: Sequence[int]) -> list[str]:
+    """Which leaving servers must stop before servers of `server_tps` can start (break-before-make).
+
+    ``held``: each live server's devices, by address; ``leaving``: the addresses the new layout drops.
+    Empty when the new servers fit beside every live server. Otherwise the leaving servers that free the
+    fewest devices (then the fewest servers, then the earliest in ``leaving``), so that as much of the old
+    layout as possible serves while the new servers start. PlacementError when they would not fit even
+    with every leaving server stopped."""
+    need = sum(server_tps)
+    pool_set = set(pool)
+    busy = {d for devs in held.values() for d in devs}
+    free = len([d for d in pool if d not in busy])
+    if need <= free:
+        return []
+    own = {a: len([d for d in held.get(a, ()) if d in pool_set]) for a in leaving}
+    best: tuple[int, int, tuple[str, ...]] | None = None  # (devices freed, servers, which)
+    for k in range(1, len(leaving) + 1):
+        for combo in itertools.combinations(leaving, k):
+            freed = sum(own[a] for a in combo)
+            if free + freed >= need and (best is None or (freed, k) < best[:2]):
+                best = (freed, k, combo)
+    if best is None:
+        raise PlacementError(
+            f"the new servers need {need} GPUs (TP {'+'.join(map(str, server_tps))}) but only "
+            f"{free + sum(own.values())} of the {len(pool)} rollout devices would be free with every leaving "
+            "server stopped; the servers the new layout keeps hold the rest")
+    return list(best[2])

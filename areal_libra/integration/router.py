@@ -189,6 +189,7 @@ class RequestRouter:
             for a in new_all:
                 self._retired.pop(a, None)
                 self._evicted.discard(a)
+                self._removed.discard(a)  # a new server may reuse the address of one removed earlier
             index = {g.name: gi for gi, g in enumerate(groups)}
             for tr in self._tracks.values():
                 tr.group = index.get(old_names[tr.group], -1) if 0 <= tr.group < len(old_names) else -1

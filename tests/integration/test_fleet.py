@@ -69,8 +69,8 @@ def make_router(groups, addrs, run_dir: Path, policy: str = "least_loaded") -> R
 class Load:
     """Keeps `concurrency` requests in flight through engine.agenerate (hence the router) until stopped."""
 
-    def __init__(self, eng, concurrency: int = 4) -> None:
-        self.eng, self.concurrency = eng, concurrency
+    def __init__(self, eng, concurrency: int = 4, new_tokens: int = NEW_TOKENS) -> None:
+        self.eng, self.concurrency, self.new_tokens = eng, concurrency, new_tokens
         self.issued = 0
         self.results: list[tuple[int, str]] = []
         self.errors: list[str] = []
@@ -84,7 +84,7 @@ class Load:
 
         while not self._stop.is_set():
             req = ModelRequest(rid=uuid.uuid4().hex, input_ids=[5 + i, 7, 9, 11 + self.issued % 30],
-                               gconfig=GenerationHyperparameters(max_new_tokens=NEW_TOKENS, max_tokens=256,
+                               gconfig=GenerationHyperparameters(max_new_tokens=self.new_tokens, max_tokens=1024,
                                                                  temperature=1.0, ignore_eos=True))
             self.issued += 1
             self.inflight += 1
@@ -115,7 +115,7 @@ class Load:
         """Nothing lost: every request issued came back complete (a moved request keeps its tokens)."""
         assert self.errors == []
         assert len(self.results) == self.issued > 0
-        assert all(n == NEW_TOKENS and r == "length" for n, r in self.results), self.results
+        assert all(n == self.new_tokens and r == "length" for n, r in self.results), self.results
 
 
 def server_requests(addr: str) -> int:
@@ -332,7 +332,8 @@ def test_sigkill_of_a_draining_server_loses_no_request(servers, tiny_model_pair,
         return drain(leaving)
 
     fleet._drain = drain_after_a_kill
-    load = Load(eng, concurrency=6).start()
+    # Long requests: the ones on the leaving server are still running when its drain begins.
+    load = Load(eng, concurrency=6, new_tokens=400).start()
     try:
         deadline = time.monotonic() + 30
         while min(router.inflight(e.addr), router.inflight(f.addr)) == 0 and time.monotonic() < deadline:
@@ -379,6 +380,13 @@ def test_launcher_supervises_and_cleans_up_from_the_registry(tmp_path) -> None:
                {"addr": "127.0.0.1:40003", "pid": gone.pid, "state": "serving"}]
         atomic_write_text(tmp_path / REGISTRY_FILE, json.dumps({"servers": reg}))
         assert dead_servers(tmp_path, []) == (["127.0.0.1:40003"], 3)
+        # Every server stopped to make room for a new layout (break-before-make): not "all servers died",
+        # although the launcher's own (first) servers are gone.
+        draining = [{**r, "state": "draining"} for r in reg]
+        atomic_write_text(tmp_path / REGISTRY_FILE, json.dumps({"servers": draining}))
+        launcher_own = SimpleNamespace(addr="127.0.0.1:40003", alive=lambda: False)
+        assert dead_servers(tmp_path, [launcher_own]) == ([], 0)
+        atomic_write_text(tmp_path / REGISTRY_FILE, json.dumps({"servers": reg}))
         assert kill_leftover_servers(tmp_path) == [left.pid]
         left.wait(timeout=10)
         assert not pid_running(left.pid) and pid_running(other.pid) and os.path.exists(f"/proc/{other.pid}")

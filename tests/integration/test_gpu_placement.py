@@ -15,6 +15,7 @@ from areal_libra.integration.placement import (
     PlacementError,
     assign_gpus,
     place_new_servers,
+    servers_to_retire,
     visible_devices,
 )
 
@@ -176,3 +177,19 @@ def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatc
     finally:
         fleet.close()
         router.close()
+
+
+def test_servers_to_retire_make_room_with_the_least_capacity_lost():
+    pool = [str(i) for i in range(1, 8)]  # trainer on 0
+    held = {"a": ("1",), "b": ("2",), "c": ("3", "4"), "d": ("5", "6", "7")}
+    # Everything fits beside the live servers: nothing stops first.
+    assert servers_to_retire(pool, {"a": ("1",)}, ["a"], [2, 2]) == []
+    # A TP2 needs 2 devices and none is free: the two TP1 (2 devices) rather than the TP4-sized d (3).
+    assert servers_to_retire(pool, held, ["a", "b", "d"], [2]) == ["a", "b"]
+    # Same devices freed, fewer servers stopped: c alone rather than a and b.
+    assert servers_to_retire(pool, held, ["a", "b", "c"], [2]) == ["c"]
+    # A TP1: the first leaving TP1.
+    assert servers_to_retire(pool, held, ["b", "a"], [1]) == ["b"]
+    # Kept servers are never stopped: without d leaving, a TP4 cannot fit.
+    with pytest.raises(PlacementError, match=r"need 4 GPUs \(TP 4\) but only 2 of the 7 rollout devices"):
+        servers_to_retire(pool, held, ["a", "b"], [4])
