@@ -479,12 +479,14 @@ class ServerFleet:
         raise FleetError(f"{first_line(cause)}; the old layout serves again (the servers stopped to make room, "
                          f"{what}, were replaced)") from cause
 
-    def reconfigure(self, groups: Sequence[RolloutGroup], step: int) -> dict:
-        """Switch the rollout servers to `groups` (see the module doc). Returns {"reconfig_s", "started",
-        "stopped", "moved", "groups"}; raises FleetError (one line) with the old layout still serving."""
+    def reconfigure(self, groups: Sequence[RolloutGroup] | None, step: int) -> dict:
+        """Switch the rollout servers to `groups` (see the module doc); None: the layout in force when this
+        call gets its turn (replace dead servers, without undoing a re-plan that ran meanwhile). Returns
+        {"reconfig_s", "started", "stopped", "moved", "groups"}; raises FleetError (one line) with the old
+        layout still serving."""
         t0 = time.monotonic()
         with self._reconf:
-            target = self._validate(groups)
+            target = self._validate(self.groups if groups is None else groups)
             slots, leaving = self._plan(target)
             if not leaving and all(s is not None for row in slots for s in row) and target == self.groups:
                 return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [], "stopped": [], "moved": 0,

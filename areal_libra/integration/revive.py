@@ -28,7 +28,7 @@ REVIVE_LOG = "revive.jsonl"
 
 
 class ServerReviver:
-    """A daemon thread that replaces dead rollout servers through `fleet.reconfigure(fleet.groups)`."""
+    """A daemon thread that replaces dead rollout servers through `fleet.reconfigure(None)` (the layout in force)."""
 
     def __init__(self, fleet: Any, router: Any, run_dir: str | Path | None = None, interval_s: float = 1.0) -> None:
         self.fleet = fleet
@@ -54,11 +54,13 @@ class ServerReviver:
 
         t0 = time.monotonic()
         try:
-            out = self.fleet.reconfigure(list(self.fleet.groups), step=-1)
+            out = self.fleet.reconfigure(None, step=-1)  # not fleet.groups now: a re-plan may be under way
         except FleetError as e:  # e.g. a weight update in progress: the next round retries
             self.failures += 1
             log.warning("revive: cannot replace %s yet: %s", dead, first_line(e))
             return None
+        if not out.get("started"):
+            return None  # a reconfiguration under way had stopped them (it held the fleet while we waited)
         self.revived += len(out.get("started", []))
         rec = {"t": round(time.time(), 3), "dead": dead, "started": out.get("started", []),
                "stopped": out.get("stopped", []), "revive_s": round(time.monotonic() - t0, 3)}

@@ -8,6 +8,7 @@ devices, and no request is lost; a new layout that fails to start gives the old 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from areal_libra.integration.fleet import REGISTRY_FILE, FleetError, FleetServer, ServerFleet
 from areal_libra.integration.groups import RolloutGroup
+from areal_libra.integration.revive import REVIVE_LOG, ServerReviver
 from tests.integration.test_fleet import TP2, Load, greedy, make_engine, make_router
 
 pytestmark = pytest.mark.slow  # five embedded servers on loopback
@@ -59,9 +61,24 @@ def test_the_leaving_servers_a_new_layout_needs_stop_first(servers, tiny_model_p
     eng.set_request_router(router)
     fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded",
                         on_devices([a, b, c], "012"), [three], tmp_path, rollout_devices=("0", "1", "2"))
+    # The reviver looks while the stopped servers are still the fleet's: it must not count them as replaced.
+    reviver = ServerReviver(fleet, router, tmp_path)
+    start, looked = fleet._start, []
+
+    def start_while_the_reviver_looks(*args):
+        t = threading.Thread(target=lambda: looked.append((reviver.dead(), reviver.check_once())))
+        t.start()
+        looked.append(t)
+        return start(*args)
+
+    fleet._start = start_while_the_reviver_looks
     load = Load(eng).start()
     try:
         out = fleet.reconfigure([one, TP2], step=1)
+        fleet._start = start
+        looked[0].join(60)
+        assert sorted(looked[1][0]) == sorted([b.addr, c.addr]) and looked[1][1] is None
+        assert reviver.revived == 0 and not (tmp_path / REVIVE_LOG).exists()
         assert sorted(out["stopped"]) == sorted([b.addr, c.addr]) and len(out["started"]) == 1
         (d_addr,) = out["started"]
         assert registry(tmp_path) == {a.addr: ["0"], d_addr: ["1", "2"]}
