@@ -7,9 +7,11 @@ devices, and no request is lost; a new layout that fails to start gives the old 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,29 @@ def wait_for(cond, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def full_pool(handles, group: RolloutGroup, model: str, run_dir: Path) -> Iterator[tuple[ServerFleet, Load]]:
+    """A fleet of `handles` on a device pool they fill (one device each), under load. On a normal exit the
+    load must make progress on the final layout; the caller checks that nothing was lost (load.check)."""
+    addrs = [h.addr for h in handles]
+    router = make_router([group], [addrs], run_dir)
+    eng = make_engine(addrs, f"fleet-pool-{run_dir.name}")
+    eng.set_request_router(router)
+    devices = tuple(str(i) for i in range(len(handles)))
+    fleet = ServerFleet(eng, router, model, run_dir / "logs", "embedded", on_devices(handles, devices), [group],
+                        run_dir, rollout_devices=devices)
+    load = Load(eng).start()
+    try:
+        yield fleet, load
+        done = len(load.results)
+        wait_for(lambda: len(load.results) >= done + 8)
+    finally:
+        load.stop()
+        eng.destroy()
+        router.close()
+        fleet.close(stop_servers=True)
+
+
 def registry(run_dir: Path) -> dict[str, list[str]]:
     return {r["addr"]: r["gpus"] for r in json.loads((run_dir / REGISTRY_FILE).read_text())["servers"]}
 
@@ -56,24 +81,18 @@ def test_the_leaving_servers_a_new_layout_needs_stop_first(servers, tiny_model_p
     a, b, c = servers[:3]
     three = RolloutGroup("tp1", tp=1, count=3, threads=1, max_running=64, max_len=128)
     one = RolloutGroup("tp1", tp=1, count=1, threads=1, max_running=64, max_len=128)
-    router = make_router([three], [[a.addr, b.addr, c.addr]], tmp_path)
-    eng = make_engine([a.addr, b.addr, c.addr], "fleet-bbm")
-    eng.set_request_router(router)
-    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded",
-                        on_devices([a, b, c], "012"), [three], tmp_path, rollout_devices=("0", "1", "2"))
-    # The reviver looks while the stopped servers are still the fleet's: it must not count them as replaced.
-    reviver = ServerReviver(fleet, router, tmp_path)
-    start, looked = fleet._start, []
+    with full_pool([a, b, c], three, tiny_model_pair[0], tmp_path) as (fleet, load):
+        # The reviver looks while the stopped servers are still the fleet's: it must not count them as replaced.
+        reviver = ServerReviver(fleet, fleet.router, tmp_path)
+        start, looked = fleet._start, []
 
-    def start_while_the_reviver_looks(*args):
-        t = threading.Thread(target=lambda: looked.append((reviver.dead(), reviver.check_once())))
-        t.start()
-        looked.append(t)
-        return start(*args)
+        def start_while_the_reviver_looks(*args):
+            t = threading.Thread(target=lambda: looked.append((reviver.dead(), reviver.check_once())))
+            t.start()
+            looked.append(t)
+            return start(*args)
 
-    fleet._start = start_while_the_reviver_looks
-    load = Load(eng).start()
-    try:
+        fleet._start = start_while_the_reviver_looks
         out = fleet.reconfigure([one, TP2], step=1)
         fleet._start = start
         looked[0].join(60)
@@ -83,17 +102,10 @@ def test_the_leaving_servers_a_new_layout_needs_stop_first(servers, tiny_model_p
         (d_addr,) = out["started"]
         assert registry(tmp_path) == {a.addr: ["0"], d_addr: ["1", "2"]}
         assert not b.alive() and not c.alive() and a.alive()
-        done = len(load.results)
         out = fleet.reconfigure([three], step=2)
         assert out["stopped"] == [d_addr] and len(out["started"]) == 2
         assert sorted(registry(tmp_path).values()) == [["0"], ["1"], ["2"]]
         assert all(greedy(s)[0] == greedy(a.addr)[0] for s in out["started"])  # same weights everywhere
-        wait_for(lambda: len(load.results) >= done + 8)
-    finally:
-        load.stop()
-        eng.destroy()
-        router.close()
-        fleet.close(stop_servers=True)
     load.check()
 
 
@@ -103,24 +115,18 @@ def test_a_layout_that_needs_every_device_and_fails_gives_the_old_one_back(serve
     new server. The first attempt fails to start: two TP1 start again on devices 0 and 1 and the FleetError
     says so; the second attempt succeeds. Under load, nothing is lost."""
     g, h = servers[3:5]
-    router = make_router([TP1x], [[g.addr, h.addr]], tmp_path)
-    eng = make_engine([g.addr, h.addr], "fleet-bbm2")
-    eng.set_request_router(router)
-    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded",
-                        on_devices([g, h], "01"), [TP1x], tmp_path, rollout_devices=("0", "1"))
-    start = fleet._start
     attempts: list[list[int]] = []
+    with full_pool([g, h], TP1x, tiny_model_pair[0], tmp_path) as (fleet, load):
+        start = fleet._start
 
-    def fail_the_first_tp2(target, slots, path, version):
-        tps = [grp.tp for grp, row in zip(target, slots) for s in row if s is None]
-        attempts.append(tps)
-        if tps == [2] and len(attempts) == 1:
-            raise FleetError("reconfigure: cannot start TP2 (tp2): injected")
-        return start(target, slots, path, version)
+        def fail_the_first_tp2(target, slots, path, version):
+            tps = [grp.tp for grp, row in zip(target, slots) for s in row if s is None]
+            attempts.append(tps)
+            if tps == [2] and len(attempts) == 1:
+                raise FleetError("reconfigure: cannot start TP2 (tp2): injected")
+            return start(target, slots, path, version)
 
-    fleet._start = fail_the_first_tp2
-    load = Load(eng).start()
-    try:
+        fleet._start = fail_the_first_tp2
         with pytest.raises(FleetError, match=r"injected; the old layout serves again") as e:
             fleet.reconfigure([TP2], step=1)
         assert "\n" not in str(e.value)
@@ -129,11 +135,4 @@ def test_a_layout_that_needs_every_device_and_fails_gives_the_old_one_back(serve
         out = fleet.reconfigure([TP2], step=2)
         assert len(out["stopped"]) == 2 and len(out["started"]) == 1
         assert list(registry(tmp_path).values()) == [["0", "1"]]
-        done = len(load.results)
-        wait_for(lambda: len(load.results) >= done + 8)
-    finally:
-        load.stop()
-        eng.destroy()
-        router.close()
-        fleet.close(stop_servers=True)
     load.check()
