@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -37,6 +39,17 @@ def check_logprobs(model, req: Request, temperature: float = 1.0) -> None:
     assert torch.allclose(ref, torch.tensor(req.output_logprobs), atol=1e-4), req.rid
 
 
+@contextlib.contextmanager
+def running(model, tok, cfg: EngineConfig) -> Iterator[BatchEngine]:
+    """A started engine, stopped on exit (its stats stay readable afterwards)."""
+    engine = BatchEngine(model, tok, cfg)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
 def run_staggered(engine: BatchEngine, specs: list[tuple[list[int], SamplingParams]], gap: float) -> list[Request]:
     done = threading.Semaphore(0)
     reqs = [
@@ -56,16 +69,12 @@ def test_staggered_mixed_lengths_match_unbatched_model(hf):
     compaction, queueing beyond max_running); every logprob equals a plain forward of that sequence."""
     model, tok = hf
     rng = random.Random(0)
-    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=8, seed=1))
-    engine.start()
-    try:
+    with running(model, tok, EngineConfig(max_running_requests=8, seed=1)) as engine:
         specs = []
         for _ in range(30):
             ids = [rng.randrange(2, len(tok)) for _ in range(rng.randint(1, 50))]
             specs.append((ids, SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True)))
         reqs = run_staggered(engine, specs, gap=0.003)
-    finally:
-        engine.stop()
     for r, (_, sp) in zip(reqs, specs):
         assert len(r.output_ids) == sp.max_new_tokens and r.finish_reason["type"] == "length"
         check_logprobs(model, r)
@@ -93,15 +102,11 @@ def test_token_budget_retracts_and_completes(hf):
     """max_total_tokens smaller than the batch's needs: requests are retracted and re-prefilled, and still
     produce correct continuations."""
     model, tok = hf
-    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=8, max_total_tokens=200))
-    engine.start()
-    try:
+    with running(model, tok, EngineConfig(max_running_requests=8, max_total_tokens=200)) as engine:
         specs = [
             (tok.encode(f"What is {i}+{i}? "), SamplingParams(max_new_tokens=40, ignore_eos=True)) for i in range(6)
         ]
         reqs = run_staggered(engine, specs, gap=0.0)
-    finally:
-        engine.stop()
     assert engine.stats.retracted_requests > 0
     assert sum(r.retractions for r in reqs) == engine.stats.retracted_requests
     for r in reqs:
@@ -191,9 +196,7 @@ def test_multi_turn_reuses_previous_turn_cache(hf):
     """Turn 2 re-sends prompt + turn-1 output + a tool return: only the new tail is prefilled, and its
     logprobs equal a plain forward of the whole conversation."""
     model, tok = hf
-    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=8))
-    engine.start()
-    try:
+    with running(model, tok, EngineConfig(max_running_requests=8)) as engine:
         firsts = run_staggered(
             engine,
             [
@@ -209,8 +212,6 @@ def test_multi_turn_reuses_previous_turn_cache(hf):
             [(r.input_ids + r.output_ids + tool, SamplingParams(max_new_tokens=10, ignore_eos=True)) for r in firsts],
             gap=0.0,
         )
-    finally:
-        engine.stop()
     # the last sampled token of turn 1 was never fed back, so it is prefilled with the tool return
     assert engine.stats.prefill_tokens - before == 4 * (len(tool) + 1)
     for first, second in zip(firsts, seconds):
@@ -250,16 +251,12 @@ def test_stop_string_candidates_cache_is_bounded(hf):
     from areal_libra.server.batching import STOP_CANDIDATE_CACHE
 
     model, tok = hf
-    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=8))
-    engine.start()
-    try:
+    with running(model, tok, EngineConfig(max_running_requests=8)) as engine:
         reqs = run_staggered(
             engine,
             [(tok.encode("Hi"), SamplingParams(max_new_tokens=2, stop=[f"end{i}x"])) for i in range(3 * STOP_CANDIDATE_CACHE)],
             gap=0.0,
         )
-    finally:
-        engine.stop()
     assert all(r.finish_reason is not None for r in reqs)
     assert len(engine._candidate_cache) <= STOP_CANDIDATE_CACHE
     # the most recent set is kept and gives the same answer as a fresh computation
