@@ -72,7 +72,7 @@ class RolloutGroupConfig:
 
 @dataclass
 class DispatchConfig:
-    """`libra.scheduler`: the request router patched into AReaL (areal_libra.integration.router)."""
+    """`libra.scheduler`: the request router patched into AReaL (areal_libra.rollout.router)."""
 
     policy: str = "cmlfq"  # cmlfq | mlfq | predictor | least_loaded | oracle | round_robin (AReaL's own)
     sticky: bool = True  # stay on one server inside a group (its prefix cache holds the context)
@@ -102,7 +102,7 @@ class DispatchConfig:
 
 @dataclass
 class LiveElasticConfig:
-    """`libra.elastic`: the Elastic Hybrid Pool in a live run (areal_libra.integration.elastic_live)."""
+    """`libra.elastic`: the Elastic Hybrid Pool in a live run (areal_libra.live.elastic_live)."""
 
     enabled: bool = False
     hybrids: int = 1
@@ -129,7 +129,7 @@ class LiveElasticConfig:
 
 @dataclass
 class ControlSettings:
-    """`libra.control`: the live control loop (areal_libra.integration.live_cluster, areal_libra.control)."""
+    """`libra.control`: the live control loop (areal_libra.live.live_cluster, areal_libra.control)."""
 
     every_k: int = 10  # re-plan period in steps (the paper's)
     reconfig_cost_s: float = 15.0  # what the re-plan gate charges for one live reconfiguration
@@ -145,7 +145,7 @@ class ControlSettings:
 @dataclass
 class EmulatedConfig:
     """`libra.emulated` (cluster=emulated): N emulated accelerators paced to a real model on real hardware
-    (the simulator's hardware truth), see areal_libra.integration.emulation."""
+    (the simulator's hardware truth), see areal_libra.rollout.emulation."""
 
     enabled: bool = False
     accelerators: int = 16
@@ -176,7 +176,7 @@ class LibraConfig:
     elastic: LiveElasticConfig = field(default_factory=LiveElasticConfig)
     emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
     control: ControlSettings = field(default_factory=ControlSettings)
-    revive_servers: bool = True  # libra mode: a rollout server that dies is replaced (integration/revive.py)
+    revive_servers: bool = True  # libra mode: a rollout server that dies is replaced (rollout/revive.py)
 
     def __post_init__(self) -> None:
         if self.mode not in ("libra", "static"):

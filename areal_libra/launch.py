@@ -18,7 +18,7 @@ from pathlib import Path
 from areal_libra.config import Composed, ConfigError, compose, save
 
 # libra mode: how long every rollout server may be dead while the trainer starts replacements
-# (integration/revive.py) before the launcher gives up.
+# (rollout/revive.py) before the launcher gives up.
 REVIVE_GRACE_S = 180.0
 
 
@@ -69,7 +69,7 @@ def check_dataset(c: Composed) -> None:
 def rollout_groups(c: Composed):
     """The run's rollout groups, short to long: `libra.rollout_alloc` (e.g. sglang:d2t1+d1t2) or the
     `libra.rollout_groups` list; bucket thresholds default to an even split of gconfig.max_tokens."""
-    from areal_libra.integration.groups import GroupConfigError, resolve_groups
+    from areal_libra.rollout.groups import GroupConfigError, resolve_groups
 
     try:
         return resolve_groups(c.libra, int(c.areal.gconfig.max_tokens))
@@ -78,7 +78,7 @@ def rollout_groups(c: Composed):
 
 
 def _servers(c: Composed):
-    from areal_libra.integration.groups import expand_servers
+    from areal_libra.rollout.groups import expand_servers
 
     # Launch order = address order: group after group (rollout_groups.json records the split).
     return expand_servers(rollout_groups(c))
@@ -87,7 +87,7 @@ def _servers(c: Composed):
 def emulation(c: Composed):
     """cluster=emulated: the ClusterEmulation, its accelerator budget checked against the rollout groups
     (None on a real cluster)."""
-    from areal_libra.integration.emulation import ClusterEmulation, EmulationError
+    from areal_libra.rollout.emulation import ClusterEmulation, EmulationError
 
     try:
         emu = ClusterEmulation.from_libra(c.libra)
@@ -99,7 +99,7 @@ def emulation(c: Composed):
 
 
 def server_specs(c: Composed):
-    from areal_libra.integration.launcher import ServerSpec
+    from areal_libra.rollout.launcher import ServerSpec
 
     specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name) for g in _servers(c)]
     emu = emulation(c)
@@ -110,8 +110,8 @@ def placement(c: Composed, env: dict[str, str] | None = None, gpu_count: int | N
     """GPU placement of a cuda run: the trainer's device first, then the servers' (disjoint); None on CPU."""
     if c.libra.get("device", "cpu") != "cuda":
         return None
-    from areal_libra.integration.launcher import _cuda_count
-    from areal_libra.integration.placement import PlacementError, assign_gpus, visible_devices
+    from areal_libra.rollout.launcher import _cuda_count
+    from areal_libra.rollout.placement import PlacementError, assign_gpus, visible_devices
 
     count = _cuda_count() if gpu_count is None else gpu_count
     try:
@@ -148,7 +148,7 @@ def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # disjoint from every server's
     if rollout_pool:
-        from areal_libra.integration.placement import ROLLOUT_DEVICES_ENV
+        from areal_libra.rollout.placement import ROLLOUT_DEVICES_ENV
 
         env[ROLLOUT_DEVICES_ENV] = ",".join(rollout_pool)
     if c.libra.get("device", "cpu") == "cpu":
@@ -229,7 +229,7 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
 def dead_servers(run_dir: Path, servers) -> tuple[list[str], int]:
     """(addresses of dead serving servers, how many serve): from <run_dir>/servers.json, which the trainer
     keeps current when it reconfigures the rollout groups; the launcher's own servers without it."""
-    from areal_libra.integration.fleet import pid_running, read_registry
+    from areal_libra.rollout.fleet import pid_running, read_registry
 
     entries = read_registry(run_dir)
     reg = [r for r in entries if r.get("state") == "serving" and r.get("pid")]
@@ -244,7 +244,7 @@ def kill_leftover_servers(run_dir: Path) -> list[int]:
     """SIGKILL the process group of every server in servers.json that still runs (started by the trainer,
     which may have died without stopping them). A pid counts only if its command line still names the
     server's port, so a recycled pid is left alone."""
-    from areal_libra.integration.fleet import pid_running, read_registry
+    from areal_libra.rollout.fleet import pid_running, read_registry
 
     killed = []
     for r in read_registry(run_dir):
@@ -311,7 +311,7 @@ def start_retriever(c: Composed, log_dir: Path):
 
 def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers: list) -> int:
     metrics_path = log_dir / "metrics.jsonl"
-    from areal_libra.integration.recover import clear_name_resolve, recovered_steps, reset_step_records
+    from areal_libra.live.recover import clear_name_resolve, recovered_steps, reset_step_records
 
     resumed = recovered_steps(c.areal)  # recover.mode=auto|resume with a checkpoint: AReaL resumes after it
     kept = reset_step_records(log_dir, resumed)
@@ -320,14 +320,14 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
     clear_name_resolve(c.areal)  # a killed trainer's weight-update records would fail the next run's
     save(c, log_dir)
     if c.libra.mode == "libra":
-        from areal_libra.integration.live_cluster import ControlError, check_feasible
+        from areal_libra.live.live_cluster import ControlError, check_feasible
 
         try:
             plan = check_feasible(c.libra, c.areal, model_path)
         except ControlError as e:
             raise LaunchError(str(e)) from None
         print("areal_libra: libra mode; worst-case plan: " + plan.splitlines()[0].split(": ", 1)[-1], flush=True)
-    from areal_libra.integration.launcher import launch_servers, shutdown
+    from areal_libra.rollout.launcher import launch_servers, shutdown
 
     quiet = not sys.stdout.isatty()
     print(f"areal_libra: run directory {log_dir}", flush=True)
@@ -340,15 +340,15 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
     try:
         addrs = [s.addr for s in servers]
         print(f"areal_libra: rollout servers {', '.join(addrs)}", flush=True)
-        from areal_libra.integration.router import write_groups_file
+        from areal_libra.rollout.router import write_groups_file
 
         write_groups_file(log_dir, rollout_groups(c), addrs)  # which address serves which group
-        from areal_libra.integration.fleet import write_registry
+        from areal_libra.rollout.fleet import write_registry
 
         write_registry(log_dir, servers)  # pids; the trainer keeps it current when it reconfigures
         with open(log_dir / "trainer.log", "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "areal_libra.integration.train", "--run-dir", str(log_dir)],
+                [sys.executable, "-m", "areal_libra.live.train", "--run-dir", str(log_dir)],
                 env=trainer_env(c, addrs, gpus.trainer if gpus else (), gpus.pool if gpus else ()),
                 stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,

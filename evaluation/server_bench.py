@@ -74,7 +74,7 @@ def run(
     server's own counters from /get_server_info."""
     from transformers import AutoTokenizer
 
-    from areal_libra.integration.launcher import ServerSpec, launch_servers, shutdown
+    from areal_libra.rollout.launcher import ServerSpec, launch_servers, shutdown
     from areal_libra.server.inprocess import http
 
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     import aiohttp
     from transformers import AutoTokenizer
 
-    from areal_libra.integration.launcher import ServerSpec, launch_servers, shutdown
+    from areal_libra.rollout.launcher import ServerSpec, launch_servers, shutdown
     from areal_libra.server.inprocess import http
 
     model = _model_path(args.model_path)

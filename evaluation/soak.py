@@ -4,7 +4,7 @@
     python -m evaluation.soak --steps 12 --kill-every 4 --out /tmp/soak-small     # a quick check
 
 Runs `python -m areal_libra.launch experiment=dapo_math total_train_steps=STEPS` (the embedded CPU cluster,
-libra mode, where the trainer replaces a dead server: areal_libra/integration/revive.py), SIGKILLs one
+libra mode, where the trainer replaces a dead server: areal_libra/rollout/revive.py), SIGKILLs one
 serving rollout server (from the run's servers.json) every KILL_EVERY steps, and samples the resident
 memory (RSS) of every process of the run (launcher, trainer, rollout servers, calculator tool workers,
 helpers) every --sample-s seconds. At the end it writes <out>/soak.json and <out>/soak.png (reward per step
@@ -85,7 +85,7 @@ def role(cmd: list[str]) -> str:
     text = " ".join(cmd)
     if "areal_libra.launch" in text:
         return "launcher"
-    if "areal_libra.integration.train" in text:
+    if "areal_libra.live.train" in text:
         return "trainer"
     if "embedded_server" in text:
         port = cmd[cmd.index("--port") + 1] if "--port" in cmd and cmd.index("--port") + 1 < len(cmd) else "?"

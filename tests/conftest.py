@@ -37,7 +37,7 @@ def tiny_model_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]
 def embedded_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable]:
     """launch(model_dir, specs, timeout=120) -> handles of real embedded servers (subprocesses on loopback);
     all are shut down when the module's tests are done."""
-    from areal_libra.integration.launcher import launch_servers, shutdown
+    from areal_libra.rollout.launcher import launch_servers, shutdown
 
     launched: list = []
     root = tmp_path_factory.mktemp("servers")

@@ -72,7 +72,7 @@ class EngineConfig:
 
 
 class Pacer(Protocol):
-    """Target wall times for an emulated accelerator (areal_libra.integration.emulation.ServerEmulation):
+    """Target wall times for an emulated accelerator (areal_libra.rollout.emulation.ServerEmulation):
     the engine sleeps until each iteration has taken its target."""
 
     def decode_s(self, batch: int, resident_tokens: int) -> float: ...

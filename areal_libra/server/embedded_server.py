@@ -75,19 +75,19 @@ class ServerArgs:
     default_max_new_tokens: int = 128
     weight_version: str = "default"
     parent_pid: int | None = None  # exit when this process is gone (set by the launcher)
-    # Emulated accelerator (areal_libra.integration.emulation): pace iterations to this model on this GPU.
+    # Emulated accelerator (areal_libra.rollout.emulation): pace iterations to this model on this GPU.
     emulate_model: str | None = None
     emulate_gpu: str | None = None
     emulate_tp: int | None = None  # None: tp_size
     emulate_time_scale: float = 1.0
-    emulate_growth: float = 0.0  # emulated lengths grow with the weight version (integration.emulation)
+    emulate_growth: float = 0.0  # emulated lengths grow with the weight version (rollout.emulation)
     emulate_horizon: int = 40
 
     def emulation(self) -> Any:
         """The ServerEmulation these arguments ask for, or None (raises EmulationError on bad values)."""
         if self.emulate_model is None and self.emulate_gpu is None:
             return None
-        from areal_libra.integration.emulation import EmulationError, ServerEmulation
+        from areal_libra.rollout.emulation import EmulationError, ServerEmulation
 
         if self.emulate_model is None or self.emulate_gpu is None:
             raise EmulationError("--emulate-model and --emulate-gpu must be given together")
@@ -177,7 +177,7 @@ class EmbeddedServer:
             pacer=self.emulation,
         )
         if self.emulation is not None and args.emulate_growth > 0:
-            from areal_libra.integration.emulation import GrowingPacer
+            from areal_libra.rollout.emulation import GrowingPacer
 
             self.engine.pacer = GrowingPacer(self.emulation, args.emulate_growth, args.emulate_horizon,
                                              lambda: self.engine.weight_version)
@@ -573,7 +573,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if ns.emulate_growth < 0 or ns.emulate_horizon < 1 or (ns.emulate_growth > 0 and ns.emulate_model is None):
         p.error("--emulate-growth must be >= 0 (with --emulate-model), --emulate-horizon >= 1")
     if ns.emulate_model is not None or ns.emulate_gpu is not None:
-        from areal_libra.integration.emulation import EmulationError
+        from areal_libra.rollout.emulation import EmulationError
 
         try:
             ServerArgs(model_path=ns.model_path, tp_size=ns.tp_size, emulate_model=ns.emulate_model,

@@ -15,8 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
-from areal_libra.integration.launcher import free_ports
 from areal_libra.server.embedded_server import EmbeddedServer, ServerArgs, load_model
+from areal_libra.utils import free_ports
 
 
 class InProcessServer:

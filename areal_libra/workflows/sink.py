@@ -1,6 +1,6 @@
 """The trajectory sink shared by every workflow: finished episodes go to the live prefix tree and trace writer.
 
-A workflow module re-exports `set_trajectory_sink` (integration/train.py and the router look it up on the
+A workflow module re-exports `set_trajectory_sink` (live/train.py and the router look it up on the
 workflow's module) and calls `emit` once per finished episode."""
 
 from __future__ import annotations

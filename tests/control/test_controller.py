@@ -11,7 +11,7 @@ import pytest
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
 from areal_libra.elastic.policy import ElasticConfig
-from areal_libra.integration.live_cluster import LiveCluster
+from areal_libra.live.live_cluster import LiveCluster
 from areal_libra.sim.cluster import Simulation
 from areal_libra.sim.libra import SimPlanSource
 from areal_libra.sim.registry import build_system
@@ -265,7 +265,7 @@ def test_restored_controller_makes_the_same_decisions(recorded, tmp_path, k):
     that re-starts fresh from the same plan and history (when it had acted before k) ends elsewhere."""
     from types import SimpleNamespace
 
-    from areal_libra.integration.recover import ControlStateFile, plan_from_state, restore_control_state
+    from areal_libra.live.recover import ControlStateFile, plan_from_state, restore_control_state
 
     env, sim_ctl, rec = recorded
     cfg = sim_ctl.ctl.cfg

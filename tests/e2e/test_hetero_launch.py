@@ -28,7 +28,7 @@ def test_cpu_hetero_run_finishes_after_losing_a_server(tmp_path: Path) -> None:
     steps, kill_after = 3, 1
     proc = subprocess.Popen(
         # The static groups (libra.mode=static): this checks failover between fixed groups; libra mode's
-        # live layout changes are tested in test_e2e_launch.py and tests/integration/test_fleet.py.
+        # live layout changes are tested in test_e2e_launch.py and tests/rollout/test_fleet.py.
         [sys.executable, "-m", "areal_libra.launch", "experiment=dapo_math", "cluster=cpu_hetero", "libra.mode=static",
          f"total_train_steps={steps}", f"cluster.fileroot={tmp_path}", "trial_name=hetero"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

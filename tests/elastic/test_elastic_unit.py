@@ -179,7 +179,7 @@ def test_controller_turns_policy_decisions_into_requests(tmp_path):
 def test_live_config_from_libra_or_environment(monkeypatch):
     from omegaconf import OmegaConf
 
-    from areal_libra.integration.elastic_live import load_config
+    from areal_libra.live.elastic_live import load_config
 
     monkeypatch.delenv("AREAL_LIBRA_ELASTIC", raising=False)
     assert not load_config(OmegaConf.create({})).enabled

@@ -6,19 +6,14 @@ import socket
 
 import pytest
 import torch
+from areal_libra.utils import free_port
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp_forward_on_packed_batch_matches_per_sequence_hf(tmp_path) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()), TORCHDYNAMO_DISABLE="1")
+                      MASTER_PORT=str(free_port()), TORCHDYNAMO_DISABLE="1")
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
     from areal.api.io_struct import FinetuneSpec
     from areal.engine.fsdp_engine import FSDPEngine

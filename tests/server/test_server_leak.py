@@ -64,13 +64,13 @@ def listening_hosts(port: int) -> set[str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, embedded_servers):
-    from areal_libra.integration.launcher import ServerSpec
+    from areal_libra.rollout.launcher import ServerSpec
 
     return embedded_servers(tiny_model_dir, [ServerSpec(max_running=8)])[0]
 
 
 def test_servers_listen_on_loopback_by_default(server, tiny_model_dir):
-    from areal_libra.integration.launcher import launch_servers
+    from areal_libra.rollout.launcher import launch_servers
     from areal_libra.server.embedded_server import ServerArgs, parse_args
     from areal_libra.server.inprocess import InProcessServer
 

@@ -23,7 +23,7 @@ def test_composes_with_its_own_workflow_dataset_and_model():
 
 
 def test_trainer_builds_the_configured_dataset():
-    from areal_libra.integration.train import build_dataset
+    from areal_libra.live.train import build_dataset
 
     c = compose(["experiment=code_sandbox", "libra.dataset.n_problems=5"])
     ds = build_dataset(c.libra, c.areal)

@@ -52,7 +52,7 @@ def test_a_given_url_must_answer(tmp_path):
 
 
 def test_trainer_dataset_and_workflow_arguments():
-    from areal_libra.integration.train import build_dataset
+    from areal_libra.live.train import build_dataset
     from areal_libra.workflows.search_r1 import SearchR1Workflow
 
     c = compose(["experiment=search_r1", "libra.dataset.n_problems=50"])

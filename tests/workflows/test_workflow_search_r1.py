@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from areal_libra.integration.launcher import ServerSpec
 from areal_libra.models.tiny import ensure_model
+from areal_libra.rollout.launcher import ServerSpec
 from areal_libra.trace import read_traces, write_traces
 from areal_libra.workflows import search_r1
 from areal_libra.workflows.retriever import RetrieverProcess

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_libra.integration.groups import RolloutGroup
-from areal_libra.integration.router import DispatchConfig, RequestRouter
+from areal_libra.rollout.groups import RolloutGroup
+from areal_libra.rollout.router import DispatchConfig, RequestRouter
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 
 pytestmark = pytest.mark.slow  # starts three servers and AReaL engines: ~3 minutes on 2 shared cores
@@ -62,8 +62,8 @@ def build_tool_model(out_dir: Path, seed: int = 0) -> str:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, embedded_servers):
     """Tool model + three embedded servers: group short (2 x TP1) and group long (1 x TP2)."""
-    from areal_libra.integration.groups import expand_servers
-    from areal_libra.integration.launcher import ServerSpec
+    from areal_libra.rollout.groups import expand_servers
+    from areal_libra.rollout.launcher import ServerSpec
 
     root = tmp_path_factory.mktemp("hetero")
     model = build_tool_model(root / "model")
@@ -316,7 +316,7 @@ def test_killing_a_server_mid_rollout_loses_no_trajectory(fleet, tmp_path) -> No
 @pytest.fixture(scope="module")
 def spare(fleet, embedded_servers):
     """One more short-group server, to be killed in the middle of a weight update."""
-    from areal_libra.integration.launcher import ServerSpec
+    from areal_libra.rollout.launcher import ServerSpec
 
     model, _, _ = fleet
     return embedded_servers(model, [ServerSpec(tp=SHORT.tp, threads=1, max_running=64, group="short")])[0]

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
+
+from areal_libra.utils import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +49,9 @@ def _hybrid(port, shapes, snapdir, rt):
     HybridWorker("127.0.0.1", port, rt, "h0", 0, snapdir, ConstantReplica(shapes)).run()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp_engine_hook_joins_hybrid_with_its_weight(tmp_path):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()), TORCHDYNAMO_DISABLE="1")
+                      MASTER_PORT=str(free_port()), TORCHDYNAMO_DISABLE="1")
     import torch.distributed as dist
     from areal.api.cli_args import OptimizerConfig, TrainEngineConfig
     from areal.api.io_struct import FinetuneSpec
@@ -64,7 +59,7 @@ def test_fsdp_engine_hook_joins_hybrid_with_its_weight(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
-    from areal_libra.integration.elastic_hook import FSDPElasticHook
+    from areal_libra.live.elastic_hook import FSDPElasticHook
 
     torch.manual_seed(0)
     qc = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -139,7 +134,7 @@ def _engine_config(model_dir: str, lr: float):
 
 def _areal_hybrid(port, model_dir, snapdir, rt):
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    from areal_libra.integration.elastic_worker import build_engine, run_worker
+    from areal_libra.live.elastic_worker import build_engine, run_worker
 
     run_worker("127.0.0.1", port, "h0", 0, snapdir, build_engine(_engine_config(model_dir, 0.05)), cfg=rt)
 
@@ -164,14 +159,14 @@ def test_live_path_hybrid_trains_on_its_share_of_the_batch(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
-    from areal_libra.integration.elastic_hook import (
+    from areal_libra.live.elastic_hook import (
         AReaLEngineReplica,
         FSDPElasticHook,
         batch_dir,
         split_batch,
         write_shard,
     )
-    from areal_libra.integration.elastic_worker import build_engine
+    from areal_libra.live.elastic_worker import build_engine
 
     torch.manual_seed(0)
     qc = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -1,6 +1,6 @@
 """A hybrid replica process for a live AReaL run (SPMD, FSDP engine):
 
-    python -m areal_libra.integration.elastic_worker --store HOST:PORT --rid h0 --snapshot-dir DIR \\
+    python -m areal_libra.live.elastic_worker --store HOST:PORT --rid h0 --snapshot-dir DIR \\
         --config RUN_DIR/areal_config.yaml [--rank 0]
 
 Builds the actor's FSDPEngine from the run's AReaL config (its own single-rank torch.distributed world)
@@ -15,21 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from areal_libra.utils import free_port
 
 
 def build_engine(engine_config: Any, dataset_size: int = 1024, batch_size: int = 16) -> Any:
     """An initialised FSDPEngine in a fresh single-rank world (the hybrid's own process group)."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+                      MASTER_PORT=str(free_port()))
     from areal.api.io_struct import FinetuneSpec
     from areal.engine.fsdp_engine import FSDPEngine
 
@@ -44,7 +39,7 @@ def run_worker(host: str, port: int, rid: str, rank: int, snapshot_dir: str, eng
                rollout: Any = None, cfg: Any = None) -> dict[str, Any]:
     from areal_libra.elastic_runtime.core import RuntimeConfig
     from areal_libra.elastic_runtime.hybrid import HybridWorker
-    from areal_libra.integration.elastic_hook import AReaLEngineReplica
+    from areal_libra.live.elastic_hook import AReaLEngineReplica
 
     replica = AReaLEngineReplica(engine, snapshot_dir, rid, rank)
     return HybridWorker(host, port, cfg or RuntimeConfig(), rid, rank, snapshot_dir, replica, rollout).run()
@@ -94,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         from areal_libra.elastic_runtime.kv import KV, connect
         from areal_libra.elastic_runtime.modeswitch import HttpRollout
-        from areal_libra.integration.elastic_serving import inprocess_launch, serve_channel
+        from areal_libra.live.elastic_serving import inprocess_launch, serve_channel
 
         register, unregister = serve_channel(KV(connect(host, int(port)), rt.namespace), args.rid,
                                              args.server_threads, args.server_max_running, args.ack_timeout)

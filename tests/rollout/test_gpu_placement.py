@@ -8,9 +8,9 @@ import pytest
 
 from areal_libra import launch
 from areal_libra.config import compose
-from areal_libra.integration import launcher
-from areal_libra.integration.launcher import ServerSpec
-from areal_libra.integration.placement import (
+from areal_libra.rollout import launcher
+from areal_libra.rollout.launcher import ServerSpec
+from areal_libra.rollout.placement import (
     ROLLOUT_DEVICES_ENV,
     PlacementError,
     assign_gpus,
@@ -126,11 +126,11 @@ def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatc
     from areal.engine.sglang_remote import RemoteSGLangEngine
 
     from areal_libra.config import DispatchConfig
-    from areal_libra.integration import fleet as fleet_mod
-    from areal_libra.integration.fleet import FleetError, build_fleet, write_registry
-    from areal_libra.integration.groups import RolloutGroup
-    from areal_libra.integration.launcher import ServerHandle, ServerLaunchError
-    from areal_libra.integration.router import RequestRouter, write_groups_file
+    from areal_libra.rollout import fleet as fleet_mod
+    from areal_libra.rollout.fleet import FleetError, build_fleet, write_registry
+    from areal_libra.rollout.groups import RolloutGroup
+    from areal_libra.rollout.launcher import ServerHandle, ServerLaunchError
+    from areal_libra.rollout.router import RequestRouter, write_groups_file
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

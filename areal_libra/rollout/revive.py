@@ -50,7 +50,7 @@ class ServerReviver:
         dead = self.dead()
         if not dead:
             return None
-        from areal_libra.integration.fleet import FleetError
+        from areal_libra.rollout.fleet import FleetError
 
         t0 = time.monotonic()
         try:

@@ -1,5 +1,5 @@
 """The launcher's supervision when every rollout server is dead: at once without server replacement, after
-the grace period with it (libra mode: the trainer starts a replacement, integration/revive.py), and not at
+the grace period with it (libra mode: the trainer starts a replacement, rollout/revive.py), and not at
 all when a serving server appears in servers.json within the grace period."""
 
 from __future__ import annotations

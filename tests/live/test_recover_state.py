@@ -1,4 +1,4 @@
-"""Recover helpers (areal_libra.integration.recover): the recovered step from AReaL's step_info.json, the
+"""Recover helpers (areal_libra.live.recover): the recovered step from AReaL's step_info.json, the
 metrics kept up to it, the control history saved and reloaded, and the trial's name_resolve cleared.
 The end-to-end kill-and-resume run is `python -m evaluation.recover` (minutes)."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from omegaconf import OmegaConf
 
-from areal_libra.integration.recover import (
+from areal_libra.live.recover import (
     clear_name_resolve,
     recovered_steps,
     reset_step_records,
@@ -107,8 +107,8 @@ class _Source:
 
 def _control(tmp_path: Path):
     from areal_libra.control import ControlConfig
-    from areal_libra.integration.groups import RolloutGroup
-    from areal_libra.integration.live_cluster import LiveCluster, LiveControl
+    from areal_libra.live.live_cluster import LiveCluster, LiveControl
+    from areal_libra.rollout.groups import RolloutGroup
 
     cluster = LiveCluster(None, None, groups=[RolloutGroup("tp1", tp=1, count=2, max_len=4096)])
     cluster.finished.extend([(10, 100)] * 32)
@@ -139,7 +139,7 @@ def test_pool_state_roundtrip() -> None:
 
 
 def test_snapshot_of_the_checkpoint_step_is_restored(tmp_path: Path, capsys) -> None:
-    from areal_libra.integration.recover import ControlStateFile
+    from areal_libra.live.recover import ControlStateFile
 
     control = _control(tmp_path)
     f = ControlStateFile(tmp_path)
@@ -168,7 +168,7 @@ def test_snapshot_of_the_checkpoint_step_is_restored(tmp_path: Path, capsys) -> 
 
 
 def test_resume_brings_the_saved_layout_back(tmp_path: Path) -> None:
-    from areal_libra.integration.recover import ControlStateFile, plan_to_state
+    from areal_libra.live.recover import ControlStateFile, plan_to_state
 
     control = _control(tmp_path)
     for step in range(1, 4):
@@ -184,7 +184,7 @@ def test_resume_brings_the_saved_layout_back(tmp_path: Path) -> None:
 
 
 def test_bad_or_missing_state_is_one_line_and_a_fresh_start(tmp_path: Path, capsys) -> None:
-    from areal_libra.integration.recover import ControlStateFile
+    from areal_libra.live.recover import ControlStateFile
 
     f = ControlStateFile(tmp_path)
     assert f.load(5) is None
@@ -213,7 +213,7 @@ def test_live_pool_rejoins_hybrids_that_were_training(tmp_path: Path) -> None:
 
     from areal_libra.elastic.state import HybridReplica, Pool, ReplicaState
     from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
-    from areal_libra.integration.elastic_live import ElasticPoolControl, LiveElastic
+    from areal_libra.live.elastic_live import ElasticPoolControl, LiveElastic
 
     saved = Pool(1, 1, [HybridReplica("h0"), HybridReplica("h1")])
     g = saved.request_join("h1")

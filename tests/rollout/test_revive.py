@@ -1,4 +1,4 @@
-"""A run's only rollout server is SIGKILLed under request load: the reviver (areal_libra.integration.revive)
+"""A run's only rollout server is SIGKILLed under request load: the reviver (areal_libra.rollout.revive)
 starts a replacement through the fleet, the requests that were on the dead server resume there, and no
 request is lost (real embedded servers, AReaL's engine and the project's router on loopback)."""
 
@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from areal_libra.integration.fleet import ServerFleet
-from areal_libra.integration.revive import REVIVE_LOG, ServerReviver, rollout_counters
-from tests.integration.test_fleet import NEW_TOKENS, TP1, Load, make_engine, make_router
+from areal_libra.rollout.fleet import ServerFleet
+from areal_libra.rollout.revive import REVIVE_LOG, ServerReviver, rollout_counters
+from tests.rollout.test_fleet import NEW_TOKENS, TP1, Load, make_engine, make_router
 
 pytestmark = pytest.mark.slow  # two embedded servers, one after the other
 
@@ -30,7 +30,7 @@ async def _one(eng):
 
 def test_the_only_server_killed_under_load_is_replaced_and_nothing_is_lost(tiny_model_pair, embedded_servers,
                                                                           tmp_path) -> None:
-    from areal_libra.integration.launcher import ServerSpec
+    from areal_libra.rollout.launcher import ServerSpec
 
     (a,) = embedded_servers(tiny_model_pair[0], [ServerSpec(tp=1, threads=1, max_running=64, group="tp1")])
     router = make_router([TP1], [[a.addr]], tmp_path)

@@ -3,7 +3,7 @@
 Started by `areal_libra.launch` in AReaL's SPMD mode (AREAL_SPMD_MODE=1, torch.distributed env set,
 AREAL_LLM_SERVER_ADDRS naming the rollout servers):
 
-    python -m areal_libra.integration.train --run-dir DIR
+    python -m areal_libra.live.train --run-dir DIR
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def install_router(trainer, libra, run_dir: Path, metrics, force: bool = False) 
         return None
     if str(libra.get("scheduler", {}).get("policy")) != policy:
         libra = OmegaConf.merge(libra, {"scheduler": {"policy": policy}})
-    from areal_libra.integration.router import build_router
+    from areal_libra.rollout.router import build_router
 
     router = build_router(libra, run_dir)
     trainer.rollout.set_request_router(router)
@@ -52,21 +52,21 @@ def install_router(trainer, libra, run_dir: Path, metrics, force: bool = False) 
 
 
 def install_control(trainer, libra, config, run_dir: Path, metrics, router, elastic, sinks: list):
-    """libra mode: the shared LibraController drives this run (areal_libra.integration.live_cluster)."""
+    """libra mode: the shared LibraController drives this run (areal_libra.live.live_cluster)."""
     if str(libra.get("mode", "static")) != "libra" or int(os.environ.get("RANK", "0") or 0) != 0:
         return None
     from areal_libra.config import libra_config
-    from areal_libra.integration.live_cluster import LiveCluster, LiveControl, control_config, plan_source
-    from areal_libra.integration.router import GROUPS_FILE, publish_metrics, read_groups_file
+    from areal_libra.live.live_cluster import LiveCluster, LiveControl, control_config, plan_source
+    from areal_libra.rollout.router import GROUPS_FILE, publish_metrics, read_groups_file
 
     typed = libra_config(libra)
     fleet = None
     if router is not None:  # libra mode always routes (C-MLFQ), so the fleet can switch layouts
-        from areal_libra.integration.fleet import build_fleet
+        from areal_libra.rollout.fleet import build_fleet
 
         fleet = build_fleet(trainer, router, run_dir)
-        if bool(libra.get("revive_servers", True)):  # a dead server is replaced (integration/revive.py)
-            from areal_libra.integration.revive import ServerReviver
+        if bool(libra.get("revive_servers", True)):  # a dead server is replaced (rollout/revive.py)
+            from areal_libra.rollout.revive import ServerReviver
 
             reviver = ServerReviver(fleet, router, run_dir).start()
             metrics.add_source(reviver.metrics)
@@ -76,7 +76,7 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
                           max_running=groups[0].max_running if groups else 256,
                           max_tokens=int(config.gconfig.max_tokens), groups=groups)
     sinks.append(cluster.on_trajectory)
-    from areal_libra.integration.recover import (
+    from areal_libra.live.recover import (
         ControlStateFile,
         recover_enabled,
         recovered_steps,
@@ -131,13 +131,13 @@ def resume_pool(control, elastic, snap: dict) -> None:
 
 def install_emulation(trainer, libra, run_dir: Path, metrics, control, elastic=None) -> None:
     """cluster=emulated: pace the trainer (servers pace themselves) to the emulated model and accelerators."""
-    from areal_libra.integration.emulation import ClusterEmulation
+    from areal_libra.rollout.emulation import ClusterEmulation
 
     emu = ClusterEmulation.from_libra(libra)
     if emu is None:
         return
-    from areal_libra.integration.emulation import install_train_pacing
-    from areal_libra.integration.router import GROUPS_FILE, read_groups_file
+    from areal_libra.rollout.emulation import install_train_pacing
+    from areal_libra.rollout.router import GROUPS_FILE, read_groups_file
 
     static_groups = read_groups_file(run_dir / GROUPS_FILE)[0]
     if control is not None:
@@ -188,18 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         workflow_kwargs.update(wf_cls.libra_kwargs(libra))
     with PPOTrainer(config, train_dataset=dataset, valid_dataset=None) as trainer:
         trainer.stats_logger.add_sink(metrics.on_commit)
-        from areal_libra.integration.elastic_live import hybrids_serve
+        from areal_libra.live.elastic_live import hybrids_serve
 
         router = install_router(trainer, libra, run_dir, metrics, force=hybrids_serve(libra))
         if router is not None:
             sinks.append(router.on_trajectory)
             router.attach_engine(trainer.rollout)  # a server that missed a weight update stays out
-        from areal_libra.integration.elastic_live import install_elastic
+        from areal_libra.live.elastic_live import install_elastic
 
         elastic = install_elastic(trainer, libra, run_dir, metrics)  # None unless libra.elastic.enabled
         control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks)
         install_emulation(trainer, libra, run_dir, metrics, control, elastic)
-        from areal_libra.integration.revive import rollout_counters
+        from areal_libra.rollout.revive import rollout_counters
 
         metrics.add_source(lambda: rollout_counters(trainer.rollout))  # nothing lost: accepted vs rejected
         try:

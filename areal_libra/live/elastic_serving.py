@@ -28,7 +28,7 @@ from typing import Any
 
 from areal_libra.elastic.measure import pressures
 from areal_libra.elastic_runtime.kv import KV, connect
-from areal_libra.integration.futures import then_record
+from areal_libra.rollout.futures import then_record
 
 log = logging.getLogger(__name__)
 

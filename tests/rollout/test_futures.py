@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from areal_libra.integration.futures import then_record
+from areal_libra.rollout.futures import then_record
 
 
 def test_the_waiter_wakes_after_the_record_even_behind_a_slow_callback() -> None:

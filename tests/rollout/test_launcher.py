@@ -7,17 +7,17 @@ import sys
 
 import pytest
 
-from areal_libra.integration.launcher import (
+from areal_libra.rollout.launcher import (
     ServerLaunchError,
     ServerSpec,
     build_command,
-    free_ports,
     launch_servers,
     resolve_backend,
     server_infos,
     shutdown,
 )
 from areal_libra.server.inprocess import http
+from areal_libra.utils import free_ports
 
 
 def test_two_servers_serve_report_spec_and_shut_down(tiny_model_dir, tmp_path):
@@ -112,7 +112,7 @@ def test_server_exits_when_its_launcher_dies(tiny_model_dir, tmp_path):
 
     script = (
         "import sys, time\n"
-        "from areal_libra.integration.launcher import ServerSpec, launch_servers\n"
+        "from areal_libra.rollout.launcher import ServerSpec, launch_servers\n"
         f"h = launch_servers({tiny_model_dir!r}, [ServerSpec()], {str(tmp_path / 'logs')!r}, backend='embedded', timeout=120)\n"
         "print(h[0].proc.pid, flush=True)\n"
         "time.sleep(600)\n"

@@ -45,7 +45,7 @@ from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.elastic.state import JOINING, Pool, ReplicaState
 from areal_libra.elastic_runtime.controller import ElasticController
 from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
-from areal_libra.integration.elastic_hook import FSDPElasticHook
+from areal_libra.live.elastic_hook import FSDPElasticHook
 
 log = logging.getLogger(__name__)
 
@@ -178,14 +178,14 @@ class LiveElastic:
             log.warning("libra.elastic.serve: no request router or inference engine; hybrids idle in rollout")
         self.registry = None
         if self.serve:
-            from areal_libra.integration.elastic_serving import ServeRegistry
+            from areal_libra.live.elastic_serving import ServeRegistry
 
             self.registry = ServeRegistry("127.0.0.1", self.store.port, rt.namespace, self.rids, inference, router,
                                           group=cfg.rollout_group)
         self.idle_measured = False
         self.pressure = None
         if inference is not None:
-            from areal_libra.integration.elastic_serving import PressureSampler
+            from areal_libra.live.elastic_serving import PressureSampler
 
             self.pressure = PressureSampler(lambda: list(inference.addresses))
         self.procs: list[subprocess.Popen] = []
@@ -193,7 +193,7 @@ class LiveElastic:
         # Workers block on store keys in 2 s slices; c10d logs a warning per slice otherwise.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         for rid in self.rids:
-            cmd = [sys.executable, "-m", "areal_libra.integration.elastic_worker",
+            cmd = [sys.executable, "-m", "areal_libra.live.elastic_worker",
                    "--store", f"127.0.0.1:{self.store.port}", "--rid", rid,
                    "--snapshot-dir", str(self.dir / "snapshots"), "--config", str(run_dir / "areal_config.yaml"),
                    "--runtime", json.dumps(cfg.runtime)]
@@ -292,7 +292,7 @@ class LiveElastic:
         """Hybrid replicas training now (an emulated trainer counts their accelerators)."""
         return len(self.core.pool.in_state(ReplicaState.TRAINING))
 
-    # -- resuming after a restart (integration.recover) ----------------------------------------------
+    # -- resuming after a restart (live.recover) ----------------------------------------------
     def resume(self, state: dict) -> list[str]:
         """Take the saved pool's counters, and have the hybrids that were training (or joining) re-join
         through the join protocol once their restarted workers are ready: a restarted worker holds no weights,
@@ -387,7 +387,7 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> Li
     router = getattr(inference, "request_router", None) if inference is not None else None
     device = str(libra.get("device", "cpu")) if libra is not None else "cpu"
     batch = int(trainer.config.train_dataset.batch_size) if hasattr(trainer, "config") else 1
-    from areal_libra.integration.emulation import ClusterEmulation
+    from areal_libra.rollout.emulation import ClusterEmulation
 
     emu = ClusterEmulation.from_libra(libra) if libra is not None else None
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,

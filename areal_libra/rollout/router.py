@@ -2,7 +2,7 @@
 request is done, and asks it for another server when a server fails mid-request (patch 10).
 
     router = build_router(libra, run_dir)          # from the run's config and rollout_groups.json
-    trainer.rollout.set_request_router(router)     # areal_libra/integration/train.py does this
+    trainer.rollout.set_request_router(router)     # areal_libra/live/train.py does this
 
 Placement is the C-MLFQ `Dispatcher` (areal_libra/cmlfq): a trajectory keeps its group until the
 policy moves it at a tool return. The router adds what the live system needs around it: load accounting,
@@ -26,9 +26,9 @@ from pathlib import Path
 
 from areal_libra.cmlfq import Bucket, Dispatcher, NoHealthyServer, ServerGroup, make_policy
 from areal_libra.config import DispatchConfig
-from areal_libra.integration.groups import RolloutGroup, expand_servers, group_from_mapping, resolve_groups
-from areal_libra.integration.health import HealthMonitor, probe
-from areal_libra.integration.live_tree import LiveTree
+from areal_libra.rollout.groups import RolloutGroup, expand_servers, group_from_mapping, resolve_groups
+from areal_libra.rollout.health import HealthMonitor, probe
+from areal_libra.rollout.live_tree import LiveTree
 from areal_libra.trace import Trajectory
 from areal_libra.utils import append_jsonl, atomic_write_text
 
@@ -158,7 +158,7 @@ class RequestRouter:
             sticky=cfg.sticky,
         )
 
-    # --- live reconfiguration (areal_libra.integration.fleet) ---
+    # --- live reconfiguration (areal_libra.rollout.fleet) ---
     def set_layout(self, groups: Sequence[RolloutGroup], addresses: Sequence[Sequence[str]]) -> list[str]:
         """Switch to new rollout groups: every request placed from now on (new trajectories, next turns,
         failovers) goes to the new layout. Servers left out get no new request; their in-flight requests

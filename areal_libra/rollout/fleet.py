@@ -41,10 +41,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from areal_libra.integration.futures import then_record
-from areal_libra.integration.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
-from areal_libra.integration.launcher import ServerHandle, ServerLaunchError, ServerSpec, launch_servers
-from areal_libra.integration.placement import (
+from areal_libra.rollout.futures import then_record
+from areal_libra.rollout.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
+from areal_libra.rollout.launcher import ServerHandle, ServerLaunchError, ServerSpec, launch_servers
+from areal_libra.rollout.placement import (
     ROLLOUT_DEVICES_ENV,
     PlacementError,
     place_new_servers,
@@ -297,7 +297,7 @@ class ServerFleet:
                  for g, row in zip(target, slots) for s in row if s is None]
         if not specs:
             return []
-        from areal_libra.integration.emulation import active
+        from areal_libra.rollout.emulation import active
 
         emu = active()  # cluster=emulated: the new servers are paced like the launcher's
         if emu is not None:
@@ -526,7 +526,7 @@ class ServerFleet:
     def _write_files(self, draining: Sequence[FleetServer] = ()) -> None:
         if self.run_dir is None:
             return
-        from areal_libra.integration.router import write_groups_file
+        from areal_libra.rollout.router import write_groups_file
 
         gone = {id(s) for s in draining}
         body = {"servers": [s.record("draining" if id(s) in gone else "serving") for s in self.servers]}
@@ -572,11 +572,11 @@ def write_registry(run_dir: str | Path, handles: Sequence[ServerHandle], owner: 
 
 
 def build_fleet(trainer, router, run_dir: str | Path, **kwargs) -> ServerFleet:
-    """The fleet of a live run (areal_libra/integration/train.py, after install_router): the launcher's
+    """The fleet of a live run (areal_libra/live/train.py, after install_router): the launcher's
     servers from rollout_groups.json + servers.json, the model from the AReaL config."""
     from omegaconf import OmegaConf
 
-    from areal_libra.integration.router import GROUPS_FILE, read_groups_file
+    from areal_libra.rollout.router import GROUPS_FILE, read_groups_file
 
     run_dir = Path(run_dir)
     groups, addrs = read_groups_file(run_dir / GROUPS_FILE)

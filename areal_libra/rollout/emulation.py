@@ -11,7 +11,7 @@ target (too many servers on too few cores, or a time scale too small) the iterat
 servers count those (``/get_server_info`` -> ``engine_stats.pace_overruns``) so a run can say how faithful
 it was.
 
-    from areal_libra.integration.emulation import ClusterEmulation, configure, pace_train_step
+    from areal_libra.rollout.emulation import ClusterEmulation, configure, pace_train_step
     emu = ClusterEmulation.from_libra(libra_cfg)  # None unless cluster=emulated
     configure(emu)
     t0 = time.perf_counter(); ...one training step...
@@ -262,7 +262,7 @@ class ClusterEmulation:
 
     def server_spec(self, group: Any, seed: int = 0) -> Any:
         """The launcher's ServerSpec for one server of a RolloutGroup on this emulated cluster."""
-        from areal_libra.integration.launcher import ServerSpec
+        from areal_libra.rollout.launcher import ServerSpec
 
         return ServerSpec(tp=group.tp, threads=self.server_threads, max_running=group.max_running,
                           group=group.name, seed=seed,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from areal.api.io_struct import ModelRequest
 
-from areal_libra.integration.groups import RolloutGroup
-from areal_libra.integration.live_tree import TREE_FILE, WINDOW_FILE
-from areal_libra.integration.router import (
+from areal_libra.rollout.groups import RolloutGroup
+from areal_libra.rollout.live_tree import TREE_FILE, WINDOW_FILE
+from areal_libra.rollout.router import (
     DispatchConfig,
     RequestRouter,
     ServerDown,
@@ -316,7 +316,7 @@ def test_single_controller_router_travels_over_areal_rpc_serialization(tmp_path:
     from areal.infra.rpc.serialization import deserialize_value, serialize_value
     from omegaconf import OmegaConf
 
-    from areal_libra.integration.router import RemoteRouter
+    from areal_libra.rollout.router import RemoteRouter
 
     groups = [RolloutGroup("short", 1, 2, max_len=80), RolloutGroup("long", 2, 1, max_len=160)]
     write_groups_file(tmp_path, groups, ["a:1", "a:2", "b:1"])
@@ -413,7 +413,7 @@ def test_control_requests_take_a_dead_server_out_instead_of_failing() -> None:
 
 
 def test_set_layout_switches_placement_keeps_the_tree_and_drains_retired_servers() -> None:
-    """A reconfiguration (areal_libra.integration.fleet): new placements go to the new layout only, the
+    """A reconfiguration (areal_libra.rollout.fleet): new placements go to the new layout only, the
     learned tree carries over, in-flight requests on a retired server are counted until done, and an evicted
     one gives up at once (it resumes elsewhere through failover)."""
     router = make_router()

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_libra.integration.groups import RolloutGroup
-from areal_libra.integration.router import DispatchConfig, RequestRouter
+from areal_libra.rollout.groups import RolloutGroup
+from areal_libra.rollout.router import DispatchConfig, RequestRouter
 
 MAX_TOKENS = 512
 
@@ -85,7 +85,7 @@ def test_hybrid_serves_in_rollout_drains_on_join_and_returns_with_current_weight
 
     from areal_libra.elastic_runtime.kv import KV, connect
     from areal_libra.elastic_runtime.modeswitch import HttpRollout
-    from areal_libra.integration.elastic_serving import PressureSampler, ServeRegistry, serve_channel
+    from areal_libra.live.elastic_serving import PressureSampler, ServeRegistry, serve_channel
     from areal_libra.server.inprocess import InProcessServer
 
     current, stale = tiny_model_pair  # the trainer's weights; the hybrid's own (older) ones
@@ -183,7 +183,7 @@ def test_pool_view_join_release_over_the_core(tmp_path):
     from areal_libra.config import LiveElasticConfig
     from areal_libra.elastic.state import ReplicaState
     from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
-    from areal_libra.integration.elastic_live import ElasticPoolControl
+    from areal_libra.live.elastic_live import ElasticPoolControl
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     core = ElasticCore(store, RuntimeConfig(), 0, 1, None, str(tmp_path / "snap"), state_fn=dict,
@@ -254,7 +254,7 @@ def test_idle_clock_follows_arealss_in_flight_count() -> None:
     from areal.infra.staleness_manager import StalenessManager
 
     from areal_libra.elastic.measure import RolloutIdleClock
-    from areal_libra.integration.elastic_live import follow_in_flight
+    from areal_libra.live.elastic_live import follow_in_flight
 
     class Version:
         def get_version(self) -> int:

@@ -4,7 +4,7 @@ from areal.api.alloc_mode import ModelAllocation
 from areal.api.io_struct import WeightUpdateMeta
 from areal.engine.sglang_remote import SGLangBackend
 
-from areal_libra.integration.groups import parse_allocation, server_sizes, xccl_rank_offsets
+from areal_libra.rollout.groups import parse_allocation, server_sizes, xccl_rank_offsets
 
 
 def _payloads(meta: WeightUpdateMeta, n: int) -> list[dict]:

@@ -6,7 +6,7 @@ implements the controller's Cluster interface on the real run:
 - history: (prompt_tokens, final_length) of finished trajectories (the workflow's trajectory sink);
 - apply_plan: the plan's rollout mix as server groups (TP t = t threads per embedded server on CPU,
   `--tp-size t` per SGLang server on GPU), reconfigured live by the server fleet (drain, restart, resume);
-- pool / join / release: the Elastic Hybrid Pool (integration/elastic_live.py) when it is enabled.
+- pool / join / release: the Elastic Hybrid Pool (live/elastic_live.py) when it is enabled.
 The first plan is solved from the first step's lengths (`libra.control.profile_steps`).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
-from areal_libra.integration.groups import RolloutGroup, groups_from_plan
+from areal_libra.rollout.groups import RolloutGroup, groups_from_plan
 
 log = logging.getLogger("areal_libra.control")
 
@@ -186,7 +186,7 @@ class LiveControl:
         self.ctl: LibraController | None = None
         self.timeline: list[dict] = []  # per step: allocation and throughput, for the end-of-run figure
         self._metrics: dict[str, float] = {}
-        self.resume: dict | None = None  # a saved snapshot (integration.recover) to continue from
+        self.resume: dict | None = None  # a saved snapshot (live.recover) to continue from
 
     def on_step(self, step: int, rec: dict) -> dict[str, float]:
         """Called once per committed step with that step's flat record; returns plan/* metrics."""
@@ -238,11 +238,11 @@ class LiveControl:
         self.ctl = LibraController(self.cfg, self.source, plan)
 
     def _resume(self, step: int) -> None:
-        """Continue from the saved controller (integration.recover): its plan's layout is brought back (the
+        """Continue from the saved controller (live.recover): its plan's layout is brought back (the
         restarted servers start in the launch layout), then it decides on this step as if it never stopped.
         A state that does not load: one line, and the ordinary first plan."""
         from areal_libra.control.controller import ControlEvent
-        from areal_libra.integration.recover import plan_from_state
+        from areal_libra.live.recover import plan_from_state
 
         snap, self.resume = self.resume, None
         try:
@@ -334,12 +334,12 @@ def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
         n = int(c.accelerators)
     elif emulated is None and str(c.cluster) == "cpu":
         # The embedded CPU cluster plans what the config grants: trainer threads + the servers' TP.
-        from areal_libra.integration.groups import resolve_groups
+        from areal_libra.rollout.groups import resolve_groups
 
         groups = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))
         n = int(libra.trainer_threads) + sum(g.tp * g.count for g in groups)
     if emulated is not None:
-        # The hybrid pool's accelerators are the elastic pool's, not the plan's (integration.emulation).
+        # The hybrid pool's accelerators are the elastic pool's, not the plan's (rollout.emulation).
         hybrids = int(libra.elastic.hybrids) if libra.elastic.enabled else 0
         n = int(emulated.accelerators) - hybrids
     if n > 0:

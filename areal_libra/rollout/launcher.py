@@ -15,7 +15,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from areal_libra.integration.placement import Placement, PlacementError, assign_gpus, visible_devices
+from areal_libra.rollout.placement import Placement, PlacementError, assign_gpus, visible_devices
+from areal_libra.utils import free_ports
 
 BACKENDS = ("auto", "embedded", "sglang")
 
@@ -113,20 +113,6 @@ def _cuda_count() -> int:
         return torch.cuda.device_count()
     except Exception:  # noqa: BLE001 - no usable torch: no GPUs
         return 0
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct ports that were free a moment ago (all held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def build_command(
@@ -338,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"launcher: error: {message}\n")
             raise SystemExit(2)
 
-    p = _Parser(prog="python -m areal_libra.integration.launcher", description="Start rollout servers until Ctrl-C.")
+    p = _Parser(prog="python -m areal_libra.rollout.launcher", description="Start rollout servers until Ctrl-C.")
     p.add_argument("--model-path", required=True)
     p.add_argument("--tp", type=int, nargs="+", default=[1], help="one TP size per server")
     p.add_argument("--threads", type=int, default=None, help="compute threads per server (default: its TP)")

@@ -1,4 +1,4 @@
-"""Live reconfiguration of rollout server groups (areal_libra.integration.fleet) with real embedded servers,
+"""Live reconfiguration of rollout server groups (areal_libra.rollout.fleet) with real embedded servers,
 AReaL's real RemoteSGLangEngine and the project's RequestRouter on loopback, under continuous request
 load: servers are added and removed while requests are in flight, new servers serve the current weights,
 a server SIGKILLed mid-reconfiguration loses no request, and a group that cannot start leaves the old
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from areal_libra.config import DispatchConfig
-from areal_libra.integration.fleet import (
+from areal_libra.rollout.fleet import (
     REGISTRY_FILE,
     FleetError,
     ServerFleet,
@@ -27,8 +27,8 @@ from areal_libra.integration.fleet import (
     read_registry,
     write_registry,
 )
-from areal_libra.integration.groups import RolloutGroup
-from areal_libra.integration.router import GROUPS_FILE, RequestRouter, read_groups_file, write_groups_file
+from areal_libra.rollout.groups import RolloutGroup
+from areal_libra.rollout.router import GROUPS_FILE, RequestRouter, read_groups_file, write_groups_file
 
 pytestmark = pytest.mark.slow  # four embedded servers on loopback
 
@@ -41,7 +41,7 @@ TP2 = RolloutGroup("tp2", tp=2, count=1, threads=2, max_running=64, max_len=256)
 def servers(tiny_model_pair, embedded_servers):
     """Four TP1 servers on the first model, started together: a (test 1), e and f (tests 2 and 3), g (the
     weight-update record, then the checkpoint pin, which stops it)."""
-    from areal_libra.integration.launcher import ServerSpec
+    from areal_libra.rollout.launcher import ServerSpec
 
     hs = embedded_servers(tiny_model_pair[0], [ServerSpec(tp=1, threads=1, max_running=64, group="tp1")] * 4,
                           timeout=240)
@@ -363,8 +363,8 @@ def test_launcher_supervises_and_cleans_up_from_the_registry(tmp_path) -> None:
     import subprocess
     import sys
 
-    from areal_libra.integration.fleet import pid_running
     from areal_libra.launch import dead_servers, kill_leftover_servers
+    from areal_libra.rollout.fleet import pid_running
     from areal_libra.utils import atomic_write_text
 
     def sleeper(port: int) -> subprocess.Popen:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from areal_libra.integration.groups import (
+from areal_libra.rollout.groups import (
     GroupConfigError,
     RolloutGroup,
     assign_buckets,
@@ -109,7 +109,7 @@ def test_ray_bundles_and_xccl_offsets_follow_real_sizes() -> None:
 def test_ray_placement_groups_on_custom_gpu_resources() -> None:
     """Ray with 8 logical GPUs (CPU machine): one STRICT_PACK group per server, the right GPU count each."""
     ray = pytest.importorskip("ray")
-    from areal_libra.integration.groups import create_ray_placement_groups
+    from areal_libra.rollout.groups import create_ray_placement_groups
 
     ray.init(num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from areal_libra.cost.presets import load_hardware, load_model
-from areal_libra.integration.emulation import (
+from areal_libra.rollout.emulation import (
     ClusterEmulation,
     EmulationError,
     ServerEmulation,
@@ -18,8 +18,8 @@ from areal_libra.integration.emulation import (
     pace_train_step,
     pacing_report,
 )
-from areal_libra.integration.groups import RolloutGroup, group_from_mapping
-from areal_libra.integration.launcher import ServerSpec, build_command
+from areal_libra.rollout.groups import RolloutGroup, group_from_mapping
+from areal_libra.rollout.launcher import ServerSpec, build_command
 from areal_libra.server.inprocess import InProcessServer, http
 from areal_libra.sim.hardware import truth_from_specs
 
@@ -221,7 +221,7 @@ def test_threads_default_to_tp_with_explicit_override(tiny_model_dir):
 def test_emulated_lengths_grow_with_the_weight_version():
     """length_growth: each real token stands for m(version) emulated ones, m from 1 to 1 + growth over the
     horizon; a server's pacing charges m decode iterations over m times the KV, and the flags carry it."""
-    from areal_libra.integration.emulation import ClusterEmulation, GrowingPacer, length_multiplier
+    from areal_libra.rollout.emulation import ClusterEmulation, GrowingPacer, length_multiplier
 
     assert length_multiplier(0, 1.0, 40) == 1.0 and length_multiplier("20", 1.0, 40) == 1.5
     assert length_multiplier(400, 1.0, 40) == 2.0 and length_multiplier("default", 1.0, 40) == 1.0
@@ -264,7 +264,7 @@ def test_hybrid_pool_accelerators_are_outside_the_layout():
 def test_trainer_pacing_grows_what_follows_the_prompt():
     import torch
 
-    from areal_libra.integration.emulation import _batch_lengths
+    from areal_libra.rollout.emulation import _batch_lengths
 
     attn = torch.tensor([[1] * 10 + [0] * 2, [1] * 12])
     loss = torch.tensor([[0] * 4 + [1] * 6 + [0] * 2, [0] * 12])  # row 2: nothing generated

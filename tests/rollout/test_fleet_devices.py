@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from areal_libra.integration.fleet import REGISTRY_FILE, FleetError, FleetServer, ServerFleet
-from areal_libra.integration.groups import RolloutGroup
-from areal_libra.integration.revive import REVIVE_LOG, ServerReviver
-from tests.integration.test_fleet import TP2, Load, greedy, make_engine, make_router
+from areal_libra.rollout.fleet import REGISTRY_FILE, FleetError, FleetServer, ServerFleet
+from areal_libra.rollout.groups import RolloutGroup
+from areal_libra.rollout.revive import REVIVE_LOG, ServerReviver
+from tests.rollout.test_fleet import TP2, Load, greedy, make_engine, make_router
 
 pytestmark = pytest.mark.slow  # five embedded servers on loopback
 
@@ -28,7 +28,7 @@ TP1x = RolloutGroup("tp1", tp=1, count=2, threads=1, max_running=64, max_len=128
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_pair, embedded_servers):
-    from areal_libra.integration.launcher import ServerSpec
+    from areal_libra.rollout.launcher import ServerSpec
 
     return embedded_servers(tiny_model_pair[0], [ServerSpec(tp=1, threads=1, max_running=64, group="tp1")] * 5,
                             timeout=240)

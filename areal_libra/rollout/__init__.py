@@ -1,0 +1,3 @@
+"""The serving side of a run: the request router patched into AReaL (router), server groups and their
+launch (groups, launcher, placement), the fleet that owns rollout membership (fleet, revive), health checks,
+the live prefix tree and the emulated accelerators."""
