@@ -18,9 +18,17 @@ T_rollout: the time the rollout side needs to produce one training batch.
   share of finished groups waiting beyond this batch (`backlog`): T_rollout < T_train (floored at half of
   it: a large backlog says rollout is fast, not how fast).
 
-Pressure: from the rollout servers' own counts, sampled during the step. queue = waiting / (waiting +
-running): requests that a server could not admit yet; active = (running + waiting) / capacity (the
-servers' max running requests): how full the rollout side is.
+Pressure (`pressure`, one definition for the live sampler, rollout/pressure.py, and the simulator): how
+full the rollout side is, from the serving servers' own counts at one instant, summed over the servers.
+- active pressure: the fraction of the rollout side's capacity in use. A server admits a request only
+  while it has both a free request slot (max_running_requests) and room for its context in the KV cache
+  (max_total_num_tokens), so capacity is whichever binds first: max(running / max_running, resident KV
+  tokens / KV capacity). Libra's "active rollout pressure" (re-plan at >= 0.85; the elastic policy gives
+  hybrids back to rollout at >= 0.80): the servers are nearly full, more requests would queue.
+- queue pressure: waiting / (waiting + running), the share of the requests on the servers that they
+  could not admit yet (Libra re-plans at >= 0.75).
+A step's pressure is the mean over the instants sampled in it (live: every second of the step; the
+simulator: the step's end).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 # A wait shorter than this share of the train time is noise (the last group finishing as the trainer
 # asks), not rollout falling behind.
@@ -84,13 +93,43 @@ class RolloutIdleClock:
             return idle
 
 
-def pressures(samples: Iterable[tuple[int, int, int]]) -> tuple[float, float]:
-    """(queue_pressure, active_pressure) averaged over samples of (running, waiting, capacity) summed over
-    the serving rollout servers; (0, 0) without samples."""
+class ServerLoad(NamedTuple):
+    """One rollout server's counts at one instant (SGLang's /server_info; a simulated server's state)."""
+
+    running: int  # requests in the running batch
+    waiting: int  # requests on the server not admitted yet
+    max_running: int  # request slots (max_running_requests)
+    kv_used: int = 0  # KV-cache tokens held by the running requests
+    kv_capacity: int = 0  # KV-cache tokens the server can hold; 0: not reported (slots only)
+
+
+class Pressure(NamedTuple):
+    queue: float  # waiting / (waiting + running)
+    active: float  # fraction of the capacity in use: the tighter of request slots and KV tokens
+
+
+def pressure(servers: Iterable[ServerLoad]) -> Pressure:
+    """The rollout side's pressure at one instant, over the serving servers (module docstring): queue =
+    waiting / (waiting + running); active = max(running / max_running, kv_used / kv_capacity) on the sums
+    over the servers (KV over those that report it), capped at 1. (0, 0) without servers."""
+    running = waiting = slots = kv = kv_cap = 0
+    for s in servers:
+        running += s.running
+        waiting += s.waiting
+        slots += s.max_running
+        if s.kv_capacity > 0:
+            kv += s.kv_used
+            kv_cap += s.kv_capacity
+    active = max(running / slots if slots else 0.0, kv / kv_cap if kv_cap else 0.0)
+    return Pressure(waiting / max(1, waiting + running), min(1.0, active))
+
+
+def mean_pressure(samples: Iterable[Pressure]) -> Pressure:
+    """A step's pressure: the mean of the instants sampled in it; (0, 0) without samples."""
     q = a = 0.0
     n = 0
-    for running, waiting, capacity in samples:
-        q += waiting / max(1, waiting + running)
-        a += min(1.0, (running + waiting) / max(1, capacity))
+    for p in samples:
+        q += p.queue
+        a += p.active
         n += 1
-    return (q / n, a / n) if n else (0.0, 0.0)
+    return Pressure(q / n, a / n) if n else Pressure(0.0, 0.0)

@@ -152,10 +152,11 @@ class ElasticPoolControl:
 class LiveElastic:
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
                  router: Any = None, batch_size: int = 1, device: str = "cpu",
-                 server_args: dict[str, Any] | None = None) -> None:
+                 server_args: dict[str, Any] | None = None, pressure: Any = None) -> None:
         """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
         do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained);
-        server_args: extra ServerArgs fields of a hybrid's server (an emulated cluster's pacing)."""
+        server_args: extra ServerArgs fields of a hybrid's server (an emulated cluster's pacing); pressure:
+        the run's rollout.pressure.PressureSampler (its owner closes it; None: pressure reads 0)."""
         import torch.distributed as dist
 
         if int(engine.data_parallel_world_size) != 1:
@@ -183,11 +184,7 @@ class LiveElastic:
             self.registry = ServeRegistry("127.0.0.1", self.store.port, rt.namespace, self.rids, inference, router,
                                           group=cfg.rollout_group)
         self.idle_measured = False
-        self.pressure = None
-        if inference is not None:
-            from areal_libra.live.elastic_serving import PressureSampler
-
-            self.pressure = PressureSampler(lambda: list(inference.addresses))
+        self.pressure = pressure
         self.procs: list[subprocess.Popen] = []
         env = dict(os.environ)
         # Workers block on store keys in 2 s slices; c10d logs a warning per slice otherwise.
@@ -372,11 +369,10 @@ class LiveElastic:
                     p.kill()
             if self.registry is not None:
                 self.registry.close()
-            if self.pressure is not None:
-                self.pressure.close()
 
 
-def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> LiveElastic | None:
+def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, pressure: Any = None
+                    ) -> LiveElastic | None:
     cfg = load_config(libra)
     if not cfg.enabled:
         return None
@@ -391,7 +387,8 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> Li
 
     emu = ClusterEmulation.from_libra(libra) if libra is not None else None
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
-                       device=device, server_args=emu.hybrid_server_args() if emu is not None else None)
+                       device=device, server_args=emu.hybrid_server_args() if emu is not None else None,
+                       pressure=pressure)
     live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live

@@ -1,4 +1,4 @@
-"""A hybrid replica's rollout server in a live run: the registration channel and the pressure sampler.
+"""A hybrid replica's rollout server in a live run: the registration channel.
 
 Channel (keys in the elastic pool's store, next to the protocol keys of elastic_runtime/core.py):
 
@@ -22,11 +22,9 @@ import logging
 import os
 import shutil
 import threading
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from areal_libra.elastic.measure import pressures
 from areal_libra.elastic_runtime.kv import KV, connect
 from areal_libra.rollout.futures import then_record
 
@@ -206,52 +204,4 @@ class ServeRegistry:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-
-
-class PressureSampler:
-    """Samples the serving rollout servers' running/waiting counts (`/server_info`) in the background;
-    `take()` gives the step's (queue_pressure, active_pressure) and starts the next window."""
-
-    def __init__(self, addresses: Callable[[], list[str]], interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
-        self.addresses, self.interval_s, self.timeout_s = addresses, interval_s, timeout_s
-        self._samples: list[tuple[int, int, int]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.errors = 0
-        self._thread = threading.Thread(target=self._run, name="rollout-pressure", daemon=True)
-        self._thread.start()
-
-    def sample(self) -> tuple[int, int, int] | None:
-        import json
-
-        running = waiting = capacity = 0
-        ok = False
-        for addr in self.addresses():
-            try:
-                with urllib.request.urlopen(f"http://{addr}/server_info", timeout=self.timeout_s) as r:
-                    info = json.loads(r.read())
-            except (OSError, ValueError):
-                self.errors += 1
-                continue
-            ok = True
-            running += int(info.get("num_running_requests", 0))
-            waiting += int(info.get("num_waiting_requests", 0))
-            capacity += int(info.get("max_running_requests", 0) or 0)
-        return (running, waiting, capacity) if ok else None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            s = self.sample()
-            if s is not None:
-                with self._lock:
-                    self._samples.append(s)
-
-    def take(self) -> tuple[float, float]:
-        with self._lock:
-            samples, self._samples = self._samples, []
-        return pressures(samples)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(self.interval_s + self.timeout_s * 4 + 1)
 

@@ -51,8 +51,27 @@ def install_router(trainer, libra, run_dir: Path, metrics, force: bool = False) 
     return router
 
 
-def install_control(trainer, libra, config, run_dir: Path, metrics, router, elastic, sinks: list):
-    """libra mode: the shared LibraController drives this run (areal_libra.live.live_cluster)."""
+def rollout_pressure(trainer, libra):
+    """The run's one rollout-pressure sampler (rollout/pressure.py) over AReaL's serving addresses, for the
+    elastic pool and the controller; None when neither runs (static mode, no pool) or there is no engine."""
+    from areal_libra.live.elastic_live import load_config
+
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return None
+    if str(libra.get("mode", "static")) != "libra" and not load_config(libra).enabled:
+        return None
+    rollout = getattr(trainer, "rollout", None)
+    inference = getattr(rollout, "_engine", rollout)  # RemoteSGLangEngine wraps the RemoteInfEngine
+    if not hasattr(inference, "addresses"):
+        return None
+    from areal_libra.rollout.pressure import PressureSampler
+
+    return PressureSampler(lambda: list(inference.addresses))
+
+
+def install_control(trainer, libra, config, run_dir: Path, metrics, router, elastic, sinks: list, pressure=None):
+    """libra mode: the shared LibraController drives this run (areal_libra.live.live_cluster). `pressure`:
+    the run's sampler; with an elastic pool the pool's step observation carries its window instead."""
     if str(libra.get("mode", "static")) != "libra" or int(os.environ.get("RANK", "0") or 0) != 0:
         return None
     from areal_libra.config import libra_config
@@ -90,10 +109,11 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
         resume_at = recovered_steps(config)
         if resume_at is not None:  # the controller and pool at the checkpoint's step
             snap = state_file.load(resume_at)
-    pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
+    # One reader per window: with a pool, its observation (LiveCluster prefers it) took the step's window.
+    pressure_fn = pressure.take if pressure is not None and elastic is None else None
     control = LiveControl(control_config(typed), plan_source(libra, config, str(config.actor.path)), cluster,
                           fleet=fleet,
-                          profile_steps=typed.control.profile_steps, pressure_fn=pressure,
+                          profile_steps=typed.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")
     if snap is not None:
         control.resume = snap
@@ -196,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             router.attach_engine(trainer.rollout)  # a server that missed a weight update stays out
         from areal_libra.live.elastic_live import install_elastic
 
-        elastic = install_elastic(trainer, libra, run_dir, metrics)  # None unless libra.elastic.enabled
-        control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks)
+        pressure = rollout_pressure(trainer, libra)
+        elastic = install_elastic(trainer, libra, run_dir, metrics, pressure)  # None unless libra.elastic.enabled
+        control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks, pressure)
         install_emulation(trainer, libra, run_dir, metrics, control, elastic)
         from areal_libra.rollout.revive import rollout_counters
 
@@ -213,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                 elastic.close()
             if router is not None and hasattr(router, "close"):
                 router.close()
+            if pressure is not None:
+                pressure.close()
     return 0
 
 

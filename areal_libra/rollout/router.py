@@ -580,12 +580,6 @@ class RequestRouter:
             publish_metrics(out)
         return out
 
-    def load_fraction(self) -> float:
-        """In-flight requests over the servers' batch capacity: the rollout pressure the control loop reads."""
-        with self._lock:
-            cap = sum(g.count * g.max_running for g in self.groups)
-            return sum(self._inflight) / cap if cap else 0.0
-
     def totals(self) -> dict:
         with self._lock:
             t = self._totals

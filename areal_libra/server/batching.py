@@ -248,6 +248,10 @@ class BatchEngine:
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._inbox)
 
+    def num_used_tokens(self) -> int:
+        """KV-cache tokens held by the running requests (of max_total_tokens): the KV side of pressure."""
+        return self._held
+
     # The following run on the engine thread (use ``call``).
     def pause(self, mode: str) -> int:
         """Stop scheduling. abort: running and queued requests return now with their tokens so far;

@@ -377,6 +377,7 @@ class EmbeddedServer:
             "paused": eng.paused,
             "num_running_requests": eng.num_running(),
             "num_waiting_requests": eng.num_waiting(),
+            "num_used_tokens": eng.num_used_tokens(),
             "kv_cache_bytes": eng.cache.nbytes(),
         }
         info["engine_stats"] = stats

@@ -16,7 +16,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from areal_libra.elastic.measure import rollout_time
+from areal_libra.elastic.measure import pressure, rollout_time
 from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import RolloutServer, SimRequest
 from areal_libra.sim.workloads import Workload
@@ -407,12 +407,14 @@ class Simulation:
         busy = self._busy_total()
         interval = max(1e-9, self.t - self._last_step_t)
         roll_gpus = sum(s.tp for s in self.servers)
+        p = pressure(s.server_load() for s in self.servers)
         rec = {
             "step": self.version - 1, "t_end": self.t, "interval_s": interval, "train_s": info["train_s"],
             "tokens": info["tokens"], "final_tokens": info["final_tokens"], "max_staleness": info["max_staleness"],
             "train_gpus": info["train_gpus"], "rollout_gpus": roll_gpus,
             "rollout_busy_frac": min(1.0, (busy - self._last_busy) / max(1e-9, interval * max(1, roll_gpus))),
-            "pressure": sum(s.pressure() for s in self.servers) / max(1, len(self.servers)),
+            # the live sampler's definition (elastic.measure.pressure), at the step's end
+            "queue_pressure": p.queue, "active_pressure": p.active,
             "queued": sum(len(s.queue) for s in self.servers),
             "running": sum(s.batch for s in self.servers),
         }

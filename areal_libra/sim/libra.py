@@ -389,8 +389,7 @@ class SimLibraControl(Controller):
     def on_step_end(self, sim: Simulation, rec: dict) -> None:
         obs = StepObservation(step=rec["step"], interval_s=rec["interval_s"], train_s=rec["train_s"],
                               rollout_s=rec["t_rollout_s"],
-                              queue_pressure=rec["queued"] / max(1, rec["queued"] + rec["running"]),
-                              active_pressure=rec["pressure"])
+                              queue_pressure=rec["queue_pressure"], active_pressure=rec["active_pressure"])
         self.ctl.on_step(obs, self.cluster)
 
     @property

@@ -14,6 +14,7 @@ import math
 import random
 from collections import OrderedDict, deque
 
+from areal_libra.elastic.measure import ServerLoad
 from areal_libra.sim.hardware import HardwareTruth
 
 
@@ -94,9 +95,10 @@ class RolloutServer:
         """Outstanding work, for least-loaded placement: running + queued requests."""
         return len(self.active) + len(self.queue)
 
-    def pressure(self) -> float:
-        q = sum(p + n for _, p, n in self.queue)
-        return min(1.0, (self.kv() + q) / self.capacity)
+    def server_load(self) -> ServerLoad:
+        """Its counts as a live server reports them (/server_info), for the shared pressure definition."""
+        return ServerLoad(running=len(self.active), waiting=len(self.queue), max_running=self.max_running,
+                          kv_used=self.kv(), kv_capacity=self.capacity)
 
     # ---- chunk arithmetic -----------------------------------------------------------------------------
     def _coeffs(self, B: int) -> tuple[float, float]:

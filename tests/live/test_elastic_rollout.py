@@ -85,7 +85,8 @@ def test_hybrid_serves_in_rollout_drains_on_join_and_returns_with_current_weight
 
     from areal_libra.elastic_runtime.kv import KV, connect
     from areal_libra.elastic_runtime.modeswitch import HttpRollout
-    from areal_libra.live.elastic_serving import PressureSampler, ServeRegistry, serve_channel
+    from areal_libra.live.elastic_serving import ServeRegistry, serve_channel
+    from areal_libra.rollout.pressure import PressureSampler
     from areal_libra.server.inprocess import InProcessServer
 
     current, stale = tiny_model_pair  # the trainer's weights; the hybrid's own (older) ones
@@ -224,13 +225,11 @@ def test_live_elastic_config_switch() -> None:
 
 
 def test_rollout_time_from_wait_and_backlog() -> None:
-    from areal_libra.elastic.measure import pressures, rollout_time
+    from areal_libra.elastic.measure import rollout_time
 
     assert rollout_time(2.0, 3.0, 0, 8) == 5.0  # waited: rollout produced one batch in train + wait
     assert rollout_time(2.0, 0.01, 4, 8) == 1.0  # no real wait, half a batch left over: rollout is ahead
     assert rollout_time(2.0, 0.0, 100, 8) == 1.0  # floored at half the train time
-    assert pressures([(8, 8, 32), (16, 0, 32)]) == (0.25, 0.5)
-    assert pressures([]) == (0.0, 0.0)
 
 
 def test_rollout_time_from_the_rollout_sides_idle_time() -> None:
