@@ -229,7 +229,8 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
 def dead_servers(run_dir: Path, servers) -> tuple[list[str], int]:
     """(addresses of dead serving servers, how many serve): from <run_dir>/servers.json, which the trainer
     keeps current when it reconfigures the rollout groups; the launcher's own servers without it."""
-    from areal_libra.rollout.fleet import pid_running, read_registry
+    from areal_libra.rollout.fleet import read_registry
+    from areal_libra.utils import pid_alive
 
     entries = read_registry(run_dir)
     reg = [r for r in entries if r.get("state") == "serving" and r.get("pid")]
@@ -237,19 +238,20 @@ def dead_servers(run_dir: Path, servers) -> tuple[list[str], int]:
         return [], 0  # every server is being replaced (break-before-make); the trainer's timeouts bound it
     if not reg:
         return [s.addr for s in servers if not s.alive()], len(servers)
-    return [r["addr"] for r in reg if not pid_running(int(r["pid"]))], len(reg)
+    return [r["addr"] for r in reg if not pid_alive(int(r["pid"]))], len(reg)
 
 
 def kill_leftover_servers(run_dir: Path) -> list[int]:
     """SIGKILL the process group of every server in servers.json that still runs (started by the trainer,
     which may have died without stopping them). A pid counts only if its command line still names the
     server's port, so a recycled pid is left alone."""
-    from areal_libra.rollout.fleet import pid_running, read_registry
+    from areal_libra.rollout.fleet import read_registry
+    from areal_libra.utils import pid_alive
 
     killed = []
     for r in read_registry(run_dir):
         pid, addr = r.get("pid"), str(r.get("addr", ""))
-        if not pid or not pid_running(int(pid)):
+        if not pid or not pid_alive(int(pid)):
             continue
         try:
             cmd = Path(f"/proc/{int(pid)}/cmdline").read_bytes().split(b"\0")

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from areal_libra.utils import atomic_write_text
 
 PATCH_DIR = Path(__file__).resolve().parent.parent / "patches" / "areal-1.0.4"
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -168,19 +168,6 @@ def plan(root: Path, patches: list[Patch]) -> list[tuple[Patch, str, str, dict[s
     return rows
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, path.stat().st_mode & 0o777)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def apply(root: Path, patches: list[Patch]) -> list[str]:
     rows = plan(root, patches)
     bad = [why for _, st, why, _ in rows if st == "conflict"]
@@ -191,7 +178,7 @@ def apply(root: Path, patches: list[Patch]) -> list[str]:
         if st == "applicable" and files:
             final.update(files)
     for rel, text in final.items():
-        _atomic_write(root / rel, text)
+        atomic_write_text(root / rel, text)  # keeps the file's permissions
     return [p.name for p, st, _, _ in rows if st == "applicable"]
 
 
@@ -211,7 +198,7 @@ def revert(root: Path, patches: list[Patch]) -> list[str]:
         state.update(files)
         done.append(p.name)
     for rel, text in state.items():
-        _atomic_write(root / rel, text)
+        atomic_write_text(root / rel, text)  # keeps the file's permissions
     return done
 
 

@@ -1,7 +1,8 @@
-"""Small shared helpers: atomic writes, free ports."""
+"""Small shared helpers: atomic writes, free ports, process liveness."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -16,7 +17,8 @@ def first_line(e: BaseException) -> str:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write bytes to path atomically (temp file in the same folder, fsync, rename)."""
+    """Write bytes to path atomically (temp file in the same folder, fsync, rename). A file that exists
+    keeps its permissions (e.g. a patched source file of an installed package); a new one is private (0600)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
@@ -25,6 +27,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(tmp, p.stat().st_mode & 0o777)
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
@@ -65,7 +69,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (one owned by another user counts as alive)."""
+    """Whether pid is a live process: a zombie (exited, its parent has not reaped it yet) counts as dead, one
+    owned by another user as alive. From /proc where there is one, else signal 0."""
+    if os.path.isdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

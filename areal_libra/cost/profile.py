@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
 from areal_libra.cost.calibrate import Calibration
 from areal_libra.cost.presets import ModelSpec, PresetError, load_hardware
 from areal_libra.cost.training import TrainParallel
+from areal_libra.utils import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -115,20 +114,6 @@ def measure(model, spec: ModelSpec, device: str, quick: bool, cal: Calibration, 
         log(f"train batch={bs}x{n}: {t * 1000:.1f} ms")
 
 
-def _atomic_write(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".profile.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m areal_libra.cost.profile", description=__doc__.split("\n\n")[1])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -180,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k} {v:.1%}" for k, v in res.rel_error.items()) + "\n")
     text = header + "".join(f"{k}: {v!r}\n" for k, v in fields.items())
     if args.out:
-        _atomic_write(args.out, text)
+        atomic_write_text(args.out, text)
     report = {"hardware": fields, "alpha": res.alpha, "beta": res.beta, "rel_error": res.rel_error,
               "model": spec.name, "samples": len(cal.samples), "wall_s": round(time.perf_counter() - t0, 2)}
     if args.json:

@@ -11,6 +11,7 @@ import sys
 from areal_libra.cost.layer_bench import LayerShape, measure_layer
 from areal_libra.cost.layer_fit import TableError, fit_table, load_table, preset_yaml
 from areal_libra.cost.presets import PresetError, load_hardware, load_model
+from areal_libra.utils import atomic_write_text
 
 # What is timed: the H200 reference's sweep on a GPU; a few small points on CPU (seconds).
 CUDA_SWEEP = {"decode": [(b, c) for c in (1024, 8192) for b in (1, 16, 64, 256)],
@@ -62,9 +63,7 @@ def main_layer(args: argparse.Namespace) -> int:
                                   repeat=3 if args.quick else 5, iters=3 if args.device == "cpu" else 20, log=log)
             source = f"measured on {table['gpu']} ({args.device}, {table['dtype']}, layer {args.shape or args.model})"
             if args.save_table:
-                from areal_libra.cost.profile import _atomic_write
-
-                _atomic_write(args.save_table, json.dumps(table, indent=1) + "\n")
+                atomic_write_text(args.save_table, json.dumps(table, indent=1) + "\n")
         start = load_hardware(_start_preset(args, table))
         fit = fit_table(table, start, args.name)
     except (TableError, PresetError, ValueError) as e:
@@ -85,9 +84,7 @@ def main_layer(args: argparse.Namespace) -> int:
               + ", ".join(f"{k} {v:.1%}" for k, v in sorted(worst.items())))
     text = preset_yaml(fit.hardware, header)
     if args.out:
-        from areal_libra.cost.profile import _atomic_write
-
-        _atomic_write(args.out, text)
+        atomic_write_text(args.out, text)
     if args.json:
         print(json.dumps(report))
     else:

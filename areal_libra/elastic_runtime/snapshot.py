@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from areal_libra.elastic_runtime.priority import enter_background
+from areal_libra.utils import atomic_write_bytes
 
 _NAME = re.compile(r"^v(\d{8})_p(\d+)\.json$")
 
@@ -51,15 +52,6 @@ def clone_state(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(clone_state(v) for v in obj)
     return obj
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 _MAGIC = b"ELSNAP01"
@@ -231,7 +223,7 @@ class SnapshotStore:
                 f.truncate(size // 2)
         # wrong_version: a self-consistent file (size, hash) whose content belongs to another version.
         manifest = {"version": version, "position": position, "bytes": size, "sha256": digest}
-        _atomic_write(js, json.dumps(manifest).encode())
+        atomic_write_bytes(js, json.dumps(manifest).encode())
         self.gc(position)
         return SnapshotInfo(version, position, pt, js)
 

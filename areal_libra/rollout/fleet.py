@@ -50,7 +50,7 @@ from areal_libra.rollout.placement import (
     place_new_servers,
     servers_to_retire,
 )
-from areal_libra.utils import append_jsonl, atomic_write_text, first_line
+from areal_libra.utils import append_jsonl, atomic_write_text, first_line, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class FleetServer:
     def alive(self) -> bool:
         if self.handle is not None:
             return self.handle.alive()
-        return self.pid is not None and pid_running(self.pid)
+        return self.pid is not None and pid_alive(self.pid)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.handle is not None:
@@ -97,7 +97,7 @@ class FleetServer:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while pid_running(self.pid) and time.monotonic() < deadline:
+        while pid_alive(self.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
@@ -105,17 +105,6 @@ class FleetServer:
     def record(self, state: str) -> dict:
         return {"addr": self.addr, "group": self.group, "tp": self.tp, "pid": self.pid, "owner": self.owner,
                 "state": state, "log": self.log_path, "gpus": list(self.gpus)}
-
-
-def pid_running(pid: int) -> bool:
-    """Whether pid is a live process (a zombie, whose parent has not reaped it yet, counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        from areal_libra.utils import pid_alive
-
-        return pid_alive(pid) if not os.path.isdir("/proc") else False
 
 
 @dataclass(frozen=True)

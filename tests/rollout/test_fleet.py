@@ -364,8 +364,7 @@ def test_launcher_supervises_and_cleans_up_from_the_registry(tmp_path) -> None:
     import sys
 
     from areal_libra.launch import dead_servers, kill_leftover_servers
-    from areal_libra.rollout.fleet import pid_running
-    from areal_libra.utils import atomic_write_text
+    from areal_libra.utils import atomic_write_text, pid_alive
 
     def sleeper(port: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "--port", str(port)],
@@ -389,7 +388,7 @@ def test_launcher_supervises_and_cleans_up_from_the_registry(tmp_path) -> None:
         atomic_write_text(tmp_path / REGISTRY_FILE, json.dumps({"servers": reg}))
         assert kill_leftover_servers(tmp_path) == [left.pid]
         left.wait(timeout=10)
-        assert not pid_running(left.pid) and pid_running(other.pid) and os.path.exists(f"/proc/{other.pid}")
+        assert not pid_alive(left.pid) and pid_alive(other.pid) and os.path.exists(f"/proc/{other.pid}")
     finally:
         for p in (left, other):
             p.kill()

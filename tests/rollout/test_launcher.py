@@ -17,7 +17,7 @@ from areal_libra.rollout.launcher import (
     shutdown,
 )
 from areal_libra.server.inprocess import http
-from areal_libra.utils import free_ports
+from areal_libra.utils import free_ports, pid_alive
 
 
 def test_two_servers_serve_report_spec_and_shut_down(tiny_model_dir, tmp_path):
@@ -124,9 +124,7 @@ def test_server_exits_when_its_launcher_dies(tiny_model_dir, tmp_path):
         parent.wait(10)
         deadline = time.time() + 30
         while time.time() < deadline:
-            try:
-                os.kill(server_pid, 0)
-            except ProcessLookupError:
+            if not pid_alive(server_pid):
                 break
             time.sleep(0.25)
         else:
