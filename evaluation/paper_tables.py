@@ -78,6 +78,27 @@ def cost_lines() -> list[str]:
     return out
 
 
+def _split(r: dict) -> str:
+    """'train/rollout GPUs at the start, rollout servers at the end' of one system at a regime point."""
+    start = r["split_start"].replace("train ", "").replace(" / rollout ", "/")
+    mix = r["layout_end"].rsplit("(", 1)[-1].rstrip(")")
+    return f"{start}, {mix}"
+
+
+def regime_lines(path: str) -> list[str]:
+    """A regime map's JSON (python -m evaluation.regimes --json) as a Markdown table in both units."""
+    d = json.loads(Path(path).read_text())
+    out = [f"truth `{d.get('truth', 'default')}`, {d['steps']} steps, seed {d['seed']}: tokens/s (paper's unit)", "",
+           "| axis | value | libra / static | static: split, servers | static | libra: first split, last servers | libra |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in d["points"]:
+        s_, lb = r["areal_static_optimal"], r["libra"]
+        val = "—" if r["value"] is None else f"{r['value']:,}" if isinstance(r["value"], int) else str(r["value"])
+        out.append(f"| {r['axis']} | {val} | {r['libra_over_static']:.2f} | {_split(s_)} | {cell(s_)} | {_split(lb)} "
+                   f"| {cell(lb)} |")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -86,9 +107,18 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--out", default=None, help="folder for the JSON of each run (kept; reused when present)")
     ap.add_argument("--costs", action="store_true", help="print only the per-cost figures of each truth profile")
+    ap.add_argument("--regimes", default=None, metavar="JSON",
+                    help="print only this regime map (python -m evaluation.regimes --json) in both units")
     args = ap.parse_args(argv)
     if args.costs:
         print("\n".join(cost_lines()))
+        return 0
+    if args.regimes:
+        try:
+            print("\n".join(regime_lines(args.regimes)))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: {args.regimes}: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.steps < 1:
         print("error: --steps must be >= 1", file=sys.stderr)
