@@ -62,6 +62,8 @@ def cost_lines() -> list[str]:
 
     truths = {name: truth_for("a800", "qwen3-14b", c) for name, c in TRUTH_PROFILES.items()}
     rows = [
+        ("decode iteration, TP1, batch 1, 8K context (ms)", lambda t: 1e3 * t.decode_iteration_s(1, 1, 8192)),
+        ("decode iteration, TP8, batch 1, 8K context (ms)", lambda t: 1e3 * t.decode_iteration_s(8, 1, 8192)),
         ("decode iteration, TP2, batch 2, 8K context each (ms)", lambda t: 1e3 * t.decode_iteration_s(2, 2, 16384)),
         ("decode iteration, TP2, batch 64, 8K context each (ms)",
          lambda t: 1e3 * t.decode_iteration_s(2, 64, 64 * 8192)),
