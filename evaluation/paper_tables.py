@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from areal_libra.sim.hardware import TRUTH_PROFILES
 from areal_libra.sim.systems import LADDER, SYSTEMS
+from areal_libra.utils import atomic_write_text
 
 WORKLOADS = ("search_r1", "dapo_math", "r2e_gym")
 # The paper's R2E-Gym ablation (tokens/s in its unit): Static-Uniform, + homogeneous planning, +
@@ -39,9 +39,7 @@ def run_cli(script: str, workload: str, truth: str, steps: int, seed: int, out: 
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[1:])} failed: {p.stderr.strip().splitlines()[-1:]}")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(p.stdout)
-    os.replace(tmp, path)
+    atomic_write_text(path, p.stdout)
     return json.loads(p.stdout)
 
 

@@ -105,3 +105,17 @@ def test_growth_command_holds_its_claims():
         assert g["ratios"][mode]["rollout"] > 2 * g["ratios"][mode]["train"]
     bad = _run("evaluation.growth", "--rollout-gpus", "40", "--train-gpus", "32")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_paper_tables_renders_costs_and_a_regime_map():
+    from evaluation.paper_tables import cost_lines, regime_lines
+
+    costs = "\n".join(cost_lines())
+    assert "`default`" in costs and "`paper-level`" in costs
+    sync = next(line for line in costs.splitlines() if line.startswith("| weight sync"))
+    default_s, paper_s = (float(x) for x in sync.strip("| ").split(" | ")[1:])
+    assert paper_s > 10 * default_s
+    lines = regime_lines(str(ROOT / "docs" / "regimes_paper_level.json"))
+    assert lines[0].startswith("truth `paper-level`")
+    rows = [line for line in lines if line.startswith("| base |")]
+    assert len(rows) == 1 and "(" in rows[0]  # both units in each cell
