@@ -128,6 +128,7 @@ class Simulation:
         self._sid = 0
         self.version = 0
         self.started_groups = 0
+        self.in_flight = 0  # trajectories started and not finished (bounded by the truth's max_in_flight)
         self.pending: deque[Group] = deque()  # started, not yet consumed, in start order
         self.train_layout = layout.train
         self.layout = layout
@@ -274,8 +275,12 @@ class Simulation:
     # ---------------- trajectories ----------------
     def _admit(self) -> None:
         cap = (self.version + self.cfg.max_staleness + 1) * self.batch
+        limit = self.truth.c.max_in_flight
         while self.started_groups < cap:
+            if limit and self.in_flight >= limit:
+                break  # the environment runs no more trajectories at once; _traj_done admits again
             trajs = self.workload.sample_group(self.version, self.wl_rng)
+            self.in_flight += len(trajs)
             g = Group(self.started_groups, self.version, len(trajs), trajs, self.t)
             self.started_groups += 1
             # How many batches rollout runs ahead of training: AReaL's bound is lead <= max_staleness.
@@ -296,7 +301,7 @@ class Simulation:
             if seg.tool is not None:
                 s.park(req, after_gen)
                 req.ctx = after_gen
-                lat = seg.tool.latency_s * self.cfg.tool_latency_scale
+                lat = seg.tool.latency_s * self.cfg.tool_latency_scale * self.truth.c.tool_latency_scale
                 self._push(t + lat, TOOL, req)
             else:
                 self._traj_done(req, t)
@@ -304,6 +309,9 @@ class Simulation:
     def _traj_done(self, req: SimRequest, t: float) -> None:
         tr = req.traj
         self.router.finish(req)
+        self.in_flight -= 1
+        if self.truth.c.max_in_flight:
+            self.call_at(t, self._admit)  # a slot freed; admit after this event, not inside a server's update
         self.finished.append((tr.prompt_tokens, tr.final_length, tr.model_tokens))
         self.finished_trajs.append(tr)
         self.total_final += tr.final_length
@@ -384,6 +392,7 @@ class Simulation:
         info = {"groups": batch, "train_s": dur, "t_start": self.t, "max_staleness": max(stale),
                 "wait_s": wait, "backlog": backlog, "waited_for": waited_for,
                 "tokens": sum(tr.model_tokens for g in batch for tr in g.trajs),
+                "prompt_tokens": sum(tr.prompt_tokens for g in batch for tr in g.trajs),
                 "final_tokens": sum(lens), "train_gpus": lay.gpus}
         self._push(self.t + dur, TRAIN_END, info)
 
@@ -410,7 +419,8 @@ class Simulation:
         p = pressure(s.server_load() for s in self.servers)
         rec = {
             "step": self.version - 1, "t_end": self.t, "interval_s": interval, "train_s": info["train_s"],
-            "tokens": info["tokens"], "final_tokens": info["final_tokens"], "max_staleness": info["max_staleness"],
+            "tokens": info["tokens"], "prompt_tokens": info["prompt_tokens"], "final_tokens": info["final_tokens"],
+            "max_staleness": info["max_staleness"],
             "train_gpus": info["train_gpus"], "rollout_gpus": roll_gpus,
             "rollout_busy_frac": min(1.0, (busy - self._last_busy) / max(1e-9, interval * max(1, roll_gpus))),
             # the live sampler's definition (elastic.measure.pressure), at the step's end

@@ -117,6 +117,16 @@ class TruthConstants:
     train_tp_internode_overhead: float = 0.9
     grad_allreduce_exposed: float = 0.35
     optimizer_s: float = 1.5
+    # FLOPs per active parameter per trained token: proximal-log-prob forward (2) + forward/backward (6).
+    train_passes: float = 8.0
+    # Weight update to the rollout servers: weights over `weight_sync_streams` inter-node links in parallel
+    # plus a fixed cost (update bookkeeping, or a checkpoint and server restart in the paper-level profile).
+    weight_sync_streams: float = 4.0
+    weight_sync_fixed_s: float = 2.0
+    # Trajectories the environment runs at once (tool sandboxes; the public Libra code's
+    # max_concurrent_rollouts); 0 = no limit beyond the staleness bound. A group starts while fewer run.
+    max_in_flight: int = 0
+    tool_latency_scale: float = 1.0  # tool calls take this multiple of the workload's latency (sandbox speed)
     noise_sigma: float = 0.05  # per-iteration multiplicative noise (log-normal sigma)
     server_sigma: float = 0.03  # persistent per-server speed factor
     train_noise_sigma: float = 0.03
@@ -126,6 +136,45 @@ class TruthConstants:
 SGLANG = TruthConstants()
 VLLM_2023 = replace(SGLANG, host_overhead_s=4e-3, host_per_seq_s=4.0e-4)
 HOST_PROFILES = {"sglang": SGLANG, "vllm-2023": VLLM_2023}
+
+# "paper-level": the costs the default truth leaves out or prices low, at the level the public Libra code
+# pays them on 48 A800 (docs/simulator.md, "Where an order of magnitude goes", says why each value is
+# plausible). Set so that static_uniform on R2E-Gym lands near the paper's 423 tokens/s in the paper's
+# unit; Libra's planner never sees these numbers (planner/, cost/ and control/ import nothing from sim/).
+PAPER_LEVEL = replace(
+    SGLANG,
+    # vLLM as the public code serves (rollout_backend: vllm): the per-sequence host cost fitted to the
+    # public vLLM TP table (the vllm-2023 host profile).
+    host_overhead_s=VLLM_2023.host_overhead_s,
+    host_per_seq_s=VLLM_2023.host_per_seq_s,
+    # Megatron-Core at TP8 without Transformer Engine (megatron_use_transformer_engine: false), full
+    # activation recomputation (recompute_granularity full, uniform, 1 layer) and 32K-token sequences.
+    train_mfu=0.25,
+    train_passes=10.0,
+    # Weights exported to disk and every vLLM server restarted (weight_sync_mode: disk,
+    # rollout_weight_sync_mode: restart), once per 5 steps in the production config: ~150 s per sync,
+    # 30 s per step amortised, paid on every step here.
+    weight_sync_fixed_s=30.0,
+    # At most 16 trajectories in flight (the production config's max_concurrent_rollouts: 16) ...
+    max_in_flight=16,
+    # ... each waiting on a Docker sandbox: tool calls 8x the workload's latency (bash ~10 s, python ~24 s
+    # median). The one value chosen to land static_uniform on R2E-Gym near 423 tokens/s (431, 60 steps).
+    tool_latency_scale=8.0,
+)
+TRUTH_PROFILES = {"default": SGLANG, "paper-level": PAPER_LEVEL}
+
+
+def truth_constants(profile: str = "default", host: str | None = None) -> TruthConstants:
+    """The named truth profile; `host` (HOST_PROFILES) overrides its host-side costs only."""
+    if profile not in TRUTH_PROFILES:
+        raise ValueError(f"unknown truth profile {profile!r}; known: {', '.join(TRUTH_PROFILES)}")
+    c = TRUTH_PROFILES[profile]
+    if host is None:
+        return c
+    if host not in HOST_PROFILES:
+        raise ValueError(f"unknown host profile {host!r}; known: {', '.join(HOST_PROFILES)}")
+    h = HOST_PROFILES[host]
+    return replace(c, host_overhead_s=h.host_overhead_s, host_per_seq_s=h.host_per_seq_s)
 
 
 class HardwareTruth:
@@ -194,11 +243,13 @@ class HardwareTruth:
         return state + 12 * GB <= self.gpu.mem_bytes
 
     def train_flops(self, seq_lens: list[int] | tuple[int, ...]) -> float:
-        """FLOPs of one PPO step on these sequences: proximal forward (2) + forward/backward (6) per token."""
+        """FLOPs of one PPO step on these sequences: `train_passes` per parameter per token (default: proximal
+        forward 2 + forward/backward 6)."""
         m = self.model
         tokens = float(sum(seq_lens))
         sq = float(sum(s * s for s in seq_lens))
-        return 8.0 * m.active_params * tokens + 8.0 * m.layers * m.attn_dim * sq
+        k = self.c.train_passes
+        return k * m.active_params * tokens + k * m.layers * m.attn_dim * sq
 
     def train_step_s(self, seq_lens: list[int] | tuple[int, ...], tp: int, pp: int, dp: int,
                      micro_batches: int | None = None) -> float:
@@ -226,7 +277,7 @@ class HardwareTruth:
         """Trainer -> rollout weight broadcast (NCCL over the inter-node fabric) plus update bookkeeping."""
         if n_rollout_servers <= 0:
             return 0.0
-        return self.model.weight_bytes / (self.gpu.internode_bw * 4) + 2.0
+        return self.model.weight_bytes / (self.gpu.internode_bw * self.c.weight_sync_streams) + self.c.weight_sync_fixed_s
 
     def server_start_s(self, tp: int) -> float:
         """Bring up a rollout server on freed GPUs: load weights from host memory and warm CUDA graphs."""

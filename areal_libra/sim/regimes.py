@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from areal_libra.sim.hardware import HOST_PROFILES, truth_from_specs
+from areal_libra.sim.hardware import truth_constants, truth_from_specs
 from areal_libra.sim.registry import run_system
-from areal_libra.sim.report import add_roofline
+from areal_libra.sim.report import add_paper_unit, add_roofline
 from areal_libra.sim.synthetic import SyntheticAgentic, SynthParams
 from areal_libra.sim.systems import Env
 from areal_libra.sim.workloads import WorkloadConfig
@@ -64,18 +64,20 @@ def points(base: Point, axes: dict[str, tuple] = AXES) -> list[tuple[str, Point]
     return out
 
 
-def make_point_env(p: Point, steps: int, model: str = "qwen3-14b", gpu: str = "a800", seed: int = 0) -> Env:
+def make_point_env(p: Point, steps: int, model: str = "qwen3-14b", gpu: str = "a800", seed: int = 0,
+                   truth: str = "default") -> Env:
     from areal_libra.cost.presets import load_cluster, load_model
 
-    if p.host not in HOST_PROFILES:
-        raise ValueError(f"unknown host profile {p.host!r}; known: {', '.join(HOST_PROFILES)}")
+    # The truth profile with the point's host profile; a non-default profile keeps its own host at the
+    # base point's host (paper-level serves with vLLM), so only the host axis's other value overrides it.
+    host = p.host if truth == "default" or p.host != Point.host else None
+    consts = truth_constants(truth, host)
     cl = load_cluster(f"{gpu}x{p.gpus}")
     md = load_model(model)
     prompts = max(1, min(MAX_BATCH_PROMPTS, round(BASE_BATCH_PROMPTS * p.gpus / BASE_GPUS)))
     cfg = WorkloadConfig(group_size=GROUP_SIZE, batch_prompts=prompts, max_len=p.cap, horizon=steps, drift=p.drift)
     wl = SyntheticAgentic(cfg, SynthParams(tail=p.tail, tool_s=p.tool_s))
-    truth = truth_from_specs(cl.hardware, md, HOST_PROFILES[p.host])
-    return Env(truth, wl, cl.n_gpus, cluster=cl, model=md, seed=seed, staleness=p.eta)
+    return Env(truth_from_specs(cl.hardware, md, consts), wl, cl.n_gpus, cluster=cl, model=md, seed=seed, staleness=p.eta)
 
 
 def _layout(sim) -> str:
@@ -97,15 +99,17 @@ def tool_share(sim) -> float:
     return wait / total if total > 0 else 0.0
 
 
-def run_point(p: Point, steps: int, seed: int = 0) -> dict:
-    env = make_point_env(p, steps, seed=seed)
+def run_point(p: Point, steps: int, seed: int = 0, truth: str = "default") -> dict:
+    env = make_point_env(p, steps, seed=seed, truth=truth)
     out: dict = {"point": p.__dict__.copy()}
     for name in ("areal_static_optimal", "libra"):
         t0 = time.time()
         res, sim = run_system(name, env, steps)
         add_roofline(res, sim)
+        add_paper_unit(res, sim.records)
         out[name] = {
-            "tokens_per_s": res["tokens_per_s"], "roofline_tokens_per_s": res["roofline_tokens_per_s"],
+            "tokens_per_s": res["tokens_per_s"], "paper_tokens_per_s": res["paper_tokens_per_s"],
+            "roofline_tokens_per_s": res["roofline_tokens_per_s"],
             "roofline_frac": res["roofline_frac"], "train_busy_frac": res["train_busy_frac"],
             "rollout_busy_frac": res["rollout_busy_frac"], "reconfigurations": res["reconfigurations"],
             "mean_step_s": res["mean_step_s"], "layout_end": _layout(sim), "sim_wall_s": round(time.time() - t0, 2),
@@ -117,6 +121,8 @@ def run_point(p: Point, steps: int, seed: int = 0) -> dict:
             out["mean_model_tokens"] = sum(t.model_tokens for t in sim.trained) / max(1, len(sim.trained))
     s, lb = out["areal_static_optimal"], out["libra"]
     out["libra_over_static"] = lb["tokens_per_s"] / s["tokens_per_s"] if s["tokens_per_s"] else 0.0
+    out["libra_over_static_paper"] = (lb["paper_tokens_per_s"] / s["paper_tokens_per_s"]
+                                      if s["paper_tokens_per_s"] else 0.0)
     out["libra_over_roofline"] = lb["roofline_frac"]
     out["static_over_roofline"] = s["roofline_frac"]
     return out
@@ -130,17 +136,19 @@ def steps_for(p: Point, steps: int, min_steps: int = 4) -> int:
 
 
 def _run_indexed(args: tuple) -> tuple[int, dict]:
-    i, axis, p, steps, seed = args
+    i, axis, p, steps, seed, truth = args
     n = steps_for(p, steps)
-    r = run_point(p, n, seed)
+    r = run_point(p, n, seed, truth)
     r.update(axis=axis, value=getattr(p, axis) if axis != "base" else None, steps=n)
     return i, r
 
 
 def sweep(base: Point, steps: int, seed: int = 0, axes: dict[str, tuple] = AXES,
-          log: Callable[[str], None] | None = None, jobs: int = 1) -> list[dict]:
-    """Run every point (largest clusters first, so parallel workers finish together); results in point order."""
-    todo = [(i, axis, p, steps, seed) for i, (axis, p) in enumerate(points(base, axes))]
+          log: Callable[[str], None] | None = None, jobs: int = 1, truth: str = "default") -> list[dict]:
+    """Run every point (largest clusters first, so parallel workers finish together); results in point order.
+    `truth` names the hardware truth profile (hardware.TRUTH_PROFILES)."""
+    truth_constants(truth)  # an unknown profile fails here, before any worker starts
+    todo = [(i, axis, p, steps, seed, truth) for i, (axis, p) in enumerate(points(base, axes))]
     todo.sort(key=lambda t: -t[2].gpus)
     results: dict[int, dict] = {}
     t0 = time.time()

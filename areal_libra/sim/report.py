@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from areal_libra.sim.cluster import SimError
-from areal_libra.sim.hardware import GPUS, truth_for, truth_from_specs
+from areal_libra.sim.hardware import GPUS, TRUTH_PROFILES, truth_constants, truth_for, truth_from_specs
 from areal_libra.sim.registry import run_system
 from areal_libra.sim.systems import Env, SimKnobs, parse_knobs
 from areal_libra.sim.workloads import make_workload
@@ -22,7 +22,8 @@ _CLUSTER_RE = re.compile(r"^([a-z0-9_.-]+?)x(\d+)$")
 
 
 def make_env(workload: str, cluster: str, model: str, seed: int = 0, batch_prompts: int | None = None,
-             group_size: int | None = None, knobs: SimKnobs | None = None) -> Env:
+             group_size: int | None = None, knobs: SimKnobs | None = None, truth: str = "default") -> Env:
+    consts = truth_constants(truth)
     wl = make_workload(workload)
     if batch_prompts is not None:
         if batch_prompts < 1:
@@ -38,10 +39,10 @@ def make_env(workload: str, cluster: str, model: str, seed: int = 0, batch_promp
         m = _CLUSTER_RE.match(cluster.lower())
         if not m or m.group(1) not in GPUS:
             raise ValueError(f"unknown cluster {cluster!r}: use <gpu>x<count> with gpu in {', '.join(GPUS)}") from None
-        return Env(truth_for(m.group(1), model), wl, int(m.group(2)), seed=seed, knobs=knobs or SimKnobs())
+        return Env(truth_for(m.group(1), model, consts), wl, int(m.group(2)), seed=seed, knobs=knobs or SimKnobs())
     cl = load_cluster(cluster)
     md = load_model(model)
-    return Env(truth_from_specs(cl.hardware, md), wl, cl.n_gpus, cluster=cl, model=md, seed=seed,
+    return Env(truth_from_specs(cl.hardware, md, consts), wl, cl.n_gpus, cluster=cl, model=md, seed=seed,
                knobs=knobs or SimKnobs())
 
 
@@ -54,6 +55,21 @@ def add_roofline(res: dict, sim) -> None:
     res["roofline_frac"] = res["tokens_per_s"] / roof["roofline_tokens_per_s"] if roof["roofline_tokens_per_s"] else 0.0
 
 
+def add_paper_unit(res: dict, records: Sequence[dict]) -> None:
+    """Throughput in the Libra paper's unit: input (prompt) plus output (model-generated) tokens of the
+    trajectories training consumed, per second of wall time, whole cluster. Libra's public analysis script
+    (scripts/analyze_libra_experiment.py, `_tokens_per_second`) sums `input_len + output_len` of a step's
+    sequences, where the workflows set input_len to the prompt and output_len to the loss-masked generated
+    tokens (tool returns count in neither), and divides by the step's wall time. `paper_tokens_per_s` is
+    the run's total over its wall time (like `tokens_per_s`); `paper_tokens_per_s_step_mean` is the
+    script's own average, the mean over steps of each step's rate."""
+    wall = records[-1]["t_end"] if records else 0.0
+    total = sum(r["tokens"] + r["prompt_tokens"] for r in records)
+    res["paper_tokens_per_s"] = total / wall if wall > 0 else 0.0
+    rates = [(r["tokens"] + r["prompt_tokens"]) / r["interval_s"] for r in records if r["interval_s"] > 0]
+    res["paper_tokens_per_s_step_mean"] = sum(rates) / len(rates) if rates else 0.0
+
+
 def run_many(names: Sequence[str], env: Env, steps: int, log=None) -> tuple[dict, dict]:
     out, sims = {}, {}
     for n in names:
@@ -61,6 +77,7 @@ def run_many(names: Sequence[str], env: Env, steps: int, log=None) -> tuple[dict
         res, sim = run_system(n, env, steps)
         res["sim_wall_s"] = round(time.time() - t0, 2)
         add_roofline(res, sim)
+        add_paper_unit(res, sim.records)
         out[n] = res
         sims[n] = sim
         if log:
@@ -72,13 +89,14 @@ KEYS = ("tokens_per_s", "mean_step_s", "rollout_busy_frac", "train_busy_frac", "
 
 
 def table(results: dict, ref: str | None) -> str:
-    lines = [f"{'system':24s} {'tokens/s':>10s} {'vs ' + (ref or '-'):>18s} {'of roof':>7s} {'step s':>8s} "
-             f"{'roll busy':>9s} {'train busy':>10s} {'reconf':>6s} {'stale':>5s}"]
+    lines = [f"{'system':24s} {'tokens/s':>10s} {'paper t/s':>10s} {'vs ' + (ref or '-'):>18s} {'of roof':>7s} "
+             f"{'step s':>8s} {'roll busy':>9s} {'train busy':>10s} {'reconf':>6s} {'stale':>5s}"]
     base = results.get(ref, {}).get("tokens_per_s") if ref else None
     for n, r in results.items():
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         roof = f"{r['roofline_frac']:.2f}" if "roofline_frac" in r else "-"
-        lines.append(f"{n:24s} {r['tokens_per_s']:10.0f} {rel:>18s} {roof:>7s} {r['mean_step_s']:8.1f} "
+        paper = f"{r['paper_tokens_per_s']:.0f}" if "paper_tokens_per_s" in r else "-"
+        lines.append(f"{n:24s} {r['tokens_per_s']:10.0f} {paper:>10s} {rel:>18s} {roof:>7s} {r['mean_step_s']:8.1f} "
                      f"{r['rollout_busy_frac']:9.2f} {r['train_busy_frac']:10.2f} {r['reconfigurations']:6d} "
                      f"{r['max_staleness']:5d}")
     return "\n".join(lines)
@@ -136,6 +154,8 @@ def parse_common(argv, description: str, names: Sequence[str], default_ref: str)
     ap.add_argument("--group-size", type=int, default=None, help="samples per prompt")
     ap.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                     help="a simulator switch (areal_libra.sim.systems.SimKnobs), e.g. replan=false")
+    ap.add_argument("--truth", default="default", choices=sorted(TRUTH_PROFILES),
+                    help="hardware truth profile (areal_libra/sim/hardware.py TRUTH_PROFILES; docs/simulator.md)")
     return ap.parse_args(argv)
 
 
@@ -149,7 +169,7 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         if args.steps < 1:
             raise ValueError("--steps must be >= 1")
         env = make_env(args.workload, args.cluster, args.model, args.seed, args.batch_prompts, args.group_size,
-                       parse_knobs(args.knob))
+                       parse_knobs(args.knob), truth=args.truth)
         from areal_libra.sim.systems import check_cluster
 
         check_cluster(env.truth, env.n_gpus)
@@ -164,11 +184,13 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         print(json.dumps({"systems": results, "workload": wname, "cluster": args.cluster, "model": args.model,
                           "steps": args.steps, "seed": args.seed,
                           "batch_prompts": env.workload.cfg.batch_prompts,
-                          "group_size": env.workload.cfg.group_size}, indent=1))
+                          "group_size": env.workload.cfg.group_size, "truth": args.truth}, indent=1))
     else:
         print(f"workload={wname} cluster={args.cluster} ({env.n_gpus} GPUs) model={args.model} steps={args.steps} "
-              f"seed={args.seed} batch={env.workload.cfg.batch_prompts}x{env.workload.cfg.group_size}")
+              f"seed={args.seed} batch={env.workload.cfg.batch_prompts}x{env.workload.cfg.group_size} truth={args.truth}")
         print(table(results, default_ref if default_ref in results else None))
+        print("tokens/s: model-generated tokens of the trained trajectories per second; paper t/s: the Libra "
+              "paper's unit, input + output tokens of the trained trajectories per second, whole cluster")
         print("of roof: tokens/s as a fraction of the run's roofline bound (every GPU at the hardware truth's "
               "limit, perfect balance; areal_libra/sim/roofline.py)")
     if args.plot:
