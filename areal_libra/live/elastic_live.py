@@ -152,10 +152,10 @@ class ElasticPoolControl:
 class LiveElastic:
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
                  router: Any = None, batch_size: int = 1, device: str = "cpu",
-                 server_args: dict[str, Any] | None = None) -> None:
+                 pacing: dict[str, Any] | None = None) -> None:
         """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
         do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained);
-        server_args: extra ServerArgs fields of a hybrid's server (an emulated cluster's pacing)."""
+        pacing: a hybrid's server's pacing, ServerPacing fields (an emulated cluster: rollout.emulation)."""
         import torch.distributed as dist
 
         if int(engine.data_parallel_world_size) != 1:
@@ -200,8 +200,8 @@ class LiveElastic:
             if self.serve:
                 cmd += ["--serve", "--server-threads", str(cfg.server_threads), "--server-max-running",
                         str(cfg.server_max_running), "--ack-timeout", str(cfg.serve_ack_timeout_s)]
-                if server_args:
-                    cmd += ["--server-args", json.dumps(server_args)]
+                if pacing:
+                    cmd += ["--pacing", json.dumps(pacing)]
             log_f = open(self.dir / f"{rid}.log", "w")  # noqa: SIM115 - lives as long as the worker
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT,
                                                start_new_session=True))
@@ -391,7 +391,7 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> Li
 
     emu = ClusterEmulation.from_libra(libra) if libra is not None else None
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
-                       device=device, server_args=emu.hybrid_server_args() if emu is not None else None)
+                       device=device, pacing=emu.hybrid_pacing().as_dict() if emu is not None else None)
     live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live

@@ -62,10 +62,10 @@ def serve_channel(kv: KV, rid: str, size: int, max_running: int, ack_timeout_s: 
 
 
 def inprocess_launch(engine: Any, root: str, threads: int, max_running: int, seed: int = 0,
-                     server_args: dict[str, Any] | None = None) -> Callable[[Any], tuple[str, Callable[[], None]]]:
+                     pacing: Any = None) -> Callable[[Any], tuple[str, Callable[[], None]]]:
     """`launch(replica)` for HttpRollout: save the hybrid engine's current weights (HF format) and serve them
     with an embedded server inside this process (no second interpreter to start on a small machine).
-    `server_args`: further ServerArgs fields (an emulated cluster paces the server like its others)."""
+    `pacing`: the server's Pacing (an emulated cluster paces it like its others: rollout.emulation.ServerPacing)."""
     count = [0]
 
     def launch(replica: Any) -> tuple[str, Callable[[], None]]:
@@ -76,8 +76,7 @@ def inprocess_launch(engine: Any, root: str, threads: int, max_running: int, see
         count[0] += 1
         path = os.path.join(root, f"weights{count[0]}")
         engine.save(SaveLoadMeta(path=path, weight_format="hf", with_optim=False, tokenizer=engine.tokenizer))
-        srv = InProcessServer(path, max_running_requests=max_running, threads=threads, seed=seed,
-                              **(server_args or {}))
+        srv = InProcessServer(path, pacing, max_running_requests=max_running, threads=threads, seed=seed)
 
         def stop() -> None:
             srv.close()
