@@ -152,10 +152,11 @@ class ElasticPoolControl:
 class LiveElastic:
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
                  router: Any = None, batch_size: int = 1, device: str = "cpu",
-                 pacing: dict[str, Any] | None = None) -> None:
+                 pacing: dict[str, Any] | None = None, fleet: Any = None) -> None:
         """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
         do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained);
-        pacing: a hybrid's server's pacing, ServerPacing fields (an emulated cluster: rollout.emulation)."""
+        pacing: a hybrid's server's pacing, ServerPacing fields (an emulated cluster: rollout.emulation);
+        fleet: the rollout ServerFleet, through which the hybrids' servers attach and detach."""
         import torch.distributed as dist
 
         if int(engine.data_parallel_world_size) != 1:
@@ -173,14 +174,15 @@ class LiveElastic:
         self.hook.before_step = self._before_step
         self.controller = ElasticController(self.core, ElasticPolicy(ElasticConfig(**cfg.policy)))
         self.router, self.inference = router, inference
-        self.serve = bool(cfg.serve and inference is not None and router is not None)
+        self.serve = bool(cfg.serve and inference is not None and router is not None and fleet is not None)
         if cfg.serve and not self.serve:
-            log.warning("libra.elastic.serve: no request router or inference engine; hybrids idle in rollout")
+            log.warning("libra.elastic.serve: no request router, inference engine or rollout fleet; hybrids idle "
+                        "in rollout")
         self.registry = None
         if self.serve:
             from areal_libra.live.elastic_serving import ServeRegistry
 
-            self.registry = ServeRegistry("127.0.0.1", self.store.port, rt.namespace, self.rids, inference, router,
+            self.registry = ServeRegistry("127.0.0.1", self.store.port, rt.namespace, self.rids, fleet,
                                           group=cfg.rollout_group)
         self.idle_measured = False
         self.pressure = None
@@ -376,7 +378,8 @@ class LiveElastic:
                 self.pressure.close()
 
 
-def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> LiveElastic | None:
+def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fleet: Any = None) -> LiveElastic | None:
+    """The pool of a live run; `fleet`: the rollout ServerFleet (hybrids serve through it; train.install_fleet)."""
     cfg = load_config(libra)
     if not cfg.enabled:
         return None
@@ -391,7 +394,8 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> Li
 
     emu = ClusterEmulation.from_libra(libra) if libra is not None else None
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
-                       device=device, pacing=emu.hybrid_pacing().as_dict() if emu is not None else None)
+                       device=device, pacing=emu.hybrid_pacing().as_dict() if emu is not None else None,
+                       fleet=fleet)
     live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live

@@ -13,6 +13,12 @@ a server of the new layout with their tokens so far (the router's failover path)
 `<run_dir>/rollout_groups.json` and `<run_dir>/servers.json` (pid, address, group of every server) follow
 every change; areal_libra/launch.py supervises and cleans up from servers.json.
 
+The fleet is the one owner of rollout membership: the only code that edits the engine's address list, the
+router's layout and the engine's weight-update hook. Elastic hybrids (servers the fleet does not start) come
+and go through it too: `attach_hybrid(addr)` puts a hybrid's server into the next disk weight update and
+routes to it once that update has landed; `detach_hybrid(addr)` takes it out of the router and the
+address list. A reconfiguration keeps the attached hybrids.
+
 A server that cannot start (or dies before the switch) fails the reconfiguration with a FleetError (one
 line) and leaves the old layout serving; a server that dies after the switch is the router's business
 (failover), as in a run without reconfiguration.
@@ -37,7 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -125,6 +131,12 @@ class _Weights:
     owned: bool  # the fleet keeps this checkpoint alive for new servers; it deletes it when superseded
 
 
+@dataclass(frozen=True, eq=False)
+class _Hybrid:
+    group: str | None
+    on_ready: Callable[[str, bool], None] | None
+
+
 def _get_json(addr: str, path: str, timeout: float = 10.0) -> dict:
     with urllib.request.urlopen(f"http://{addr}{path}", timeout=timeout) as r:
         return json.loads(r.read())
@@ -180,7 +192,7 @@ class ServerFleet:
                     s = FleetServer(a, g.name, g.tp, g.threads, g.max_running)
                     self.servers.append(s)
                     by_addr[a] = s
-        self._lock = threading.Lock()  # weights record and in-flight weight updates
+        self._lock = threading.Lock()  # weights record, in-flight weight updates, hybrids
         self._reconf = threading.Lock()  # one reconfiguration at a time
         self._updating = 0
         # Checkpoints a reconfiguration is starting servers from: a weight update that lands meanwhile must
@@ -189,6 +201,10 @@ class ServerFleet:
         self._deferred: set[str] = set()
         # The servers serve model_path at the engine's version now (a fresh run: version 0).
         self._weights = _Weights(self.model_path, int(self._inner.get_version()), owned=False)
+        # Elastic hybrids by address: attached (waiting for the next weight update), in an update, routed.
+        self._hybrid_pending: dict[str, _Hybrid] = {}
+        self._hybrid_updating: dict[str, _Hybrid] = {}
+        self._hybrids: set[str] = set()
         self._orig_update = None
         self._hook_weight_updates()
         self.reconfigurations = 0
@@ -218,6 +234,12 @@ class ServerFleet:
             kept.clear_checkpoint_after_load = False
             with self._lock:
                 self._updating += 1
+                # Attached hybrids join the address list now: this update reaches them.
+                hybrids, self._hybrid_pending = self._hybrid_pending, {}
+                for addr in hybrids:
+                    if addr not in inner.addresses:
+                        inner.addresses.append(addr)
+                self._hybrid_updating.update(hybrids)
             try:
                 fut = orig(kept)
             except BaseException:
@@ -226,6 +248,8 @@ class ServerFleet:
                 raise
 
             def record(f) -> None:
+                if hybrids:
+                    self._hybrids_updated(hybrids, f)
                 ok = not f.cancelled() and f.exception() is None
                 with self._lock:
                     self._updating -= 1
@@ -259,6 +283,61 @@ class ServerFleet:
         if not os.path.isdir(w.path):
             raise FleetError(f"the checkpoint of weight version {now} is gone ({w.path})")
         return w.path, now
+
+    # --- elastic hybrids: servers the fleet does not start, routed while their replica is in rollout ----
+    def attach_hybrid(self, addr: str, group: str | None = None,
+                      on_ready: Callable[[str, bool], None] | None = None) -> None:
+        """Bring a hybrid replica's server in. It may serve other weights now, so it is not routed yet: the
+        next disk weight update reaches it (it joins the engine's addresses right before), and once that
+        update has landed there it is routed to (`group` by name; None: the router's last group) and
+        `on_ready(addr, True)` is called; `on_ready(addr, False)` if the update failed there (it stays out).
+        Both happen before the update's future resolves (the trainer's wait)."""
+        with self._lock:
+            self._hybrid_pending[addr] = _Hybrid(group, on_ready)
+
+    def detach_hybrid(self, addr: str) -> bool:
+        """Take a hybrid's server out: no new request from now on (the router re-sends what comes back
+        aborted), no further weight update or pause (the engine's addresses). Returns whether it was routed."""
+        with self._lock:
+            self._hybrid_pending.pop(addr, None)
+            self._hybrid_updating.pop(addr, None)
+            routed = addr in self._hybrids
+            self._hybrids.discard(addr)
+        if routed:
+            self.router.remove_server(addr)
+        if addr in self._inner.addresses:
+            self._inner.addresses.remove(addr)
+        return routed
+
+    def hybrids(self) -> list[str]:
+        """The attached hybrids' servers that are routed now."""
+        with self._lock:
+            return sorted(self._hybrids)
+
+    def _hybrids_updated(self, batch: dict[str, _Hybrid], fut) -> None:
+        """A weight update that carried attached hybrids has finished: route those it reached."""
+        try:
+            res = fut.result()
+            failed = set(res[1]) if isinstance(res, tuple) else set()
+        except Exception as e:  # noqa: BLE001 - the update raised for everyone; the trainer sees it
+            log.warning("weight update failed; hybrid servers %s stay out: %s", list(batch), e)
+            failed = set(batch)
+        done: list[tuple[_Hybrid, str, bool]] = []
+        with self._lock:
+            for addr, h in batch.items():
+                if self._hybrid_updating.get(addr) is not h:
+                    continue  # detached while the update ran
+                del self._hybrid_updating[addr]
+                if addr in failed:
+                    if addr in self._inner.addresses:
+                        self._inner.addresses.remove(addr)
+                else:
+                    self.router.add_server(addr, h.group or None)
+                    self._hybrids.add(addr)
+                done.append((h, addr, addr not in failed))
+        for h, addr, ok in done:  # outside the lock: the caller may detach from its callback's thread
+            if h.on_ready is not None:
+                h.on_ready(addr, ok)
 
     # --- reconfiguration -------------------------------------------------------------------------------
     def _validate(self, groups: Sequence[RolloutGroup]) -> list[RolloutGroup]:
@@ -359,10 +438,11 @@ class ServerFleet:
                                              "served; the old layout keeps serving")
                     with self._inner.lock:  # AReaL's engine lock (weight version)
                         left = self.router.set_layout(target, addrs)
-                        # Servers the fleet does not own (elastic hybrids serving rollout) stay in the list
-                        # that weight updates go to.
-                        mine = {srv.addr for srv in self.servers} | set(flat)
-                        self._inner.addresses = flat + [a for a in self._inner.addresses if a not in mine]
+                        # Attached elastic hybrids stay in the list that weight updates go to (the router
+                        # keeps routing to them too).
+                        hybrids = self._hybrids | set(self._hybrid_updating)
+                        self._inner.addresses = flat + [a for a in self._inner.addresses
+                                                        if a in hybrids and a not in flat]
                     return left
                 busy = self._updating > 0
             if not busy:  # the weights moved on while the servers started: load the new ones

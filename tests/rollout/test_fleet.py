@@ -243,6 +243,44 @@ def test_a_finished_weight_update_is_recorded_before_its_waiter_wakes(servers, t
         fleet.close(stop_servers=False)
 
 
+def test_hybrids_attach_and_detach_through_the_fleet(servers, tiny_model_pair, tmp_path) -> None:
+    """An elastic hybrid's server (in-process, as a hybrid replica runs it) joins through the fleet: attached,
+    the next disk weight update reaches it and it is routed once that update landed (before the trainer's
+    wait returns); a reconfiguration keeps it in the router and the engine's addresses; detached, it leaves
+    both and the next update no longer reaches it."""
+    from areal_libra.server.inprocess import InProcessServer
+
+    g = servers["g"]
+    router = make_router([TP1], [[g.addr]], tmp_path)
+    eng = make_engine([g.addr], "fleet-h")
+    eng.set_request_router(router)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [g], [TP1], tmp_path)
+    hyb = InProcessServer(tiny_model_pair[0], max_running_requests=16)
+    ready: list[tuple[str, bool]] = []
+    try:
+        fleet.attach_hybrid(hyb.addr, "tp1", lambda addr, ok: ready.append((addr, ok)))
+        assert hyb.addr not in eng._engine.addresses and hyb.addr not in router.all_addresses  # own weights yet
+        disk_weight_update(eng, tmp_path, "fleet-h", tiny_model_pair[1], version=1)
+        assert ready == [(hyb.addr, True)]  # recorded before the update's waiter woke
+        assert eng._engine.addresses == [g.addr, hyb.addr] and router.all_addresses == [g.addr, hyb.addr]
+        assert greedy(hyb.addr)[2] == "1" and fleet.hybrids() == [hyb.addr]
+        short = RolloutGroup("short", tp=1, count=1, threads=1, max_running=64, max_len=128)
+        out = fleet.reconfigure([short], step=2)  # g stays (same kind), renamed: a real switch
+        assert out["started"] == out["stopped"] == [] and [gr.name for gr in router.groups] == ["short"]
+        assert eng._engine.addresses == [g.addr, hyb.addr] and set(router.all_addresses) == {g.addr, hyb.addr}
+        assert layout(tmp_path) == {"short": [g.addr]}  # the fleet's own servers; the hybrid is not its
+        assert fleet.detach_hybrid(hyb.addr) and fleet.hybrids() == []
+        assert eng._engine.addresses == [g.addr] and router.all_addresses == [g.addr]
+        disk_weight_update(eng, tmp_path / "v2", "fleet-h", tiny_model_pair[0], version=2)
+        assert greedy(g.addr)[2] == "2" and greedy(hyb.addr)[2] == "1"  # detached: the update passed it by
+        assert ready == [(hyb.addr, True)] and not fleet.detach_hybrid(hyb.addr)
+    finally:
+        eng.destroy()
+        router.close()
+        fleet.close(stop_servers=False)
+        hyb.close()
+
+
 def test_a_weight_update_while_new_servers_start_keeps_their_checkpoint(servers, tiny_model_pair, tmp_path) -> None:
     """A weight update lands while a new server is being started from the last checkpoint (a revive during
     training): that checkpoint stays on disk until the reconfiguration ends (it used to be deleted under the
