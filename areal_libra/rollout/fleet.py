@@ -47,9 +47,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, ServerBackend
 from areal_libra.rollout.futures import then_record
 from areal_libra.rollout.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
-from areal_libra.rollout.launcher import ServerHandle, ServerLaunchError, ServerSpec, launch_servers
+from areal_libra.rollout.launcher import ServerLaunchError, ServerSpec
 from areal_libra.rollout.placement import (
     ROLLOUT_DEVICES_ENV,
     PlacementError,
@@ -70,7 +71,8 @@ class FleetError(RuntimeError):
 
 @dataclass
 class FleetServer:
-    """One rollout server the fleet knows: started by the trainer (handle) or by the launcher (pid only)."""
+    """One rollout server the fleet knows: started by the trainer through a backend (handle) or by the
+    launcher (pid only)."""
 
     addr: str
     group: str
@@ -78,10 +80,11 @@ class FleetServer:
     threads: int = 1
     max_running: int = 256
     pid: int | None = None
-    handle: ServerHandle | None = None
+    handle: RunningServer | None = None
     owner: str = "launcher"  # launcher | trainer
     log_path: str = ""
     gpus: tuple[str, ...] = ()  # its devices (sglang), as the launcher sees them
+    backend: ServerBackend | None = None  # the one that started it (handle), which stops it
 
     @property
     def kind(self) -> tuple[int, int, int]:
@@ -94,8 +97,8 @@ class FleetServer:
         return self.pid is not None and pid_running(self.pid)
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.handle is not None:
-            self.handle.terminate(timeout)
+        if self.handle is not None and self.backend is not None:
+            self.backend.stop(self.handle, timeout)
             return
         if self.pid is None:
             return
@@ -158,8 +161,8 @@ class ServerFleet:
         router,
         model_path: str,
         log_dir: str | Path,
-        backend: str = "embedded",
-        servers: Sequence[FleetServer | ServerHandle] = (),
+        backend: ServerBackend | None = None,  # how new servers start (None: embedded local processes)
+        servers: Sequence[FleetServer | RunningServer] = (),  # serving now: handles `backend` stops, or pids
         groups: Sequence[RolloutGroup] = (),
         run_dir: str | Path | None = None,
         start_timeout_s: float = 600.0,
@@ -175,14 +178,14 @@ class ServerFleet:
         self.router = router
         self.model_path = str(model_path)
         self.log_dir = Path(log_dir)
-        self.backend = backend
+        self.backend: ServerBackend = backend if backend is not None else LocalProcessBackend("embedded")
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.start_timeout_s = start_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.evict_timeout_s = evict_timeout_s
         self.rollout_devices = tuple(rollout_devices)
         # sglang always places on devices; an embedded fleet only when given a device pool (tests, emulation)
-        self.places_devices = backend == "sglang" or bool(self.rollout_devices)
+        self.places_devices = self.backend.places_devices or bool(self.rollout_devices)
         self.groups = list(groups) if groups else list(router.groups)
         self.servers: list[FleetServer] = [self._as_server(s) for s in servers]
         by_addr = {s.addr: s for s in self.servers}
@@ -210,13 +213,15 @@ class ServerFleet:
         self.reconfigurations = 0
         self._write_files()
 
-    def _as_server(self, s: FleetServer | ServerHandle) -> FleetServer:
+    def _as_server(self, s: FleetServer | RunningServer) -> FleetServer:
         if isinstance(s, FleetServer):
+            if s.handle is not None and s.backend is None:
+                s.backend = self.backend  # a server handed over with its handle: this fleet's backend stops it
             return s
         g = next((g for g in self.groups if g.name == s.spec.group), None)
         return FleetServer(s.addr, s.spec.group, s.spec.tp, s.spec.threads,
-                           g.max_running if g is not None else s.spec.max_running, s.proc.pid, s, "trainer",
-                           s.log_path, tuple(s.gpu_ids))
+                           g.max_running if g is not None else s.spec.max_running, s.pid, s, "trainer",
+                           s.log_path, tuple(s.gpu_ids), self.backend)
 
     # --- current weights -------------------------------------------------------------------------------
     def _hook_weight_updates(self) -> None:
@@ -371,8 +376,7 @@ class ServerFleet:
 
     def _start(self, target: list[RolloutGroup], slots: list[list[FleetServer | None]], path: str,
                version: int) -> list[FleetServer]:
-        specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name,
-                            extra_args=("--weight-version", str(version)) if self.backend == "embedded" else ())
+        specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name)
                  for g, row in zip(target, slots) for s in row if s is None]
         if not specs:
             return []
@@ -391,8 +395,9 @@ class ServerFleet:
             except PlacementError as e:
                 raise FleetError(f"reconfigure: {e}") from None
         try:
-            handles = launch_servers(path, specs, str(self.log_dir), backend=self.backend,
-                                     timeout=self.start_timeout_s, placement=placement)
+            handles = self.backend.start(path, specs, str(self.log_dir),
+                                         devices=None if placement is None else placement.servers,
+                                         weight_version=version, timeout=self.start_timeout_s)
         except (ServerLaunchError, OSError, ValueError) as e:
             what = ", ".join(f"TP{s.tp} ({s.group})" for s in specs)
             raise FleetError(f"reconfigure: cannot start {what}: {first_line(e)}") from e
@@ -570,7 +575,7 @@ class ServerFleet:
             slots, leaving = self._plan(target)
             if not leaving and all(s is not None for row in slots for s in row) and target == self.groups:
                 return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [], "stopped": [], "moved": 0,
-                        "groups": format_allocation(self.backend, target)}
+                        "groups": format_allocation(self.backend.name, target)}
             path, version = self.current_weights()
             retired, moved = self._make_room(target, slots, leaving)
             try:
@@ -593,7 +598,7 @@ class ServerFleet:
             "started": [s.addr for s in new],
             "stopped": [s.addr for s in leaving],
             "moved": moved,
-            "groups": format_allocation(self.backend, target),
+            "groups": format_allocation(self.backend.name, target),
         }
         log.info("fleet: step %d reconfigured to %s in %.1fs (started %s, stopped %s)", step, out["groups"],
                  out["reconfig_s"], out["started"], out["stopped"])
@@ -643,17 +648,18 @@ def read_registry(run_dir: str | Path) -> list[dict]:
         return []
 
 
-def write_registry(run_dir: str | Path, handles: Sequence[ServerHandle], owner: str = "launcher") -> None:
+def write_registry(run_dir: str | Path, handles: Sequence[RunningServer], owner: str = "launcher") -> None:
     """The launcher's first registry: its servers before the trainer starts."""
-    body = {"servers": [{"addr": h.addr, "group": h.spec.group, "tp": h.spec.tp, "pid": h.proc.pid,
+    body = {"servers": [{"addr": h.addr, "group": h.spec.group, "tp": h.spec.tp, "pid": h.pid,
                          "owner": owner, "state": "serving", "log": h.log_path, "gpus": list(h.gpu_ids)}
                         for h in handles]}
     atomic_write_text(Path(run_dir) / REGISTRY_FILE, json.dumps(body, indent=1) + "\n")
 
 
-def build_fleet(trainer, router, run_dir: str | Path, **kwargs) -> ServerFleet:
+def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | None = None, **kwargs) -> ServerFleet:
     """The fleet of a live run (areal_libra/live/train.py, after install_router): the launcher's
-    servers from rollout_groups.json + servers.json, the model from the AReaL config."""
+    servers from rollout_groups.json + servers.json, the model from the AReaL config; new servers start
+    through `backend` (None: local processes, SGLang where libra.device is cuda, else embedded)."""
     from omegaconf import OmegaConf
 
     from areal_libra.rollout.router import GROUPS_FILE, read_groups_file
@@ -665,7 +671,8 @@ def build_fleet(trainer, router, run_dir: str | Path, **kwargs) -> ServerFleet:
                            gpus=tuple(str(d) for d in reg.get(a, {}).get("gpus") or ()))
                for g, row in zip(groups, addrs) for a in row]
     libra = OmegaConf.load(run_dir / "libra_config.yaml") if (run_dir / "libra_config.yaml").exists() else {}
-    backend = "sglang" if libra.get("device", "cpu") == "cuda" else "embedded"
+    if backend is None:
+        backend = LocalProcessBackend.for_device(str(libra.get("device", "cpu")))
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
     kwargs.setdefault("rollout_devices", pool)
     return ServerFleet(trainer.rollout, router, str(trainer.config.actor.path), run_dir / "servers", backend,

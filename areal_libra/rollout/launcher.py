@@ -67,6 +67,10 @@ class ServerHandle:
     def url(self) -> str:
         return f"http://{self.addr}"
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
