@@ -329,7 +329,8 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
         except ControlError as e:
             raise LaunchError(str(e)) from None
         print("areal_libra: libra mode; worst-case plan: " + plan.splitlines()[0].split(": ", 1)[-1], flush=True)
-    from areal_libra.rollout.launcher import launch_servers, shutdown
+    from areal_libra.rollout.backend import LocalProcessBackend
+    from areal_libra.rollout.launcher import shutdown
 
     quiet = not sys.stdout.isatty()
     print(f"areal_libra: run directory {log_dir}", flush=True)
@@ -337,8 +338,9 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
           f"model={model_path} steps={c.areal.total_train_steps}", flush=True)
     if emu is not None:
         print(f"areal_libra: emulated cluster {emu.describe(rollout_groups(c))}", flush=True)
-    servers = launch_servers(model_path, server_specs(c), log_dir / "servers",
-                             backend="sglang" if c.libra.get("device") == "cuda" else "embedded", placement=gpus)
+    backend = LocalProcessBackend.for_device(str(c.libra.get("device")))  # the fleet's, as build_fleet picks it
+    servers = backend.start(model_path, server_specs(c), str(log_dir / "servers"),
+                            devices=gpus.servers if gpus else None)
     try:
         addrs = [s.addr for s in servers]
         print(f"areal_libra: rollout servers {', '.join(addrs)}", flush=True)

@@ -80,6 +80,11 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
+def _is_server(cmdline: str) -> bool:
+    """A rollout server's command line: the embedded server, or an emulated one (which starts it paced)."""
+    return "embedded_server" in cmdline or "areal_libra.rollout.emulation" in cmdline
+
+
 def role(cmd: list[str]) -> str:
     """What a process of the run is, from its command line."""
     text = " ".join(cmd)
@@ -87,7 +92,7 @@ def role(cmd: list[str]) -> str:
         return "launcher"
     if "areal_libra.live.train" in text:
         return "trainer"
-    if "embedded_server" in text:
+    if _is_server(text):
         port = cmd[cmd.index("--port") + 1] if "--port" in cmd and cmd.index("--port") + 1 < len(cmd) else "?"
         return f"server:{port}"
     if "_calc_worker" in text:
@@ -133,7 +138,7 @@ def kill_a_server(run_dir: Path) -> dict | None:
         pid = s.get("pid")
         if s.get("state") != "serving" or not pid or not Path(f"/proc/{pid}").exists():
             continue
-        if "embedded_server" not in " ".join(_cmdline(int(pid))):
+        if not _is_server(" ".join(_cmdline(int(pid)))):
             continue  # a recycled pid
         try:
             os.killpg(int(pid), signal.SIGKILL)

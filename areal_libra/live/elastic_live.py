@@ -152,10 +152,11 @@ class ElasticPoolControl:
 class LiveElastic:
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
                  router: Any = None, batch_size: int = 1, device: str = "cpu",
-                 server_args: dict[str, Any] | None = None, pressure: Any = None) -> None:
+                 pacing: dict[str, Any] | None = None, fleet: Any = None, pressure: Any = None) -> None:
         """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
         do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained);
-        server_args: extra ServerArgs fields of a hybrid's server (an emulated cluster's pacing); pressure:
+        pacing: a hybrid's server's pacing, ServerPacing fields (an emulated cluster: rollout.emulation);
+        fleet: the rollout ServerFleet, through which the hybrids' servers attach and detach; pressure:
         the run's rollout.pressure.PressureSampler (its owner closes it; None: pressure reads 0)."""
         import torch.distributed as dist
 
@@ -174,14 +175,15 @@ class LiveElastic:
         self.hook.before_step = self._before_step
         self.controller = ElasticController(self.core, ElasticPolicy(ElasticConfig(**cfg.policy)))
         self.router, self.inference = router, inference
-        self.serve = bool(cfg.serve and inference is not None and router is not None)
+        self.serve = bool(cfg.serve and inference is not None and router is not None and fleet is not None)
         if cfg.serve and not self.serve:
-            log.warning("libra.elastic.serve: no request router or inference engine; hybrids idle in rollout")
+            log.warning("libra.elastic.serve: no request router, inference engine or rollout fleet; hybrids idle "
+                        "in rollout")
         self.registry = None
         if self.serve:
             from areal_libra.live.elastic_serving import ServeRegistry
 
-            self.registry = ServeRegistry("127.0.0.1", self.store.port, rt.namespace, self.rids, inference, router,
+            self.registry = ServeRegistry("127.0.0.1", self.store.port, rt.namespace, self.rids, fleet,
                                           group=cfg.rollout_group)
         self.idle_measured = False
         self.pressure = pressure
@@ -197,8 +199,8 @@ class LiveElastic:
             if self.serve:
                 cmd += ["--serve", "--server-threads", str(cfg.server_threads), "--server-max-running",
                         str(cfg.server_max_running), "--ack-timeout", str(cfg.serve_ack_timeout_s)]
-                if server_args:
-                    cmd += ["--server-args", json.dumps(server_args)]
+                if pacing:
+                    cmd += ["--pacing", json.dumps(pacing)]
             log_f = open(self.dir / f"{rid}.log", "w")  # noqa: SIM115 - lives as long as the worker
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT,
                                                start_new_session=True))
@@ -371,8 +373,10 @@ class LiveElastic:
                 self.registry.close()
 
 
-def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, pressure: Any = None
-                    ) -> LiveElastic | None:
+def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fleet: Any = None,
+                    pressure: Any = None) -> LiveElastic | None:
+    """The pool of a live run; `fleet`: the rollout ServerFleet (hybrids serve through it; train.install_fleet);
+    `pressure`: the run's one pressure sampler (train.rollout_pressure)."""
     cfg = load_config(libra)
     if not cfg.enabled:
         return None
@@ -387,8 +391,8 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, press
 
     emu = ClusterEmulation.from_libra(libra) if libra is not None else None
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
-                       device=device, server_args=emu.hybrid_server_args() if emu is not None else None,
-                       pressure=pressure)
+                       device=device, pacing=emu.hybrid_pacing().as_dict() if emu is not None else None,
+                       fleet=fleet, pressure=pressure)
     live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live

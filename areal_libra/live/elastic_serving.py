@@ -7,11 +7,13 @@ Channel (keys in the elastic pool's store, next to the protocol keys of elastic_
     serve_ack/<rid>/<seq>/active  trainer -> hybrid  the server took the latest weights and is routable
 
 Up (the hybrid entered rollout, `modeswitch.HttpRollout.start`): its server runs on its own weights; the
-trainer's `ServeRegistry` adds the address to the AReaL engine's `addresses` right before the next weight
-update (so that update reaches it), and to the request router once that update has landed: the router
-never sends it a request on weights older than the trainer's current version.
-Down (the hybrid joins training, `HttpRollout.drain`): the registry removes the address from the router
-(no new request) and from the engine's `addresses` (no further updates, pauses), then acks; only then
+trainer's `ServeRegistry` attaches it to the rollout fleet (`ServerFleet.attach_hybrid`, the one owner of
+membership), which adds the address to the AReaL engine's `addresses` right before the next weight update
+(so that update reaches it), and to the request router once that update has landed: the router never
+sends it a request on weights older than the trainer's current version.
+Down (the hybrid joins training, `HttpRollout.drain`): the registry detaches it (`ServerFleet.detach_hybrid`:
+out of the router, no new request, and out of the engine's `addresses`, no further updates or pauses), then
+acks; only then
 does the hybrid abort its in-flight requests, which return to AReaL's client with their tokens so far
 and are re-sent to another server (`RequestRouter.watch` treats a removed server as down). None lost.
 """
@@ -26,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 from areal_libra.elastic_runtime.kv import KV, connect
-from areal_libra.rollout.futures import then_record
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,10 @@ def serve_channel(kv: KV, rid: str, size: int, max_running: int, ack_timeout_s: 
 
 
 def inprocess_launch(engine: Any, root: str, threads: int, max_running: int, seed: int = 0,
-                     server_args: dict[str, Any] | None = None) -> Callable[[Any], tuple[str, Callable[[], None]]]:
+                     pacing: Any = None) -> Callable[[Any], tuple[str, Callable[[], None]]]:
     """`launch(replica)` for HttpRollout: save the hybrid engine's current weights (HF format) and serve them
     with an embedded server inside this process (no second interpreter to start on a small machine).
-    `server_args`: further ServerArgs fields (an emulated cluster paces the server like its others)."""
+    `pacing`: the server's Pacing (an emulated cluster paces it like its others: rollout.emulation.ServerPacing)."""
     count = [0]
 
     def launch(replica: Any) -> tuple[str, Callable[[], None]]:
@@ -74,8 +75,7 @@ def inprocess_launch(engine: Any, root: str, threads: int, max_running: int, see
         count[0] += 1
         path = os.path.join(root, f"weights{count[0]}")
         engine.save(SaveLoadMeta(path=path, weight_format="hf", with_optim=False, tokenizer=engine.tokenizer))
-        srv = InProcessServer(path, max_running_requests=max_running, threads=threads, seed=seed,
-                              **(server_args or {}))
+        srv = InProcessServer(path, pacing, max_running_requests=max_running, threads=threads, seed=seed)
 
         def stop() -> None:
             srv.close()
@@ -88,20 +88,20 @@ def inprocess_launch(engine: Any, root: str, threads: int, max_running: int, see
 
 # ------------------------------------------------------------------ trainer side
 class ServeRegistry:
-    """Keeps the AReaL engine's `addresses` and the request router in step with the hybrids' servers.
+    """Follows the hybrids' registration channel and asks the rollout fleet (rollout/fleet.py, the one owner
+    of the engine's addresses, the router's layout and the weight-update hook) to attach and detach their
+    servers: attached, a server is reached by the next weight update and routed once it landed; detached, it
+    is neither routed nor updated. The registry keeps the per-hybrid view (pending, serving) and the acks."""
 
-    `inference` is the RemoteInfEngine (the object holding `addresses`); `router` the RequestRouter."""
-
-    def __init__(self, host: str, port: int, namespace: str, rids: list[str], inference: Any, router: Any,
+    def __init__(self, host: str, port: int, namespace: str, rids: list[str], fleet: Any,
                  group: str = "", poll_s: float = 0.1) -> None:
         self.kv = KV(connect(host, port), namespace)
         self.rids = list(rids)
-        self.inference, self.router, self.group = inference, router, group
+        self.fleet, self.group = fleet, group
         self.poll_s = poll_s
         self._lock = threading.Lock()
         self.seen: dict[str, int] = {}
-        self.pending: dict[str, tuple[str, int, dict[str, Any]]] = {}  # rid -> (addr, seq, info)
-        self.updating: dict[str, tuple[str, int, dict[str, Any]]] = {}  # in an update in flight
+        self.pending: dict[str, tuple[str, int, dict[str, Any]]] = {}  # rid -> (addr, seq, info): not routed yet
         self.active: dict[str, tuple[str, dict[str, Any]]] = {}  # rid -> (addr, info): routable
         self.active_ever: set[str] = set()  # every address that was routable (metrics: requests routed there)
         self.registrations = 0
@@ -109,51 +109,22 @@ class ServeRegistry:
         self.failed: list[str] = []
         self._acks: list[tuple[str, int, str]] = []
         self._stop = threading.Event()
-        self._wrap_update()
         self._thread = threading.Thread(target=self._run, name="elastic-serve", daemon=True)
         self._thread.start()
 
-    # -- the weight update is where a new server comes in ---------------------------------------------
-    def _wrap_update(self) -> None:
-        eng = self.inference
-        original = eng.update_weights_from_disk
-
-        def update_weights_from_disk(meta: Any) -> Any:
-            with self._lock:
-                batch, self.pending = self.pending, {}
-                for rid, (addr, seq, info) in batch.items():
-                    if addr not in eng.addresses:
-                        eng.addresses.append(addr)  # this update reaches it
-                    self.updating[rid] = (addr, seq, info)
-            fut = original(meta)
-            if batch:  # the hybrids are routable once the trainer's wait returns
-                return then_record(fut, lambda f, b=batch: self._updated(b, f))
-            return fut
-
-        eng.update_weights_from_disk = update_weights_from_disk  # instance attribute: this engine only
-
-    def _updated(self, batch: dict[str, tuple[str, int, dict[str, Any]]], fut: Any) -> None:
-        try:
-            res = fut.result()
-            failed = set(res[1]) if isinstance(res, tuple) else set()
-        except Exception as e:  # noqa: BLE001 - the update raised for everyone; the trainer sees it
-            log.warning("weight update failed; hybrid servers %s stay out: %s", [a for a, _, _ in batch.values()], e)
-            failed = {a for a, _, _ in batch.values()}
+    def _ready(self, rid: str, seq: int, addr: str, ok: bool) -> None:
+        """The fleet's word on an attached server (called as the weight update that reached it lands)."""
         with self._lock:
-            for rid, (addr, seq, info) in batch.items():
-                if self.updating.get(rid, (None,))[0] != addr:
-                    continue  # withdrawn while the update ran
-                del self.updating[rid]
-                if addr in failed:
-                    self.failed.append(addr)
-                    if addr in self.inference.addresses:
-                        self.inference.addresses.remove(addr)
-                    continue
-                self.router.add_server(addr, self.group or None)
-                self.active[rid] = (addr, info)
-                self.active_ever.add(addr)
-                self.registrations += 1
-                self._acks.append((rid, seq, "active"))  # sent by the poll thread (one store client per thread)
+            if self.pending.get(rid, (None, None))[:2] != (addr, seq):
+                return  # withdrawn meanwhile (the fleet has detached it)
+            _, _, info = self.pending.pop(rid)
+            if not ok:
+                self.failed.append(addr)
+                return
+            self.active[rid] = (addr, info)
+            self.active_ever.add(addr)
+            self.registrations += 1
+            self._acks.append((rid, seq, "active"))  # sent by the poll thread (one store client per thread)
 
     # -- the channel ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -176,8 +147,14 @@ class ServeRegistry:
                 continue
             self.seen[rid] = int(msg["seq"])
             if msg["up"]:
+                addr, seq = msg["addr"], int(msg["seq"])
                 with self._lock:
-                    self.pending[rid] = (msg["addr"], int(msg["seq"]), msg)
+                    before = self.pending.get(rid, (None,))[0]
+                    self.pending[rid] = (addr, seq, msg)
+                if before is not None and before != addr:  # superseded before any update reached it
+                    self.fleet.detach_hybrid(before)
+                self.fleet.attach_hybrid(addr, self.group or None,
+                                         lambda a, ok, rid=rid, seq=seq: self._ready(rid, seq, a, ok))
                 self.kv.set(f"serve_ack/{rid}/{msg['seq']}", "pending")
             else:
                 self._remove(rid, msg["addr"])
@@ -185,17 +162,14 @@ class ServeRegistry:
 
     def _remove(self, rid: str, addr: str) -> None:
         with self._lock:
-            for table in (self.pending, self.updating):
-                if table.get(rid, (None,))[0] == addr:
-                    del table[rid]
+            if self.pending.get(rid, (None,))[0] == addr:
+                del self.pending[rid]
             was_active = self.active.get(rid, (None,))[0] == addr
             if was_active:
                 del self.active[rid]
+        self.fleet.detach_hybrid(addr)  # outside our lock: the fleet takes its own
         if was_active:
-            self.router.remove_server(addr)
             self.removals += 1
-        if addr in self.inference.addresses:
-            self.inference.addresses.remove(addr)
 
     def serving(self) -> dict[str, tuple[str, dict[str, Any]]]:
         with self._lock:

@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-threads", type=int, default=1)
     ap.add_argument("--server-max-running", type=int, default=64)
     ap.add_argument("--ack-timeout", type=float, default=30.0)
-    ap.add_argument("--server-args", default="{}",
-                    help="extra ServerArgs fields of the served server as JSON (an emulated cluster's pacing)")
+    ap.add_argument("--pacing", default=None,
+                    help="the served server's pacing as JSON, ServerPacing fields (an emulated cluster)")
     ap.add_argument("--runtime", default="{}", help="RuntimeConfig fields as JSON (the trainer's)")
     args = ap.parse_args(argv)
     host, _, port = args.store.rpartition(":")
@@ -77,13 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"areal_worker: --runtime: {e}", file=sys.stderr)
         return 2
-    try:
-        server_args = json.loads(args.server_args)
-        if not isinstance(server_args, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as e:
-        print(f"areal_worker: --server-args: {e}", file=sys.stderr)
-        return 2
+    pacing = None
+    if args.pacing is not None:
+        from areal_libra.rollout.emulation import ServerPacing
+
+        try:
+            fields = json.loads(args.pacing)
+            if not isinstance(fields, dict):
+                raise ValueError("not a JSON object")
+            pacing = ServerPacing(**fields)
+        except (ValueError, TypeError) as e:  # EmulationError is a ValueError
+            print(f"areal_worker: --pacing: {e}", file=sys.stderr)
+            return 2
     engine = build_engine(config.actor, batch_size=config.train_dataset.batch_size)
     rollout = None
     if args.serve:
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                              args.server_threads, args.server_max_running, args.ack_timeout)
         root = os.path.join(os.path.dirname(os.path.abspath(args.snapshot_dir)), f"serve_{args.rid}")
         rollout = HttpRollout(inprocess_launch(engine, root, args.server_threads, args.server_max_running,
-                                               server_args=server_args),
+                                               pacing=pacing),
                               register, unregister, ready_timeout_s=120.0)
     run_worker(host, int(port), args.rid, args.rank, args.snapshot_dir, engine, rollout=rollout, cfg=rt)
     return 0

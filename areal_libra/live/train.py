@@ -69,27 +69,44 @@ def rollout_pressure(trainer, libra):
     return PressureSampler(lambda: list(inference.addresses))
 
 
-def install_control(trainer, libra, config, run_dir: Path, metrics, router, elastic, sinks: list, pressure=None):
-    """libra mode: the shared LibraController drives this run (areal_libra.live.live_cluster). `pressure`:
-    the run's sampler; with an elastic pool the pool's step observation carries its window instead."""
-    if str(libra.get("mode", "static")) != "libra" or int(os.environ.get("RANK", "0") or 0) != 0:
+def _libra_rank0(libra) -> bool:
+    return str(libra.get("mode", "static")) == "libra" and int(os.environ.get("RANK", "0") or 0) == 0
+
+
+def install_fleet(trainer, libra, run_dir: Path, metrics, router):
+    """The rollout fleet (rollout/fleet.py), the one owner of rollout membership: in libra mode it switches
+    layouts and replaces dead servers; elastic hybrids that serve attach and detach through it."""
+    from areal_libra.live.elastic_live import hybrids_serve
+
+    if router is None or int(os.environ.get("RANK", "0") or 0) != 0:
+        return None
+    libra_mode = _libra_rank0(libra)  # libra mode always routes (C-MLFQ), so the fleet can switch layouts
+    if not (libra_mode or hybrids_serve(libra)):
+        return None
+    from areal_libra.rollout.fleet import build_fleet
+
+    fleet = build_fleet(trainer, router, run_dir)
+    if libra_mode and bool(libra.get("revive_servers", True)):  # a dead server is replaced (rollout/revive.py)
+        from areal_libra.rollout.revive import ServerReviver
+
+        reviver = ServerReviver(fleet, router, run_dir).start()
+        metrics.add_source(reviver.metrics)
+        trainer._libra_reviver = reviver  # stopped in main() before the router closes
+    return fleet
+
+
+def install_control(trainer, libra, config, run_dir: Path, metrics, router, elastic, sinks: list, fleet=None,
+                    pressure=None):
+    """libra mode: the shared LibraController drives this run (areal_libra.live.live_cluster); `fleet`
+    (install_fleet) switches its layouts; `pressure`: the run's sampler; with an elastic pool the pool's step
+    observation carries its window instead."""
+    if not _libra_rank0(libra):
         return None
     from areal_libra.config import libra_config
     from areal_libra.live.live_cluster import LiveCluster, LiveControl, control_config, plan_source
     from areal_libra.rollout.router import GROUPS_FILE, publish_metrics, read_groups_file
 
     typed = libra_config(libra)
-    fleet = None
-    if router is not None:  # libra mode always routes (C-MLFQ), so the fleet can switch layouts
-        from areal_libra.rollout.fleet import build_fleet
-
-        fleet = build_fleet(trainer, router, run_dir)
-        if bool(libra.get("revive_servers", True)):  # a dead server is replaced (rollout/revive.py)
-            from areal_libra.rollout.revive import ServerReviver
-
-            reviver = ServerReviver(fleet, router, run_dir).start()
-            metrics.add_source(reviver.metrics)
-            trainer._libra_reviver = reviver  # stopped in main() before the router closes
     groups = read_groups_file(run_dir / GROUPS_FILE)[0] if (run_dir / GROUPS_FILE).exists() else []
     cluster = LiveCluster(fleet, elastic, history_len=typed.control.history,
                           max_running=groups[0].max_running if groups else 256,
@@ -217,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         from areal_libra.live.elastic_live import install_elastic
 
         pressure = rollout_pressure(trainer, libra)
-        elastic = install_elastic(trainer, libra, run_dir, metrics, pressure)  # None unless libra.elastic.enabled
-        control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks, pressure)
+        fleet = install_fleet(trainer, libra, run_dir, metrics, router)  # None: no layout changes, no hybrids
+        elastic = install_elastic(trainer, libra, run_dir, metrics, fleet, pressure)  # None unless libra.elastic.enabled
+        control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks, fleet, pressure)
         install_emulation(trainer, libra, run_dir, metrics, control, elastic)
         from areal_libra.rollout.revive import rollout_counters
 
@@ -232,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 control.close(run_dir / "allocation.png")
             if elastic is not None:
                 elastic.close()
+            if fleet is not None:
+                fleet.close()  # (again: idempotent) a run without the controller closes it here
             if router is not None and hasattr(router, "close"):
                 router.close()
             if pressure is not None:

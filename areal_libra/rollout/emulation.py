@@ -5,7 +5,10 @@ The step times come from the simulator's hardware truth (areal_libra.sim.hardwar
 h200), never from the planner's own cost model (areal_libra.cost), so the control plane is judged against
 timings it does not know. Each embedded server paces every decode iteration of its continuous batch to
 ``truth.decode_iteration_s(tp, running, resident_tokens) * time_scale`` and every prefill likewise (see
-``ServerEmulation`` and the server's ``--emulate-*`` flags); the trainer calls ``pace_train_step`` after
+``ServerEmulation``; an emulated server is started by this module, which injects the pacing into the embedded
+server: ``python -m areal_libra.rollout.emulation --emulate-model M --emulate-gpu G [--emulate-tp T]
+[--emulate-time-scale S] [--emulate-growth X --emulate-horizon H] <embedded server flags>``); the trainer
+calls ``pace_train_step`` after
 each step. Pacing can only slow a step down: when the tiny model's own compute takes longer than the
 target (too many servers on too few cores, or a time scale too small) the iteration "overruns", and the
 servers count those (``/get_server_info`` -> ``engine_stats.pace_overruns``) so a run can say how faithful
@@ -20,10 +23,12 @@ it was.
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -36,6 +41,8 @@ DEFAULT_GPU = "h200"
 # machine the tiny trainer itself needs 4-7 s and 3 servers overran 61% of their iterations at x1, so the
 # default slows time 4x (trainer target ~9 s, 22% of server iterations overran; docs/dispatch.md).
 DEFAULT_TIME_SCALE = 4.0
+# The module that starts an emulated embedded server (main below), as the launcher's ServerSpec.entry.
+SERVER_ENTRY = "areal_libra.rollout.emulation"
 
 
 class EmulationError(ValueError):
@@ -146,6 +153,47 @@ class ServerEmulation:
 
     def describe(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu, "tp": self.tp, "time_scale": self.time_scale}
+
+
+@dataclass(frozen=True)
+class ServerPacing:
+    """The pacing an emulated server is given (the embedded server's Pacing protocol): a TP-``tp`` server of
+    ``model`` on ``gpu``, lengths growing by ``growth`` over ``horizon`` weight versions (GrowingPacer)."""
+
+    model: str = DEFAULT_MODEL
+    gpu: str = DEFAULT_GPU
+    tp: int = 1
+    time_scale: float = DEFAULT_TIME_SCALE
+    growth: float = 0.0
+    horizon: int = 40
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.growth, int | float) and math.isfinite(self.growth) and self.growth >= 0) \
+                or isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1:
+            raise EmulationError("--emulate-growth must be >= 0, --emulate-horizon >= 1")
+        _ = self.emulation  # unknown model/accelerator, bad TP or time scale: fail now
+
+    @cached_property
+    def emulation(self) -> ServerEmulation:
+        return ServerEmulation(self.model, self.gpu, self.tp, self.time_scale)
+
+    def pacer(self, weight_version: Callable[[], str]) -> Any:
+        if self.growth <= 0:
+            return self.emulation
+        return GrowingPacer(self.emulation, self.growth, self.horizon, weight_version)
+
+    def describe(self) -> dict[str, Any]:
+        return self.emulation.describe()
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def cli_args(self) -> tuple[str, ...]:
+        """This module's flags for this pacing (before the embedded server's own)."""
+        out = self.emulation.cli_args()
+        if self.growth > 0:
+            out += ("--emulate-growth", repr(self.growth), "--emulate-horizon", str(self.horizon))
+        return out
 
 
 def best_train_layout(truth: HardwareTruth, seq_lens: Sequence[int], n_accel: int) -> tuple[int, int, int, float]:
@@ -260,23 +308,22 @@ class ClusterEmulation:
             self._cache[tp] = ServerEmulation(self.model, self.gpu, tp, self.time_scale)
         return self._cache[tp]
 
+    def pacing(self, tp: int) -> ServerPacing:
+        """The pacing of one TP-``tp`` server of this cluster."""
+        s = self.server(tp)
+        return ServerPacing(s.model, s.gpu, tp, s.time_scale, float(self.length_growth), int(self.growth_horizon))
+
     def server_spec(self, group: Any, seed: int = 0) -> Any:
         """The launcher's ServerSpec for one server of a RolloutGroup on this emulated cluster."""
         from areal_libra.rollout.launcher import ServerSpec
 
-        return ServerSpec(tp=group.tp, threads=self.server_threads, max_running=group.max_running,
-                          group=group.name, seed=seed,
-                          extra_args=self.server(group.tp).cli_args() + self.growth_args())
-
-    def growth_args(self) -> tuple[str, ...]:
-        if self.length_growth <= 0:
-            return ()
-        return ("--emulate-growth", repr(self.length_growth), "--emulate-horizon", str(self.growth_horizon))
+        return self.emulate_spec(ServerSpec(tp=group.tp, max_running=group.max_running, group=group.name, seed=seed))
 
     def emulate_spec(self, spec: Any) -> Any:
-        """An existing ServerSpec made an emulated one (threads and the --emulate-* flags)."""
-        return replace(spec, threads=self.server_threads,
-                       extra_args=tuple(spec.extra_args) + self.server(spec.tp).cli_args() + self.growth_args())
+        """An existing ServerSpec made an emulated one: started by this module with the --emulate-* flags,
+        on ``server_threads`` threads."""
+        return replace(spec, threads=self.server_threads, entry=SERVER_ENTRY,
+                       extra_args=tuple(spec.extra_args) + self.pacing(spec.tp).cli_args())
 
     # ------------------------------------------------------------ the accelerator budget
     def check_layout(self, groups: Sequence[Any], trainer: int | None = None) -> tuple[int, int]:
@@ -307,11 +354,9 @@ class ClusterEmulation:
             )
         return rollout, train
 
-    def hybrid_server_args(self) -> dict[str, Any]:
-        """ServerArgs fields that pace a hybrid replica's in-process server as a TP1 server of this cluster."""
-        s = self.server(1)
-        return {"emulate_model": s.model, "emulate_gpu": s.gpu, "emulate_tp": 1, "emulate_time_scale": s.time_scale,
-                "emulate_growth": float(self.length_growth), "emulate_horizon": int(self.growth_horizon)}
+    def hybrid_pacing(self) -> ServerPacing:
+        """The pacing of a hybrid replica's in-process server: a TP1 server of this cluster."""
+        return self.pacing(1)
 
     # ------------------------------------------------------------ the trainer
     def train_target_s(self, tokens: int | Sequence[int], n_accel: int, n_seqs: int = 1) -> float:
@@ -450,3 +495,50 @@ def _batch_lengths(batch: Any, m: float = 1.0) -> list[int]:
             p = min(int(p), n) if h else n
             out.append(p + int((n - p) * m))
     return out
+
+
+# ------------------------------------------------------------------ the emulated server's entry point
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        sys.stderr.write(f"emulated_server: error: {message}\n")
+        raise SystemExit(2)
+
+
+def parse_server_args(argv: list[str] | None = None) -> tuple[Any, ServerPacing]:
+    """(the embedded server's ServerArgs, the pacing) of ``--emulate-* flags <embedded server flags>``; bad
+    values exit 2 with one line (a model path without config.json: exit 1, as the server's own CLI)."""
+    # The embedded server's module loads aiohttp: imported here, off the trainer's and launcher's path.
+    from areal_libra.server.embedded_server import parse_args
+
+    p = _Parser(prog=f"python -m {SERVER_ENTRY}", allow_abbrev=False,
+                description="An embedded server paced to a model on an accelerator (the simulator's hardware truth).")
+    p.add_argument("--emulate-model", default=None, help="pace to this model's step times (e.g. qwen3-14b)")
+    p.add_argument("--emulate-gpu", default=None, help="... on this accelerator (e.g. h200)")
+    p.add_argument("--emulate-tp", type=int, default=None, help="... at this TP (default: --tp-size)")
+    p.add_argument("--emulate-time-scale", type=float, default=1.0, help="real seconds per emulated second")
+    p.add_argument("--emulate-growth", type=float, default=0.0,
+                   help="emulated lengths grow to (1 + this)x over --emulate-horizon weight versions")
+    p.add_argument("--emulate-horizon", type=int, default=40)
+    ns, rest = p.parse_known_args(argv)
+    if ns.emulate_model is None and ns.emulate_gpu is None:
+        p.error("an emulated server needs --emulate-model and --emulate-gpu")
+    if ns.emulate_model is None or ns.emulate_gpu is None:
+        p.error("--emulate-model and --emulate-gpu must be given together")
+    args = parse_args(rest)
+    try:
+        pacing = ServerPacing(ns.emulate_model, ns.emulate_gpu, args.tp_size if ns.emulate_tp is None else ns.emulate_tp,
+                              ns.emulate_time_scale, ns.emulate_growth, ns.emulate_horizon)
+    except EmulationError as e:
+        p.error(str(e))
+    return args, pacing
+
+
+def main(argv: list[str] | None = None) -> int:
+    from areal_libra.server.embedded_server import run
+
+    args, pacing = parse_server_args(argv)
+    return run(args, pacing)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,6 +13,12 @@ a server of the new layout with their tokens so far (the router's failover path)
 `<run_dir>/rollout_groups.json` and `<run_dir>/servers.json` (pid, address, group of every server) follow
 every change; areal_libra/launch.py supervises and cleans up from servers.json.
 
+The fleet is the one owner of rollout membership: the only code that edits the engine's address list, the
+router's layout and the engine's weight-update hook. Elastic hybrids (servers the fleet does not start) come
+and go through it too: `attach_hybrid(addr)` puts a hybrid's server into the next disk weight update and
+routes to it once that update has landed; `detach_hybrid(addr)` takes it out of the router and the
+address list. A reconfiguration keeps the attached hybrids.
+
 A server that cannot start (or dies before the switch) fails the reconfiguration with a FleetError (one
 line) and leaves the old layout serving; a server that dies after the switch is the router's business
 (failover), as in a run without reconfiguration.
@@ -37,13 +43,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, ServerBackend
 from areal_libra.rollout.futures import then_record
 from areal_libra.rollout.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
-from areal_libra.rollout.launcher import ServerHandle, ServerLaunchError, ServerSpec, launch_servers
+from areal_libra.rollout.launcher import ServerLaunchError, ServerSpec
 from areal_libra.rollout.placement import (
     ROLLOUT_DEVICES_ENV,
     PlacementError,
@@ -64,7 +71,8 @@ class FleetError(RuntimeError):
 
 @dataclass
 class FleetServer:
-    """One rollout server the fleet knows: started by the trainer (handle) or by the launcher (pid only)."""
+    """One rollout server the fleet knows: started by the trainer through a backend (handle) or by the
+    launcher (pid only)."""
 
     addr: str
     group: str
@@ -72,10 +80,11 @@ class FleetServer:
     threads: int = 1
     max_running: int = 256
     pid: int | None = None
-    handle: ServerHandle | None = None
+    handle: RunningServer | None = None
     owner: str = "launcher"  # launcher | trainer
     log_path: str = ""
     gpus: tuple[str, ...] = ()  # its devices (sglang), as the launcher sees them
+    backend: ServerBackend | None = None  # the one that started it (handle), which stops it
 
     @property
     def kind(self) -> tuple[int, int, int]:
@@ -88,8 +97,8 @@ class FleetServer:
         return self.pid is not None and pid_alive(self.pid)
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.handle is not None:
-            self.handle.terminate(timeout)
+        if self.handle is not None and self.backend is not None:
+            self.backend.stop(self.handle, timeout)
             return
         if self.pid is None:
             return
@@ -114,6 +123,12 @@ class _Weights:
     owned: bool  # the fleet keeps this checkpoint alive for new servers; it deletes it when superseded
 
 
+@dataclass(frozen=True, eq=False)
+class _Hybrid:
+    group: str | None
+    on_ready: Callable[[str, bool], None] | None
+
+
 def _get_json(addr: str, path: str, timeout: float = 10.0) -> dict:
     with urllib.request.urlopen(f"http://{addr}{path}", timeout=timeout) as r:
         return json.loads(r.read())
@@ -135,8 +150,8 @@ class ServerFleet:
         router,
         model_path: str,
         log_dir: str | Path,
-        backend: str = "embedded",
-        servers: Sequence[FleetServer | ServerHandle] = (),
+        backend: ServerBackend | None = None,  # how new servers start (None: embedded local processes)
+        servers: Sequence[FleetServer | RunningServer] = (),  # serving now: handles `backend` stops, or pids
         groups: Sequence[RolloutGroup] = (),
         run_dir: str | Path | None = None,
         start_timeout_s: float = 600.0,
@@ -152,14 +167,14 @@ class ServerFleet:
         self.router = router
         self.model_path = str(model_path)
         self.log_dir = Path(log_dir)
-        self.backend = backend
+        self.backend: ServerBackend = backend if backend is not None else LocalProcessBackend("embedded")
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.start_timeout_s = start_timeout_s
         self.drain_timeout_s = drain_timeout_s
         self.evict_timeout_s = evict_timeout_s
         self.rollout_devices = tuple(rollout_devices)
         # sglang always places on devices; an embedded fleet only when given a device pool (tests, emulation)
-        self.places_devices = backend == "sglang" or bool(self.rollout_devices)
+        self.places_devices = self.backend.places_devices or bool(self.rollout_devices)
         self.groups = list(groups) if groups else list(router.groups)
         self.servers: list[FleetServer] = [self._as_server(s) for s in servers]
         by_addr = {s.addr: s for s in self.servers}
@@ -169,7 +184,7 @@ class ServerFleet:
                     s = FleetServer(a, g.name, g.tp, g.threads, g.max_running)
                     self.servers.append(s)
                     by_addr[a] = s
-        self._lock = threading.Lock()  # weights record and in-flight weight updates
+        self._lock = threading.Lock()  # weights record, in-flight weight updates, hybrids
         self._reconf = threading.Lock()  # one reconfiguration at a time
         self._updating = 0
         # Checkpoints a reconfiguration is starting servers from: a weight update that lands meanwhile must
@@ -178,18 +193,24 @@ class ServerFleet:
         self._deferred: set[str] = set()
         # The servers serve model_path at the engine's version now (a fresh run: version 0).
         self._weights = _Weights(self.model_path, int(self._inner.get_version()), owned=False)
+        # Elastic hybrids by address: attached (waiting for the next weight update), in an update, routed.
+        self._hybrid_pending: dict[str, _Hybrid] = {}
+        self._hybrid_updating: dict[str, _Hybrid] = {}
+        self._hybrids: set[str] = set()
         self._orig_update = None
         self._hook_weight_updates()
         self.reconfigurations = 0
         self._write_files()
 
-    def _as_server(self, s: FleetServer | ServerHandle) -> FleetServer:
+    def _as_server(self, s: FleetServer | RunningServer) -> FleetServer:
         if isinstance(s, FleetServer):
+            if s.handle is not None and s.backend is None:
+                s.backend = self.backend  # a server handed over with its handle: this fleet's backend stops it
             return s
         g = next((g for g in self.groups if g.name == s.spec.group), None)
         return FleetServer(s.addr, s.spec.group, s.spec.tp, s.spec.threads,
-                           g.max_running if g is not None else s.spec.max_running, s.proc.pid, s, "trainer",
-                           s.log_path, tuple(s.gpu_ids))
+                           g.max_running if g is not None else s.spec.max_running, s.pid, s, "trainer",
+                           s.log_path, tuple(s.gpu_ids), self.backend)
 
     # --- current weights -------------------------------------------------------------------------------
     def _hook_weight_updates(self) -> None:
@@ -207,6 +228,12 @@ class ServerFleet:
             kept.clear_checkpoint_after_load = False
             with self._lock:
                 self._updating += 1
+                # Attached hybrids join the address list now: this update reaches them.
+                hybrids, self._hybrid_pending = self._hybrid_pending, {}
+                for addr in hybrids:
+                    if addr not in inner.addresses:
+                        inner.addresses.append(addr)
+                self._hybrid_updating.update(hybrids)
             try:
                 fut = orig(kept)
             except BaseException:
@@ -215,6 +242,8 @@ class ServerFleet:
                 raise
 
             def record(f) -> None:
+                if hybrids:
+                    self._hybrids_updated(hybrids, f)
                 ok = not f.cancelled() and f.exception() is None
                 with self._lock:
                     self._updating -= 1
@@ -249,6 +278,61 @@ class ServerFleet:
             raise FleetError(f"the checkpoint of weight version {now} is gone ({w.path})")
         return w.path, now
 
+    # --- elastic hybrids: servers the fleet does not start, routed while their replica is in rollout ----
+    def attach_hybrid(self, addr: str, group: str | None = None,
+                      on_ready: Callable[[str, bool], None] | None = None) -> None:
+        """Bring a hybrid replica's server in. It may serve other weights now, so it is not routed yet: the
+        next disk weight update reaches it (it joins the engine's addresses right before), and once that
+        update has landed there it is routed to (`group` by name; None: the router's last group) and
+        `on_ready(addr, True)` is called; `on_ready(addr, False)` if the update failed there (it stays out).
+        Both happen before the update's future resolves (the trainer's wait)."""
+        with self._lock:
+            self._hybrid_pending[addr] = _Hybrid(group, on_ready)
+
+    def detach_hybrid(self, addr: str) -> bool:
+        """Take a hybrid's server out: no new request from now on (the router re-sends what comes back
+        aborted), no further weight update or pause (the engine's addresses). Returns whether it was routed."""
+        with self._lock:
+            self._hybrid_pending.pop(addr, None)
+            self._hybrid_updating.pop(addr, None)
+            routed = addr in self._hybrids
+            self._hybrids.discard(addr)
+        if routed:
+            self.router.remove_server(addr)
+        if addr in self._inner.addresses:
+            self._inner.addresses.remove(addr)
+        return routed
+
+    def hybrids(self) -> list[str]:
+        """The attached hybrids' servers that are routed now."""
+        with self._lock:
+            return sorted(self._hybrids)
+
+    def _hybrids_updated(self, batch: dict[str, _Hybrid], fut) -> None:
+        """A weight update that carried attached hybrids has finished: route those it reached."""
+        try:
+            res = fut.result()
+            failed = set(res[1]) if isinstance(res, tuple) else set()
+        except Exception as e:  # noqa: BLE001 - the update raised for everyone; the trainer sees it
+            log.warning("weight update failed; hybrid servers %s stay out: %s", list(batch), e)
+            failed = set(batch)
+        done: list[tuple[_Hybrid, str, bool]] = []
+        with self._lock:
+            for addr, h in batch.items():
+                if self._hybrid_updating.get(addr) is not h:
+                    continue  # detached while the update ran
+                del self._hybrid_updating[addr]
+                if addr in failed:
+                    if addr in self._inner.addresses:
+                        self._inner.addresses.remove(addr)
+                else:
+                    self.router.add_server(addr, h.group or None)
+                    self._hybrids.add(addr)
+                done.append((h, addr, addr not in failed))
+        for h, addr, ok in done:  # outside the lock: the caller may detach from its callback's thread
+            if h.on_ready is not None:
+                h.on_ready(addr, ok)
+
     # --- reconfiguration -------------------------------------------------------------------------------
     def _validate(self, groups: Sequence[RolloutGroup]) -> list[RolloutGroup]:
         if not groups:
@@ -281,8 +365,7 @@ class ServerFleet:
 
     def _start(self, target: list[RolloutGroup], slots: list[list[FleetServer | None]], path: str,
                version: int) -> list[FleetServer]:
-        specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name,
-                            extra_args=("--weight-version", str(version)) if self.backend == "embedded" else ())
+        specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name)
                  for g, row in zip(target, slots) for s in row if s is None]
         if not specs:
             return []
@@ -301,8 +384,9 @@ class ServerFleet:
             except PlacementError as e:
                 raise FleetError(f"reconfigure: {e}") from None
         try:
-            handles = launch_servers(path, specs, str(self.log_dir), backend=self.backend,
-                                     timeout=self.start_timeout_s, placement=placement)
+            handles = self.backend.start(path, specs, str(self.log_dir),
+                                         devices=None if placement is None else placement.servers,
+                                         weight_version=version, timeout=self.start_timeout_s)
         except (ServerLaunchError, OSError, ValueError) as e:
             what = ", ".join(f"TP{s.tp} ({s.group})" for s in specs)
             raise FleetError(f"reconfigure: cannot start {what}: {first_line(e)}") from e
@@ -348,10 +432,11 @@ class ServerFleet:
                                              "served; the old layout keeps serving")
                     with self._inner.lock:  # AReaL's engine lock (weight version)
                         left = self.router.set_layout(target, addrs)
-                        # Servers the fleet does not own (elastic hybrids serving rollout) stay in the list
-                        # that weight updates go to.
-                        mine = {srv.addr for srv in self.servers} | set(flat)
-                        self._inner.addresses = flat + [a for a in self._inner.addresses if a not in mine]
+                        # Attached elastic hybrids stay in the list that weight updates go to (the router
+                        # keeps routing to them too).
+                        hybrids = self._hybrids | set(self._hybrid_updating)
+                        self._inner.addresses = flat + [a for a in self._inner.addresses
+                                                        if a in hybrids and a not in flat]
                     return left
                 busy = self._updating > 0
             if not busy:  # the weights moved on while the servers started: load the new ones
@@ -479,7 +564,7 @@ class ServerFleet:
             slots, leaving = self._plan(target)
             if not leaving and all(s is not None for row in slots for s in row) and target == self.groups:
                 return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [], "stopped": [], "moved": 0,
-                        "groups": format_allocation(self.backend, target)}
+                        "groups": format_allocation(self.backend.name, target)}
             path, version = self.current_weights()
             retired, moved = self._make_room(target, slots, leaving)
             try:
@@ -502,7 +587,7 @@ class ServerFleet:
             "started": [s.addr for s in new],
             "stopped": [s.addr for s in leaving],
             "moved": moved,
-            "groups": format_allocation(self.backend, target),
+            "groups": format_allocation(self.backend.name, target),
         }
         log.info("fleet: step %d reconfigured to %s in %.1fs (started %s, stopped %s)", step, out["groups"],
                  out["reconfig_s"], out["started"], out["stopped"])
@@ -552,17 +637,18 @@ def read_registry(run_dir: str | Path) -> list[dict]:
         return []
 
 
-def write_registry(run_dir: str | Path, handles: Sequence[ServerHandle], owner: str = "launcher") -> None:
+def write_registry(run_dir: str | Path, handles: Sequence[RunningServer], owner: str = "launcher") -> None:
     """The launcher's first registry: its servers before the trainer starts."""
-    body = {"servers": [{"addr": h.addr, "group": h.spec.group, "tp": h.spec.tp, "pid": h.proc.pid,
+    body = {"servers": [{"addr": h.addr, "group": h.spec.group, "tp": h.spec.tp, "pid": h.pid,
                          "owner": owner, "state": "serving", "log": h.log_path, "gpus": list(h.gpu_ids)}
                         for h in handles]}
     atomic_write_text(Path(run_dir) / REGISTRY_FILE, json.dumps(body, indent=1) + "\n")
 
 
-def build_fleet(trainer, router, run_dir: str | Path, **kwargs) -> ServerFleet:
+def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | None = None, **kwargs) -> ServerFleet:
     """The fleet of a live run (areal_libra/live/train.py, after install_router): the launcher's
-    servers from rollout_groups.json + servers.json, the model from the AReaL config."""
+    servers from rollout_groups.json + servers.json, the model from the AReaL config; new servers start
+    through `backend` (None: local processes, SGLang where libra.device is cuda, else embedded)."""
     from omegaconf import OmegaConf
 
     from areal_libra.rollout.router import GROUPS_FILE, read_groups_file
@@ -574,7 +660,8 @@ def build_fleet(trainer, router, run_dir: str | Path, **kwargs) -> ServerFleet:
                            gpus=tuple(str(d) for d in reg.get(a, {}).get("gpus") or ()))
                for g, row in zip(groups, addrs) for a in row]
     libra = OmegaConf.load(run_dir / "libra_config.yaml") if (run_dir / "libra_config.yaml").exists() else {}
-    backend = "sglang" if libra.get("device", "cpu") == "cuda" else "embedded"
+    if backend is None:
+        backend = LocalProcessBackend.for_device(str(libra.get("device", "cpu")))
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
     kwargs.setdefault("rollout_devices", pool)
     return ServerFleet(trainer.rollout, router, str(trainer.config.actor.path), run_dir / "servers", backend,

@@ -45,6 +45,9 @@ class ServerSpec:
     max_total_tokens: int | None = None
     seed: int = 0
     extra_args: tuple[str, ...] = ()
+    # embedded: the module that starts the server (an emulated one: areal_libra.rollout.emulation, which
+    # paces the embedded server it starts; it takes the --emulate-* flags among extra_args)
+    entry: str = "areal_libra.server.embedded_server"
 
     @property
     def n_threads(self) -> int:
@@ -63,6 +66,10 @@ class ServerHandle:
     @property
     def url(self) -> str:
         return f"http://{self.addr}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -123,7 +130,7 @@ def build_command(
         cmd = [
             sys.executable,
             "-m",
-            "areal_libra.server.embedded_server",
+            spec.entry,
             "--model-path",
             model_path,
             "--host",

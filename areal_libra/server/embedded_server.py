@@ -9,9 +9,11 @@ the same endpoints, bodies and response shapes (as SGLang 0.5's own HTTP server)
 SGLang client talks to it unchanged. Generation is done by batching.BatchEngine (continuous batching
 with a KV cache) on a Hugging Face causal LM. A CPU server runs the model unsharded; ``--tp-size T`` gives
 it T intra-op compute threads (``--threads`` overrides), so a "TP 2" server can use two cores where a TP 1
-server uses one (docs/dispatch.md has the measured ratio). With ``--emulate-model/--emulate-gpu`` every decode iteration and prefill is
-also paced to the step time of that model on that accelerator at ``--emulate-tp`` (the simulator's hardware
-truth, areal_libra.sim.hardware), times ``--emulate-time-scale``, while the tiny model computes the tokens.
+server uses one (docs/dispatch.md has the measured ratio). A server may be given a ``Pacing``: every decode
+iteration and prefill then takes the wall time it names (an emulated accelerator: started as
+``python -m areal_libra.rollout.emulation --emulate-model M --emulate-gpu G <server flags>``, which builds the
+pacing from the simulator's hardware truth and calls ``run`` here), while the tiny model computes the tokens.
+The server itself knows nothing of emulation: it is a leaf of the package.
 
 Semantics worth knowing (matching SGLang 0.5):
 - ``output_ids`` and ``meta_info.output_token_logprobs`` hold every generated token, including a matched
@@ -42,13 +44,17 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
 from areal_libra.server import memory_debug
 from areal_libra.server.protocol import RequestError, finish_text, names, parse_generate, short
+
+if TYPE_CHECKING:  # batching imports torch, which the CLI's argument checks do without
+    from areal_libra.server.batching import Pacer
 
 _VERSIONED_PATH = re.compile(r"^weight_update_v(\d+)$")
 
@@ -75,24 +81,19 @@ class ServerArgs:
     default_max_new_tokens: int = 128
     weight_version: str = "default"
     parent_pid: int | None = None  # exit when this process is gone (set by the launcher)
-    # Emulated accelerator (areal_libra.rollout.emulation): pace iterations to this model on this GPU.
-    emulate_model: str | None = None
-    emulate_gpu: str | None = None
-    emulate_tp: int | None = None  # None: tp_size
-    emulate_time_scale: float = 1.0
-    emulate_growth: float = 0.0  # emulated lengths grow with the weight version (rollout.emulation)
-    emulate_horizon: int = 40
 
-    def emulation(self) -> Any:
-        """The ServerEmulation these arguments ask for, or None (raises EmulationError on bad values)."""
-        if self.emulate_model is None and self.emulate_gpu is None:
-            return None
-        from areal_libra.rollout.emulation import EmulationError, ServerEmulation
 
-        if self.emulate_model is None or self.emulate_gpu is None:
-            raise EmulationError("--emulate-model and --emulate-gpu must be given together")
-        tp = self.tp_size if self.emulate_tp is None else self.emulate_tp
-        return ServerEmulation(self.emulate_model, self.emulate_gpu, tp, self.emulate_time_scale)
+class Pacing(Protocol):
+    """What paces a server to an accelerator it does not have (areal_libra.rollout.emulation builds one and
+    hands it to ``EmbeddedServer``/``run``); injected so that the server imports nothing above server/."""
+
+    def pacer(self, weight_version: Callable[[], str]) -> Pacer:
+        """The engine's pacer; ``weight_version`` reads the weights the server serves now."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What is emulated, for /get_server_info."""
+        ...
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -156,14 +157,14 @@ def _shape_signature(model: Any) -> tuple[Any, ...]:
 class EmbeddedServer:
     """HTTP front end: validates requests, hands them to the engine thread, shapes the responses."""
 
-    def __init__(self, args: ServerArgs, model: Any, tokenizer: Any):
+    def __init__(self, args: ServerArgs, model: Any, tokenizer: Any, pacing: Pacing | None = None):
         from areal_libra.server.batching import BatchEngine, EngineConfig
 
         self.args = args
         self.tokenizer = tokenizer
         self.tokenizer_path = args.model_path
         self.gc_stats: dict[str, float] = {"collections": 0, "freed_objects": 0, "seconds": 0.0}
-        self.emulation = args.emulation()
+        self.pacing = pacing
         self.engine = BatchEngine(
             model,
             tokenizer,
@@ -174,13 +175,8 @@ class EmbeddedServer:
                 seed=args.seed,
             ),
             weight_version=args.weight_version,
-            pacer=self.emulation,
+            pacer=None if pacing is None else pacing.pacer(lambda: self.engine.weight_version),
         )
-        if self.emulation is not None and args.emulate_growth > 0:
-            from areal_libra.rollout.emulation import GrowingPacer
-
-            self.engine.pacer = GrowingPacer(self.emulation, args.emulate_growth, args.emulate_horizon,
-                                             lambda: self.engine.weight_version)
         self.started_at = time.time()
         self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self._update_lock = asyncio.Lock()
@@ -384,10 +380,10 @@ class EmbeddedServer:
         info["gc_after_update"] = dict(self.gc_stats)
         if memory_debug.ENABLED:
             info["memory_debug"] = memory_debug.snapshot(eng)
-        if self.emulation is not None:
+        if self.pacing is not None:
             n = stats["paced_iterations"]
             info["emulation"] = {
-                **self.emulation.describe(),
+                **self.pacing.describe(),
                 "overrun_fraction": stats["pace_overruns"] / n if n else 0.0,
                 # the server's own per-iteration timing: [kind, batch, tokens, measured_s, target_s, compute_s]
                 "recent": [list(x) for x in list(eng.pace_log)[-64:]],
@@ -550,13 +546,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process has gone")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--emulate-model", default=None, help="pace to this model's step times (e.g. qwen3-14b)")
-    p.add_argument("--emulate-gpu", default=None, help="... on this accelerator (e.g. h200)")
-    p.add_argument("--emulate-tp", type=int, default=None, help="... at this TP (default: --tp-size)")
-    p.add_argument("--emulate-time-scale", type=float, default=1.0, help="real seconds per emulated second")
-    p.add_argument("--emulate-growth", type=float, default=0.0,
-                   help="emulated lengths grow to (1 + this)x over --emulate-horizon weight versions")
-    p.add_argument("--emulate-horizon", type=int, default=40)
     ns = p.parse_args(argv)
     if ns.threads is None:
         ns.threads = ns.tp_size
@@ -567,21 +556,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         p.error(f"--prefix-cache-tokens must be >= 0, got {ns.prefix_cache_tokens}")
     if not 0 < ns.port < 65536:
         p.error(f"--port must be in 1..65535, got {ns.port}")
-    if ns.emulate_model is None and ns.emulate_gpu is None and (
-        ns.emulate_tp is not None or ns.emulate_time_scale != 1.0
-    ):
-        p.error("--emulate-tp and --emulate-time-scale need --emulate-model and --emulate-gpu")
-    if ns.emulate_growth < 0 or ns.emulate_horizon < 1 or (ns.emulate_growth > 0 and ns.emulate_model is None):
-        p.error("--emulate-growth must be >= 0 (with --emulate-model), --emulate-horizon >= 1")
-    if ns.emulate_model is not None or ns.emulate_gpu is not None:
-        from areal_libra.rollout.emulation import EmulationError
-
-        try:
-            ServerArgs(model_path=ns.model_path, tp_size=ns.tp_size, emulate_model=ns.emulate_model,
-                       emulate_gpu=ns.emulate_gpu, emulate_tp=ns.emulate_tp,
-                       emulate_time_scale=ns.emulate_time_scale).emulation()
-        except EmulationError as e:
-            p.error(str(e))
     if not os.path.isfile(os.path.join(ns.model_path, "config.json")):
         sys.stderr.write(
             f"embedded_server: error: --model-path {ns.model_path!r} is not a Hugging Face model directory (no config.json)\n"
@@ -601,12 +575,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         default_max_new_tokens=ns.default_max_new_tokens,
         weight_version=ns.weight_version,
         parent_pid=ns.parent_pid,
-        emulate_model=ns.emulate_model,
-        emulate_gpu=ns.emulate_gpu,
-        emulate_tp=ns.emulate_tp,
-        emulate_time_scale=ns.emulate_time_scale,
-        emulate_growth=ns.emulate_growth,
-        emulate_horizon=ns.emulate_horizon,
     )
     return args
 
@@ -646,7 +614,11 @@ async def _serve(server: EmbeddedServer) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: ServerArgs, pacing: Pacing | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or the parent process is gone); the process exit code."""
     # Idle OpenMP workers sleep rather than spin (must be set before torch starts its pool): spinning
     # workers of a multi-threaded server starve the other processes of a shared CPU.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -661,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         sys.stderr.write(f"embedded_server: error: cannot load model from {args.model_path}: {e}\n")
         return 1
-    server = EmbeddedServer(args, model, tokenizer)
+    server = EmbeddedServer(args, model, tokenizer, pacing)
     # The ~400k objects of torch/transformers/the model live as long as the server: out of the collector's
     # sight, a full collection (after each weight update) scans only what serving allocated.
     gc.freeze()

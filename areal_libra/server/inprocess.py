@@ -15,18 +15,19 @@ from typing import Any
 
 from aiohttp import web
 
-from areal_libra.server.embedded_server import EmbeddedServer, ServerArgs, load_model
+from areal_libra.server.embedded_server import EmbeddedServer, Pacing, ServerArgs, load_model
 from areal_libra.utils import free_ports
 
 
 class InProcessServer:
     """Runs EmbeddedServer's aiohttp app on a background event loop (no subprocess start-up cost)."""
 
-    def __init__(self, model_path: str, **kwargs: Any):
+    def __init__(self, model_path: str, pacing: Pacing | None = None, **kwargs: Any):
+        """`kwargs`: ServerArgs fields; `pacing`: an emulated accelerator's (areal_libra.rollout.emulation)."""
         port = free_ports(1)[0]
         self.args = ServerArgs(model_path=model_path, port=port, **kwargs)
         model, tok = load_model(model_path)
-        self.server = EmbeddedServer(self.args, model, tok)
+        self.server = EmbeddedServer(self.args, model, tok, pacing)
         self.tokenizer = tok
         self.addr = f"127.0.0.1:{port}"
         self._loop = asyncio.new_event_loop()

@@ -1,6 +1,7 @@
 """A hybrid replica's rollout side in the live run, with the real pieces: embedded servers on loopback,
-AReaL's RemoteSGLangEngine + the project's RequestRouter, the registration channel over the elastic
-pool's TCPStore (`elastic_serving`), `modeswitch.HttpRollout` as the hybrid drives it.
+AReaL's RemoteSGLangEngine + the project's RequestRouter and the rollout fleet (the one owner of membership,
+which the registry asks), the registration channel over the elastic pool's TCPStore (`elastic_serving`),
+`modeswitch.HttpRollout` as the hybrid drives it.
 
 - release: the hybrid's server registers; it is routable only after the next weight update reached it
   (it serves the trainer's current weights, not its own stale ones);
@@ -86,6 +87,7 @@ def test_hybrid_serves_in_rollout_drains_on_join_and_returns_with_current_weight
     from areal_libra.elastic_runtime.kv import KV, connect
     from areal_libra.elastic_runtime.modeswitch import HttpRollout
     from areal_libra.live.elastic_serving import ServeRegistry, serve_channel
+    from areal_libra.rollout.fleet import ServerFleet
     from areal_libra.rollout.pressure import PressureSampler
     from areal_libra.server.inprocess import InProcessServer
 
@@ -98,7 +100,8 @@ def test_hybrid_serves_in_rollout_drains_on_join_and_returns_with_current_weight
                            run_dir=tmp_path / "router", health=False)
     eng.set_request_router(router)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    registry = ServeRegistry("127.0.0.1", store.port, "elastic", ["h0"], eng._engine, router, poll_s=0.05)
+    fleet = ServerFleet(eng, router, current, tmp_path / "fleet")
+    registry = ServeRegistry("127.0.0.1", store.port, "elastic", ["h0"], fleet, poll_s=0.05)
     register, unregister = serve_channel(KV(connect("127.0.0.1", store.port), "elastic"), "h0", 1, 32,
                                          ack_timeout_s=10.0)
     servers: list[InProcessServer] = []
@@ -124,6 +127,7 @@ def test_hybrid_serves_in_rollout_drains_on_join_and_returns_with_current_weight
         _push_update(eng, current, tmp_path)  # the next weight update reaches it, then it is routed to
         _wait(lambda: "h0" in registry.serving(), what="activation")
         assert hyb in eng._engine.addresses and hyb in router.all_addresses
+        assert fleet.hybrids() == [hyb]  # attached through the fleet, the one owner of membership
         got = _greedy_logprobs(hyb, ids)
         assert got == pytest.approx(want, abs=1e-4)  # serves the trainer's current weights
 
@@ -158,7 +162,7 @@ def test_hybrid_serves_in_rollout_drains_on_join_and_returns_with_current_weight
         assert router.totals()["failovers"] >= 1  # ... and were moved to the core server
         assert router.addr_requests[hyb] == routed_before  # nothing routed there after the removal
         assert hyb not in eng._engine.addresses and hyb not in router.all_addresses
-        assert registry.removals == 1
+        assert registry.removals == 1 and fleet.hybrids() == []
 
         # -- release again: a new server, routable after the next update, on the current weights ----------
         side.start(stale)
@@ -174,6 +178,7 @@ def test_hybrid_serves_in_rollout_drains_on_join_and_returns_with_current_weight
         registry.close()
         if side.url is not None:
             side.drain()
+        fleet.close()
         eng.destroy()
         core.close()
 

@@ -111,6 +111,26 @@ def test_unpaced_server_reports_no_emulation(tiny_model_dir):
         s.close()
 
 
+def test_an_injected_pacing_paces_an_in_process_server(tiny_model_dir):
+    """A hybrid replica's in-process server is given its pacing object (the server has no emulation flags)."""
+    from areal_libra.rollout.emulation import ServerPacing
+
+    pacing = ServerPacing(tp=1, time_scale=SCALE, growth=1.0, horizon=4)
+    s = InProcessServer(tiny_model_dir, pacing)
+    try:
+        _burst(s.addr, 2, 4)
+        info = http(s.addr, "/get_server_info")[1]
+        assert info["emulation"]["model"] == "qwen3-14b" and info["emulation"]["tp"] == 1
+        decodes = [x for x in info["emulation"]["recent"] if x[0] == "decode"]
+        assert info["engine_stats"]["paced_decode_iterations"] == len(decodes) > 0
+        # each iteration's target is the injected pacing's (weight version "default": lengths not grown yet)
+        truth = _truth()
+        for _kind, batch, tokens, _measured, target, _compute in decodes:
+            assert target == pytest.approx(SCALE * truth.decode_iteration_s(1, batch, tokens))
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -122,14 +142,17 @@ def test_unpaced_server_reports_no_emulation(tiny_model_dir):
         (["--emulate-model", "qwen3-14b", "--emulate-gpu", "h200", "--emulate-tp", "16"], "node"),
         (["--emulate-model", "qwen3-14b", "--emulate-gpu", "cpu"], "KV-cache"),
         (["--emulate-model", "qwen3-14b"], "together"),
-        (["--emulate-tp", "2"], "need --emulate-model"),
+        (["--emulate-tp", "2"], "needs --emulate-model"),
+        (["--emulate-model", "qwen3-14b", "--emulate-gpu", "h200", "--emulate-growth", "-1"], "growth"),
     ],
 )
 def test_bad_emulation_args_are_one_line_exit_2(args, needle, capsys, tmp_path):
-    from areal_libra.server.embedded_server import parse_args
+    """The emulated server's entry point (rollout.emulation), the embedded server's own flags after them."""
+    from areal_libra.rollout.emulation import parse_server_args
 
+    (tmp_path / "config.json").write_text("{}")  # the server's CLI checks only that the model dir has one
     with pytest.raises(SystemExit) as e:
-        parse_args(["--model-path", str(tmp_path)] + args)
+        parse_server_args(["--model-path", str(tmp_path)] + args)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and needle in err, err
 
@@ -151,6 +174,9 @@ def test_accelerator_budget():
         ClusterEmulation(gpu="b300")
     spec = emu.emulate_spec(ServerSpec(tp=2, threads=2, max_running=8))
     assert spec.n_threads == 1 and "--emulate-tp" in spec.extra_args and "2" in spec.extra_args
+    cmd = build_command("embedded", "/m", spec, "127.0.0.1", 1)
+    assert cmd[1:3] == ["-m", "areal_libra.rollout.emulation"]  # started paced, by the emulation's entry point
+    assert build_command("embedded", "/m", ServerSpec(), "127.0.0.1", 1)[2] == "areal_libra.server.embedded_server"
 
 
 def test_cluster_emulated_composes_and_a_layout_that_does_not_fit_is_refused(capsys):
@@ -235,7 +261,10 @@ def test_emulated_lengths_grow_with_the_weight_version():
     # A request's prompt does not grow; a later turn's prefill (tool output, prior tokens cached) does.
     assert pacer.prefill_s([(100, 0)]) == pytest.approx(base.prefill_s([(100, 0)]))
     assert pacer.prefill_s([(10, 100)]) == pytest.approx(base.prefill_s([(20, 200)]))
-    assert "--emulate-growth" in emu.growth_args() and ClusterEmulation().growth_args() == ()
+    assert "--emulate-growth" in emu.pacing(1).cli_args() and "--emulate-growth" not in ClusterEmulation().pacing(1).cli_args()
+    # the pacing a grown server is given: the same GrowingPacer, following the server's weight version
+    grown = emu.pacing(1).pacer(lambda: version["v"])
+    assert isinstance(grown, GrowingPacer) and grown.decode_s(16, 1024) == pytest.approx(pacer.decode_s(16, 1024))
     with pytest.raises(ValueError, match="length_growth"):
         ClusterEmulation(length_growth=-1.0)
 
@@ -250,11 +279,12 @@ def test_hybrid_pool_accelerators_are_outside_the_layout():
         emu.check_layout(groups, trainer=5)
     with pytest.raises(EmulationError, match="hybrid accelerators"):
         ClusterEmulation(hybrid_accelerators=-1)
-    args = emu.hybrid_server_args()
-    assert args["emulate_tp"] == 1 and args["emulate_model"] == "qwen3-14b"
-    from areal_libra.server.embedded_server import ServerArgs
+    pacing = emu.hybrid_pacing()
+    assert pacing.tp == 1 and pacing.model == "qwen3-14b"
+    from areal_libra.rollout.emulation import ServerPacing
 
-    assert ServerArgs(model_path="m", port=1, **args).emulation().tp == 1  # the hybrid's server is paced
+    assert ServerPacing(**pacing.as_dict()) == pacing  # as the worker gets it (--pacing JSON)
+    assert pacing.pacer(lambda: "0") == emu.server(1)  # the hybrid's server is paced as a TP1 one
     c = compose(["cluster=emulated", "libra.elastic.enabled=true", "libra.elastic.hybrids=2"])
     assert ClusterEmulation.from_libra(c.libra).hybrid_accelerators == 2
     c = compose(["cluster=emulated"])

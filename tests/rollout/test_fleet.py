@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from areal_libra.config import DispatchConfig
+from areal_libra.rollout.backend import LocalProcessBackend
 from areal_libra.rollout.fleet import (
     REGISTRY_FILE,
     FleetError,
@@ -29,6 +30,8 @@ from areal_libra.rollout.fleet import (
 )
 from areal_libra.rollout.groups import RolloutGroup
 from areal_libra.rollout.router import GROUPS_FILE, RequestRouter, read_groups_file, write_groups_file
+
+LOCAL = LocalProcessBackend("embedded")  # the fleet starts new servers as local subprocesses
 
 pytestmark = pytest.mark.slow  # four embedded servers on loopback
 
@@ -168,7 +171,7 @@ def test_add_then_remove_servers_under_load_with_current_weights(servers, tiny_m
     router = make_router([TP1], [[a.addr]], tmp_path)
     eng = make_engine([a.addr], "fleet-a")
     eng.set_request_router(router)
-    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [a], [TP1], tmp_path)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", LOCAL, [a], [TP1], tmp_path)
     ckpt = disk_weight_update(eng, tmp_path, "fleet-a", tiny_model_pair[1], version=1)
     assert Path(ckpt).is_dir()
     updated = greedy(a.addr)
@@ -233,7 +236,7 @@ def test_a_finished_weight_update_is_recorded_before_its_waiter_wakes(servers, t
         return fut
 
     inner.update_weights_from_disk = update_with_a_slow_callback
-    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [g], [TP1], tmp_path)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", LOCAL, [g], [TP1], tmp_path)
     try:
         ckpt = disk_weight_update(eng, tmp_path, "fleet-w", tiny_model_pair[1], version=1)
         assert fleet.current_weights() == (ckpt, 1)
@@ -241,6 +244,97 @@ def test_a_finished_weight_update_is_recorded_before_its_waiter_wakes(servers, t
         eng.destroy()
         router.close()
         fleet.close(stop_servers=False)
+
+
+def test_hybrids_attach_and_detach_through_the_fleet(servers, tiny_model_pair, tmp_path) -> None:
+    """An elastic hybrid's server (in-process, as a hybrid replica runs it) joins through the fleet: attached,
+    the next disk weight update reaches it and it is routed once that update landed (before the trainer's
+    wait returns); a reconfiguration keeps it in the router and the engine's addresses; detached, it leaves
+    both and the next update no longer reaches it."""
+    from areal_libra.server.inprocess import InProcessServer
+
+    g = servers["g"]
+    router = make_router([TP1], [[g.addr]], tmp_path)
+    eng = make_engine([g.addr], "fleet-h")
+    eng.set_request_router(router)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", LOCAL, [g], [TP1], tmp_path)
+    hyb = InProcessServer(tiny_model_pair[0], max_running_requests=16)
+    ready: list[tuple[str, bool]] = []
+    try:
+        fleet.attach_hybrid(hyb.addr, "tp1", lambda addr, ok: ready.append((addr, ok)))
+        assert hyb.addr not in eng._engine.addresses and hyb.addr not in router.all_addresses  # own weights yet
+        disk_weight_update(eng, tmp_path, "fleet-h", tiny_model_pair[1], version=1)
+        assert ready == [(hyb.addr, True)]  # recorded before the update's waiter woke
+        assert eng._engine.addresses == [g.addr, hyb.addr] and router.all_addresses == [g.addr, hyb.addr]
+        assert greedy(hyb.addr)[2] == "1" and fleet.hybrids() == [hyb.addr]
+        short = RolloutGroup("short", tp=1, count=1, threads=1, max_running=64, max_len=128)
+        out = fleet.reconfigure([short], step=2)  # g stays (same kind), renamed: a real switch
+        assert out["started"] == out["stopped"] == [] and [gr.name for gr in router.groups] == ["short"]
+        assert eng._engine.addresses == [g.addr, hyb.addr] and set(router.all_addresses) == {g.addr, hyb.addr}
+        assert layout(tmp_path) == {"short": [g.addr]}  # the fleet's own servers; the hybrid is not its
+        assert fleet.detach_hybrid(hyb.addr) and fleet.hybrids() == []
+        assert eng._engine.addresses == [g.addr] and router.all_addresses == [g.addr]
+        disk_weight_update(eng, tmp_path / "v2", "fleet-h", tiny_model_pair[0], version=2)
+        assert greedy(g.addr)[2] == "2" and greedy(hyb.addr)[2] == "1"  # detached: the update passed it by
+        assert ready == [(hyb.addr, True)] and not fleet.detach_hybrid(hyb.addr)
+    finally:
+        eng.destroy()
+        router.close()
+        fleet.close(stop_servers=False)
+        hyb.close()
+
+
+class InProcessBackend:
+    """A second real ServerBackend: embedded servers inside this process (server/inprocess.py). The fleet is
+    handed it and starts and stops servers through it, unchanged."""
+
+    name, places_devices = "inprocess", False
+
+    def __init__(self) -> None:
+        self.started: list[tuple[str, str, int | None]] = []
+        self.stopped: list[str] = []
+
+    def start(self, weights, specs, log_dir, devices=None, weight_version=None, timeout=600.0):
+        from areal_libra.server.inprocess import InProcessServer
+
+        out = []
+        for spec in specs:
+            srv = InProcessServer(weights, max_running_requests=spec.max_running, seed=spec.seed,
+                                  weight_version="default" if weight_version is None else str(weight_version))
+            out.append(SimpleNamespace(addr=srv.addr, spec=spec, log_path="", gpu_ids=(), pid=None, server=srv,
+                                       alive=srv._thread.is_alive))
+            self.started.append((srv.addr, weights, weight_version))
+        return out
+
+    def stop(self, server, timeout=10.0) -> None:
+        server.server.close()
+        self.stopped.append(server.addr)
+
+
+def test_the_fleet_starts_and_stops_servers_through_the_backend_it_is_given(servers, tiny_model_pair,
+                                                                             tmp_path) -> None:
+    g = servers["g"]
+    router = make_router([TP1], [[g.addr]], tmp_path)
+    eng = make_engine([g.addr], "fleet-b")
+    eng.set_request_router(router)
+    backend = InProcessBackend()
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", backend, [g], [TP1], tmp_path)
+    try:
+        ckpt = disk_weight_update(eng, tmp_path, "fleet-b", tiny_model_pair[1], version=1)
+        grown = fleet.reconfigure([TP1, TP2], step=1)
+        (c_addr,) = grown["started"]
+        assert backend.started == [(c_addr, ckpt, 1)]  # the current weights, at the engine's version
+        assert grown["groups"] == "inprocess:d1t1+d1t2" and greedy(c_addr)[2] == "1"
+        assert eng._engine.addresses == [g.addr, c_addr] and router.all_addresses == [g.addr, c_addr]
+        shrunk = fleet.reconfigure([TP1], step=2)
+        assert shrunk["stopped"] == [c_addr] and backend.stopped == [c_addr]  # stopped by its backend
+        assert eng._engine.addresses == [g.addr] and g.alive()
+    finally:
+        eng.destroy()
+        router.close()
+        fleet.close(stop_servers=False)
+        for addr, *_ in backend.started:
+            assert addr in backend.stopped
 
 
 def test_a_weight_update_while_new_servers_start_keeps_their_checkpoint(servers, tiny_model_pair, tmp_path) -> None:
@@ -251,7 +345,7 @@ def test_a_weight_update_while_new_servers_start_keeps_their_checkpoint(servers,
     router = make_router([TP1], [[g.addr]], tmp_path)
     eng = make_engine([g.addr], "fleet-d")
     eng.set_request_router(router)
-    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [g], [TP1], tmp_path)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", LOCAL, [g], [TP1], tmp_path)
     ckpt1 = disk_weight_update(eng, tmp_path, "fleet-d", tiny_model_pair[1], version=1)
     start = fleet._start
     seen: list[bool] = []
@@ -288,7 +382,7 @@ def test_a_group_that_cannot_start_leaves_the_old_layout(servers, tiny_model_pai
     trainer = SimpleNamespace(rollout=eng, config=SimpleNamespace(actor=SimpleNamespace(path=tiny_model_pair[0])))
     fleet = build_fleet(trainer, router, tmp_path, start_timeout_s=0.3)
     assert [(s.addr, s.pid, s.owner) for s in fleet.servers] == [(h.addr, h.proc.pid, "launcher") for h in (e, f)]
-    assert fleet.backend == "embedded" and fleet.log_dir == tmp_path / "servers"
+    assert fleet.backend.name == "embedded" and fleet.log_dir == tmp_path / "servers"
     files = {p: (tmp_path / p).read_text() for p in (GROUPS_FILE, REGISTRY_FILE)}
     try:
         with pytest.raises(FleetError) as bad:
@@ -318,7 +412,7 @@ def test_sigkill_of_a_draining_server_loses_no_request(servers, tiny_model_pair,
     router = make_router([two], [[e.addr, f.addr]], tmp_path)
     eng = make_engine([e.addr, f.addr], "fleet-c")
     eng.set_request_router(router)
-    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [e, f], [two], tmp_path,
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", LOCAL, [e, f], [two], tmp_path,
                         drain_timeout_s=60)
     killed: list[tuple[str, int]] = []
     drain = fleet._drain

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from areal_libra.rollout.backend import LocalProcessBackend
 from areal_libra.rollout.fleet import REGISTRY_FILE, FleetError, FleetServer, ServerFleet
 from areal_libra.rollout.groups import RolloutGroup
 from areal_libra.rollout.revive import REVIVE_LOG, ServerReviver
 from tests.rollout.test_fleet import TP2, Load, greedy, make_engine, make_router
+
+LOCAL = LocalProcessBackend("embedded")  # the fleet starts new servers as local subprocesses
 
 pytestmark = pytest.mark.slow  # five embedded servers on loopback
 
@@ -56,7 +59,7 @@ def full_pool(handles, group: RolloutGroup, model: str, run_dir: Path) -> Iterat
     eng = make_engine(addrs, f"fleet-pool-{run_dir.name}")
     eng.set_request_router(router)
     devices = tuple(str(i) for i in range(len(handles)))
-    fleet = ServerFleet(eng, router, model, run_dir / "logs", "embedded", on_devices(handles, devices), [group],
+    fleet = ServerFleet(eng, router, model, run_dir / "logs", LOCAL, on_devices(handles, devices), [group],
                         run_dir, rollout_devices=devices)
     load = Load(eng).start()
     try:

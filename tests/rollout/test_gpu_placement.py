@@ -126,7 +126,7 @@ def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatc
     from areal.engine.sglang_remote import RemoteSGLangEngine
 
     from areal_libra.config import DispatchConfig
-    from areal_libra.rollout import fleet as fleet_mod
+    from areal_libra.rollout import backend as backend_mod
     from areal_libra.rollout.fleet import FleetError, build_fleet, write_registry
     from areal_libra.rollout.groups import RolloutGroup
     from areal_libra.rollout.launcher import ServerHandle, ServerLaunchError
@@ -157,14 +157,14 @@ def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatc
     trainer = SimpleNamespace(rollout=eng, config=SimpleNamespace(actor=SimpleNamespace(path=str(tmp_path / "model"))))
     monkeypatch.setenv(ROLLOUT_DEVICES_ENV, ",".join(p.pool))
     fleet = build_fleet(trainer, router, tmp_path)
-    assert fleet.backend == "sglang" and [s.gpus for s in fleet.servers] == [("1",), ("2", "3")]
+    assert fleet.backend.name == "sglang" and [s.gpus for s in fleet.servers] == [("1",), ("2", "3")]
     asked = []
 
-    def launch(path, specs, log_dir, backend, timeout, placement):
+    def launch(path, specs, log_dir, backend, host, timeout, placement):
         asked.append(placement.servers)
         raise ServerLaunchError("captured")
 
-    monkeypatch.setattr(fleet_mod, "launch_servers", launch)
+    monkeypatch.setattr(backend_mod, "launch_servers", launch)  # the fleet's local process backend starts them
     try:
         # The TP2 server is dead (a revive): its devices are free again; the live TP1 keeps device 1.
         with pytest.raises(FleetError, match="captured"):

@@ -133,3 +133,23 @@ def test_server_exits_when_its_launcher_dies(tiny_model_dir, tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_local_process_backend_starts_a_server_on_the_weights_and_version_and_stops_it(tiny_model_dir, tmp_path):
+    """The ServerBackend the fleet and the launcher use (rollout/backend.py), on a real embedded server."""
+    from areal_libra.rollout.backend import LocalProcessBackend
+
+    backend = LocalProcessBackend.for_device("cpu")
+    assert backend.name == "embedded" and not backend.places_devices
+    assert LocalProcessBackend.for_device("cuda").places_devices
+    with pytest.raises(ValueError, match="embedded or sglang"):
+        LocalProcessBackend("auto")
+    (h,) = backend.start(tiny_model_dir, [ServerSpec(tp=1, max_running=8, group="g")], str(tmp_path / "logs"),
+                         devices=[("7",)], weight_version=7, timeout=120)
+    try:
+        assert h.alive() and h.pid == h.proc.pid and h.gpu_ids == ("7",)  # the device pool's bookkeeping
+        assert http(h.addr, "/get_weight_version")[1] == {"weight_version": "7"}
+        assert http(h.addr, "/get_model_info")[1]["model_path"] == tiny_model_dir
+    finally:
+        backend.stop(h)
+    assert not h.alive()

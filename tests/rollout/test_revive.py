@@ -12,9 +12,12 @@ import uuid
 
 import pytest
 
+from areal_libra.rollout.backend import LocalProcessBackend
 from areal_libra.rollout.fleet import ServerFleet
 from areal_libra.rollout.revive import REVIVE_LOG, ServerReviver, rollout_counters
 from tests.rollout.test_fleet import NEW_TOKENS, TP1, Load, make_engine, make_router
+
+LOCAL = LocalProcessBackend("embedded")  # the fleet starts new servers as local subprocesses
 
 pytestmark = pytest.mark.slow  # two embedded servers, one after the other
 
@@ -37,7 +40,7 @@ def test_the_only_server_killed_under_load_is_replaced_and_nothing_is_lost(tiny_
     eng = make_engine([a.addr], "revive")
     eng.set_request_router(router)
     router.attach_engine(eng)
-    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", "embedded", [a], [TP1], tmp_path)
+    fleet = ServerFleet(eng, router, tiny_model_pair[0], tmp_path / "logs", LOCAL, [a], [TP1], tmp_path)
     reviver = ServerReviver(fleet, router, tmp_path, interval_s=0.2).start()
     load = Load(eng, concurrency=4).start()
     try:
