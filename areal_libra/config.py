@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_libra.control.controller import ControlConfig
 from areal_libra.utils import first_line as _msg
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -108,7 +109,6 @@ class LiveElasticConfig:
     hybrids: int = 1
     join_at_step: int | None = None  # fixed schedule instead of the policy (demonstrations, tests)
     release_after: int | None = None  # steps after the first real gradient
-    policy: dict[str, Any] = field(default_factory=dict)  # ElasticConfig fields
     runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields
     worker_start_timeout_s: float = 600.0
     # Who decides joins/releases: "controller" = the shared LibraController (areal_libra/control, with its
@@ -127,19 +127,23 @@ class LiveElasticConfig:
             raise ValueError("libra.elastic: hybrids >= 0, server_threads >= 1 and server_max_running >= 1")
 
 
-@dataclass
-class ControlSettings:
-    """`libra.control`: the live control loop (areal_libra.live.live_cluster, areal_libra.control)."""
+@dataclass(frozen=True)
+class ControlSettings(ControlConfig):
+    """`libra.control`: the shared controller's settings (areal_libra.control.ControlConfig, declared there:
+    replan_policy.every_k, replan_policy.reconfig_cost_s, settle_steps, elastic_persist, elastic_policy, ...)
+    and what the live planner plans on (areal_libra.live.live_cluster)."""
 
-    every_k: int = 10  # re-plan period in steps (the paper's)
-    reconfig_cost_s: float = 15.0  # what the re-plan gate charges for one live reconfiguration
-    history: int = 2000  # finished trajectories the planner sees
-    min_history: int = 16
     profile_steps: int = 1  # the first plan is solved from these steps' lengths
-    elastic_persist: int = 6  # steps an elastic verdict must persist before the pool acts
     cluster: str = "cpu"  # the cost preset the planner plans on (a cluster preset or YAML)
     accelerators: int = 0  # size of the planned cluster; 0: the preset's
     allowed_tp: list[int] = field(default_factory=lambda: [1, 2])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.profile_steps < 1 or self.accelerators < 0:
+            raise ValueError("control.profile_steps must be >= 1 and control.accelerators >= 0")
+        if not self.allowed_tp or any(t < 1 or t & (t - 1) for t in self.allowed_tp):
+            raise ValueError(f"control.allowed_tp must be powers of two >= 1, got {list(self.allowed_tp)}")
 
 
 @dataclass
@@ -181,15 +185,6 @@ class LibraConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("libra", "static"):
             raise ValueError(f"mode must be libra or static, got {self.mode!r}")
-        c = self.control
-        if c.every_k < 1:
-            raise ValueError(f"control.every_k must be >= 1, got {c.every_k}")
-        if c.profile_steps < 1 or c.elastic_persist < 1 or c.min_history < 1:
-            raise ValueError("control.profile_steps, elastic_persist and min_history must be >= 1")
-        if c.accelerators < 0 or c.reconfig_cost_s < 0:
-            raise ValueError("control.accelerators and reconfig_cost_s must be >= 0")
-        if not c.allowed_tp or any(t < 1 or t & (t - 1) for t in c.allowed_tp):
-            raise ValueError(f"control.allowed_tp must be powers of two >= 1, got {list(c.allowed_tp)}")
 
 
 @dataclass
@@ -255,7 +250,7 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
     except OmegaConfBaseException as e:
         raise ConfigError(f"experiment config does not match AReaL's GRPOConfig: {_msg(e)}") from None
     try:
-        libra = OmegaConf.merge(OmegaConf.structured(LibraConfig), libra_raw)
+        libra = OmegaConf.merge(_schema(), libra_raw)
     except OmegaConfBaseException as e:
         raise ConfigError(f"libra config: {_msg(e)}") from None
     OmegaConf.set_struct(areal, True)
@@ -293,10 +288,33 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
     return Composed(areal=areal, libra=libra, choices=choices)
 
 
+def _schema() -> DictConfig:
+    """The `libra:` schema as an OmegaConf tree. OmegaConf makes the nodes of frozen dataclasses (the
+    controller's and the policies' settings) read-only; overrides must merge into them, and to_object builds
+    the frozen objects again (their __post_init__ checks run there)."""
+    schema = OmegaConf.structured(LibraConfig)
+
+    def writable(node: Any) -> None:
+        OmegaConf.set_readonly(node, None)
+        if OmegaConf.is_dict(node):
+            for k in node:
+                child = node._get_node(k)
+                if OmegaConf.is_config(child):
+                    writable(child)
+        elif OmegaConf.is_list(node):
+            for i in range(len(node)):
+                child = node._get_node(i)
+                if OmegaConf.is_config(child):
+                    writable(child)
+
+    writable(schema)
+    return schema
+
+
 def libra_config(cfg: Any) -> LibraConfig:
     """The `libra:` tree as a typed LibraConfig (from a composed DictConfig, a saved YAML's, or a dict)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(LibraConfig), cfg)
+        merged = OmegaConf.merge(_schema(), cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"libra config: {_msg(e)}") from None

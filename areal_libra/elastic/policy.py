@@ -27,8 +27,8 @@ class ElasticConfig:
     max_join_per_decision: int = 1
     max_release_per_decision: int = 1
     # Decisions are suppressed for this many steps after a change, so a join is not undone before its
-    # effect on the measured times shows up.
-    cooldown_steps: int = 0
+    # effect on the measured times shows up (4: its effect shows in the measured times by then).
+    cooldown_steps: int = 4
 
     def __post_init__(self) -> None:
         if not (self.release_ratio > 0 and self.join_ratio > self.release_ratio):

@@ -152,7 +152,7 @@ class ElasticPoolControl:
 class LiveElastic:
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
                  router: Any = None, batch_size: int = 1, device: str = "cpu",
-                 server_args: dict[str, Any] | None = None) -> None:
+                 server_args: dict[str, Any] | None = None, policy: ElasticConfig | None = None) -> None:
         """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
         do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained);
         server_args: extra ServerArgs fields of a hybrid's server (an emulated cluster's pacing)."""
@@ -171,7 +171,7 @@ class LiveElastic:
                                 hybrids=[(rid, 1) for rid in self.rids])
         self.hook = FSDPElasticHook.install(engine, self.core)
         self.hook.before_step = self._before_step
-        self.controller = ElasticController(self.core, ElasticPolicy(ElasticConfig(**cfg.policy)))
+        self.controller = ElasticController(self.core, ElasticPolicy(policy))
         self.router, self.inference = router, inference
         self.serve = bool(cfg.serve and inference is not None and router is not None)
         if cfg.serve and not self.serve:
@@ -390,8 +390,11 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> Li
     from areal_libra.rollout.emulation import ClusterEmulation
 
     emu = ClusterEmulation.from_libra(libra) if libra is not None else None
+    from areal_libra.config import libra_config
+
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
-                       device=device, server_args=emu.hybrid_server_args() if emu is not None else None)
+                       device=device, server_args=emu.hybrid_server_args() if emu is not None else None,
+                       policy=libra_config(libra).control.elastic_policy)
     live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live

@@ -361,18 +361,6 @@ def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
     return LivePlanSource(cluster, model_spec_from_hf(model_path), cfg)
 
 
-def control_config(libra: Any) -> ControlConfig:
-    """The controller's settings from libra.control, with libra.elastic.policy (ElasticConfig fields) for the
-    pool's thresholds (cooldown 4 unless given)."""
-    from areal_libra.elastic.policy import ElasticConfig
-
-    c = libra.control
-    policy = ElasticConfig(**{"cooldown_steps": 4, **dict(libra.elastic.policy or {})})
-    return ControlConfig(every_k=int(c.every_k), reconfig_cost_s=float(c.reconfig_cost_s), history=int(c.history),
-                         min_history=int(c.min_history), elastic=bool(libra.elastic.enabled),
-                         elastic_persist=int(c.elastic_persist), elastic_policy=policy)
-
-
 def check_feasible(libra: Any, areal_cfg: Any, model_path: str) -> str:
     """Solve once on a worst-case history (every trajectory at gconfig.max_new_tokens) before anything
     starts, so that a cluster the model cannot fit is a one-line error at launch; returns the plan summary."""

@@ -56,7 +56,7 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
     if str(libra.get("mode", "static")) != "libra" or int(os.environ.get("RANK", "0") or 0) != 0:
         return None
     from areal_libra.config import libra_config
-    from areal_libra.live.live_cluster import LiveCluster, LiveControl, control_config, plan_source
+    from areal_libra.live.live_cluster import LiveCluster, LiveControl, plan_source
     from areal_libra.rollout.router import GROUPS_FILE, publish_metrics, read_groups_file
 
     typed = libra_config(libra)
@@ -91,7 +91,7 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
         if resume_at is not None:  # the controller and pool at the checkpoint's step
             snap = state_file.load(resume_at)
     pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
-    control = LiveControl(control_config(typed), plan_source(libra, config, str(config.actor.path)), cluster,
+    control = LiveControl(typed.control, plan_source(libra, config, str(config.actor.path)), cluster,
                           fleet=fleet,
                           profile_steps=typed.control.profile_steps, pressure_fn=pressure,
                           events_path=run_dir / "control_events.jsonl")
