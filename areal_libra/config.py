@@ -16,7 +16,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_libra.cmlfq.policy import CMLFQConfig
 from areal_libra.control.controller import ControlConfig
+from areal_libra.elastic_runtime.settings import RuntimeConfig
 from areal_libra.utils import first_line as _msg
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -88,17 +90,30 @@ class DispatchConfig:
     rebuild_window: int = 5000
     online_siblings: bool = False
     wandb: bool = True  # also log the step metrics into the active W&B run (AReaL's, on rank 0)
-    cmlfq: dict[str, Any] = field(default_factory=dict)  # CMLFQConfig fields for the cmlfq policy
+    # The cmlfq policy's settings; live, its auto mode validates in a background thread (no stall at the step
+    # boundary), this context's setting of CMLFQConfig.auto_background.
+    cmlfq: CMLFQConfig = field(default_factory=lambda: CMLFQConfig(auto_background=True))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cmlfq, dict):  # a mapping (RemoteRouter's JSON body, tests): the same typed section
+            default = DispatchConfig.__dataclass_fields__["cmlfq"].default_factory()
+            self.cmlfq = _dataclass_from(CMLFQConfig, self.cmlfq, "libra.scheduler.cmlfq", base=default)
 
     @classmethod
     def from_mapping(cls, d: Any) -> DispatchConfig:
-        names = set(cls.__dataclass_fields__)
-        kw = {}
-        for k, v in dict(d).items():
-            if k not in names:
-                raise ValueError(f"libra.scheduler.{k}: unknown key (known: {', '.join(sorted(names))})")
-            kw[k] = dict(v) if k == "cmlfq" and v is not None else v
-        return cls(**kw)
+        return _dataclass_from(cls, d, "libra.scheduler")
+
+
+def _dataclass_from(cls: type, d: Any, where: str, base: Any = None) -> Any:
+    """cls (or `base` with these fields replaced) from a mapping; an unknown key is a one-line ValueError."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw = dict(d)
+    unknown = sorted(set(kw) - names)
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    return dataclasses.replace(base, **kw) if base is not None else cls(**kw)
 
 
 @dataclass
@@ -109,7 +124,7 @@ class LiveElasticConfig:
     hybrids: int = 1
     join_at_step: int | None = None  # fixed schedule instead of the policy (demonstrations, tests)
     release_after: int | None = None  # steps after the first real gradient
-    runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # the elastic runtime (heartbeats, timeouts)
     worker_start_timeout_s: float = 600.0
     # Who decides joins/releases: "controller" = the shared LibraController (areal_libra/control, with its
     # persistence filter) through LiveElastic.join/release; "pool" = LiveElastic's own ElasticController.
@@ -181,6 +196,9 @@ class LibraConfig:
     emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
     control: ControlSettings = field(default_factory=ControlSettings)
     revive_servers: bool = True  # libra mode: a rollout server that dies is replaced (rollout/revive.py)
+    # The launcher keeps supervising when every rollout server is dead (chaos tests; it stops the run otherwise,
+    # after the revival grace in libra mode). Was the environment variable AREAL_LIBRA_ALLOW_SERVER_LOSS=1.
+    allow_server_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("libra", "static"):
@@ -311,8 +329,15 @@ def _schema() -> DictConfig:
     return schema
 
 
+def load_run_config(run_dir: Path) -> LibraConfig:
+    """The typed `libra:` config a launch saved in its run directory (libra_config.yaml, see save())."""
+    return libra_config(OmegaConf.load(Path(run_dir) / "libra_config.yaml"))
+
+
 def libra_config(cfg: Any) -> LibraConfig:
     """The `libra:` tree as a typed LibraConfig (from a composed DictConfig, a saved YAML's, or a dict)."""
+    if isinstance(cfg, LibraConfig):
+        return cfg
     try:
         merged = OmegaConf.merge(_schema(), cfg)
         return OmegaConf.to_object(merged)

@@ -173,10 +173,12 @@ def _read_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
 
 
 def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, quiet: bool,
-              run_dir: Path | None = None, revive_grace_s: float = 0.0, tool_servers=()) -> int:
+              run_dir: Path | None = None, revive_grace_s: float = 0.0, tool_servers=(),
+              allow_server_loss: bool = False) -> int:
     """Show step, reward, tokens/s and ETA until the trainer exits; fail if every server is dead, at once or,
     when the trainer replaces dead servers (revive_grace_s > 0), if none serves again within that time; fail
-    fast if a tool server (`.alive()`, `.log_path`) dies."""
+    fast if a tool server (`.alive()`, `.log_path`) dies. `allow_server_loss` (libra.allow_server_loss): keep
+    going with every server dead."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -215,7 +217,7 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
             dead, n_servers = dead_servers(run_dir, servers)
             all_dead = bool(dead) and len(dead) == n_servers
             all_dead_since = (all_dead_since or time.monotonic()) if all_dead else None
-            if (all_dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1"
+            if (all_dead and not allow_server_loss
                     and time.monotonic() - all_dead_since >= revive_grace_s):
                 proc.send_signal(signal.SIGTERM)
                 raise LaunchError(f"all rollout servers died (first: {dead[0]}); see their logs")
@@ -357,7 +359,7 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
                 revive = c.libra.mode == "libra" and bool(c.libra.get("revive_servers", True))
                 rc = supervise(proc, metrics_path, int(c.areal.total_train_steps or 0), servers, quiet,
                                run_dir=log_dir, revive_grace_s=REVIVE_GRACE_S if revive else 0.0,
-                               tool_servers=tool_servers)
+                               tool_servers=tool_servers, allow_server_loss=bool(c.libra.allow_server_loss))
             except BaseException:
                 _stop(proc)
                 raise

@@ -8,9 +8,9 @@ The trainer calls, once the PPOTrainer exists:
         if elastic is not None:
             elastic.close()
 
-Configuration: `libra.elastic` (or, while the config tree has no such group, the JSON in the environment
-variable AREAL_LIBRA_ELASTIC), fields of `LiveElasticConfig`, e.g.
-`{"enabled": true, "hybrids": 1, "join_at_step": 2, "release_after": 3}`.
+Configuration: `libra.elastic` (`LiveElasticConfig`: enabled, hybrids, the runtime's settings, a hybrid's
+server), e.g. `libra.elastic.enabled=true libra.elastic.hybrids=1`; the join/release thresholds are the
+controller's (`libra.control.elastic_policy`).
 
 What it does: starts a TCPStore (loopback) and `hybrids` worker processes (`elastic_worker`, each its own
 FSDPEngine built from the run's AReaL config), installs the FSDP hook on the actor engine (domain
@@ -44,30 +44,17 @@ from areal_libra.elastic.measure import RolloutIdleClock, rollout_time
 from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.elastic.state import JOINING, Pool, ReplicaState
 from areal_libra.elastic_runtime.controller import ElasticController
-from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
+from areal_libra.elastic_runtime.core import ElasticCore
 from areal_libra.live.elastic_hook import FSDPElasticHook
 
 log = logging.getLogger(__name__)
 
 
 def load_config(libra: Any) -> LiveElasticConfig:
-    raw: Any = None
-    try:
-        raw = libra.get("elastic") if libra is not None else None
-    except Exception:  # noqa: BLE001 - a struct config without the key
-        raw = None
-    if raw is None and os.environ.get("AREAL_LIBRA_ELASTIC"):
-        raw = json.loads(os.environ["AREAL_LIBRA_ELASTIC"])
-    if raw is None:
-        return LiveElasticConfig()
-    if not isinstance(raw, dict):
-        from omegaconf import OmegaConf
+    """`libra.elastic`, typed (from the run's LibraConfig, or a `libra:` mapping checked as at launch)."""
+    from areal_libra.config import libra_config
 
-        raw = OmegaConf.to_container(raw, resolve=True)
-    unknown = set(raw) - set(LiveElasticConfig.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"unknown libra.elastic keys: {sorted(unknown)}")
-    return LiveElasticConfig(**raw)
+    return libra_config(libra if libra is not None else {}).elastic
 
 
 def hybrids_serve(libra: Any) -> bool:
@@ -165,7 +152,7 @@ class LiveElastic:
         self.dir = run_dir / "elastic"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        rt = RuntimeConfig(**cfg.runtime)
+        rt = cfg.runtime
         self.rids = [f"h{i}" for i in range(cfg.hybrids)]
         self.core = ElasticCore(self.store, rt, 0, 1, None, str(self.dir / "snapshots"), state_fn=dict,
                                 hybrids=[(rid, 1) for rid in self.rids])
@@ -196,7 +183,7 @@ class LiveElastic:
             cmd = [sys.executable, "-m", "areal_libra.live.elastic_worker",
                    "--store", f"127.0.0.1:{self.store.port}", "--rid", rid,
                    "--snapshot-dir", str(self.dir / "snapshots"), "--config", str(run_dir / "areal_config.yaml"),
-                   "--runtime", json.dumps(cfg.runtime)]
+                   "--runtime", json.dumps(asdict(rt))]
             if self.serve:
                 cmd += ["--serve", "--server-threads", str(cfg.server_threads), "--server-max-running",
                         str(cfg.server_max_running), "--ack-timeout", str(cfg.serve_ack_timeout_s)]

@@ -14,6 +14,13 @@ CASES = [
     (["actor.path={tmp}"], "is not a Hugging Face model"),
     (["libra.max_turns=abc"], "bad override 'libra.max_turns=abc'"),
     (["libra.scheduler.polcy=cmlfq"], "unknown config key 'scheduler.polcy'"),
+    # the former dict sections are dataclasses: a typo is one line at launch, before any server starts
+    (["libra.scheduler.cmlfq.min_sample=3"], "unknown config key 'scheduler.cmlfq.min_sample'"),
+    (["libra.elastic.runtime.heartbeat_timout_s=3"], "unknown config key 'elastic.runtime.heartbeat_timout_s'"),
+    (["libra.control.elastic_policy.join_ration=1.3"], "unknown config key 'control.elastic_policy.join_ration'"),
+    (["libra.control.replan_policy.evry_k=5"], "unknown config key 'control.replan_policy.evry_k'"),
+    (["libra.elastic.policy.join_ratio=1.3"], "unknown config key 'elastic.policy.join_ratio'"),  # moved to control
+    (["libra.control.replan_policy.every_k=0"], "every_k must be >= 1"),
 ]
 
 
@@ -28,6 +35,7 @@ def test_cli_bad_input(args: list[str], expected: str, tmp_path) -> None:
     assert "Traceback" not in r.stderr
     assert any(expected in ln for ln in lines), r.stderr
     assert lines[-1].startswith("areal_libra: error:")
+    assert not list(tmp_path.glob("logs/**/servers.json"))  # nothing was started
 
 
 def test_overrides_keep_areal_names_and_fall_through_to_libra() -> None:

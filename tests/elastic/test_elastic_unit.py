@@ -176,19 +176,24 @@ def test_controller_turns_policy_decisions_into_requests(tmp_path):
     assert core.kv.get("cmd/h0") == {"op": "release", "gen": 2}
 
 
-def test_live_config_from_libra_or_environment(monkeypatch):
+def test_live_config_is_the_typed_section(monkeypatch):
+    """libra.elastic comes from the config only (the AREAL_LIBRA_ELASTIC back door is gone), typed down to its
+    runtime settings; a typo is refused."""
     from omegaconf import OmegaConf
 
+    from areal_libra.config import ConfigError
+    from areal_libra.elastic_runtime.settings import RuntimeConfig
     from areal_libra.live.elastic_live import load_config
 
-    monkeypatch.delenv("AREAL_LIBRA_ELASTIC", raising=False)
-    assert not load_config(OmegaConf.create({})).enabled
-    cfg = load_config(OmegaConf.create({"elastic": {"enabled": True, "hybrids": 2}}))
-    assert cfg.enabled and cfg.hybrids == 2
     monkeypatch.setenv("AREAL_LIBRA_ELASTIC", '{"enabled": true, "join_at_step": 3}')
-    assert load_config(OmegaConf.create({})).join_at_step == 3
-    with pytest.raises(ValueError, match="unknown libra.elastic keys"):
+    assert not load_config(OmegaConf.create({})).enabled and load_config({}).join_at_step is None
+    cfg = load_config(OmegaConf.create({"elastic": {"enabled": True, "hybrids": 2,
+                                                    "runtime": {"heartbeat_timeout_s": 9.0}}}))
+    assert cfg.enabled and cfg.hybrids == 2 and cfg.runtime == RuntimeConfig(heartbeat_timeout_s=9.0)
+    with pytest.raises(ConfigError, match="hybirds"):
         load_config(OmegaConf.create({"elastic": {"enabled": True, "hybirds": 1}}))
+    with pytest.raises(ConfigError, match="heartbeat_timout_s"):
+        load_config({"elastic": {"runtime": {"heartbeat_timout_s": 1.0}}})
 
 
 # -- background placement ----------------------------------------------------------------------------
