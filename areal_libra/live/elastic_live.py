@@ -364,6 +364,8 @@ class LiveElastic:
 
 
 def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> LiveElastic | None:
+    from areal_libra.config import libra_config
+
     cfg = load_config(libra)
     if not cfg.enabled:
         return None
@@ -372,16 +374,15 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> Li
     if inference is not None and not hasattr(inference, "addresses"):
         inference = None
     router = getattr(inference, "request_router", None) if inference is not None else None
-    device = str(libra.get("device", "cpu")) if libra is not None else "cpu"
+    libra = libra_config(libra)
+    device = libra.device
     batch = int(trainer.config.train_dataset.batch_size) if hasattr(trainer, "config") else 1
     from areal_libra.rollout.emulation import ClusterEmulation
 
-    emu = ClusterEmulation.from_libra(libra) if libra is not None else None
-    from areal_libra.config import libra_config
-
+    emu = ClusterEmulation.from_libra(libra)
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
                        device=device, server_args=emu.hybrid_server_args() if emu is not None else None,
-                       policy=libra_config(libra).control.elastic_policy)
+                       policy=libra.control.elastic_policy)
     live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live

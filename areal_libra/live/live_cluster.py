@@ -18,10 +18,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
 from areal_libra.rollout.groups import RolloutGroup, groups_from_plan
+
+if TYPE_CHECKING:
+    from areal_libra.config import LibraConfig
 
 log = logging.getLogger("areal_libra.control")
 
@@ -314,7 +317,7 @@ class LiveControl:
         return path
 
 
-def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
+def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlanSource:
     """The planner for this run: `libra.control.cluster` (cost preset, resized to `accelerators`), the run's
     model from its config.json, one step's batch, AReaL's staleness bound."""
     from areal_libra.cost.presets import ClusterSpec, load_cluster, load_hardware
@@ -361,7 +364,7 @@ def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
     return LivePlanSource(cluster, model_spec_from_hf(model_path), cfg)
 
 
-def check_feasible(libra: Any, areal_cfg: Any, model_path: str) -> str:
+def check_feasible(libra: LibraConfig, areal_cfg: Any, model_path: str) -> str:
     """Solve once on a worst-case history (every trajectory at gconfig.max_new_tokens) before anything
     starts, so that a cluster the model cannot fit is a one-line error at launch; returns the plan summary."""
     from areal_libra.planner import PlanError

@@ -574,8 +574,6 @@ def write_registry(run_dir: str | Path, handles: Sequence[ServerHandle], owner: 
 def build_fleet(trainer, router, run_dir: str | Path, **kwargs) -> ServerFleet:
     """The fleet of a live run (areal_libra/live/train.py, after install_router): the launcher's
     servers from rollout_groups.json + servers.json, the model from the AReaL config."""
-    from omegaconf import OmegaConf
-
     from areal_libra.rollout.router import GROUPS_FILE, read_groups_file
 
     run_dir = Path(run_dir)
@@ -584,8 +582,10 @@ def build_fleet(trainer, router, run_dir: str | Path, **kwargs) -> ServerFleet:
     servers = [FleetServer(a, g.name, g.tp, g.threads, g.max_running, reg.get(a, {}).get("pid"),
                            gpus=tuple(str(d) for d in reg.get(a, {}).get("gpus") or ()))
                for g, row in zip(groups, addrs) for a in row]
-    libra = OmegaConf.load(run_dir / "libra_config.yaml") if (run_dir / "libra_config.yaml").exists() else {}
-    backend = "sglang" if libra.get("device", "cpu") == "cuda" else "embedded"
+    from areal_libra.config import load_run_config
+
+    device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
+    backend = "sglang" if device == "cuda" else "embedded"
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
     kwargs.setdefault("rollout_devices", pool)
     return ServerFleet(trainer.rollout, router, str(trainer.config.actor.path), run_dir / "servers", backend,
