@@ -122,13 +122,12 @@ class LiveElasticConfig:
 
     enabled: bool = False
     hybrids: int = 1
-    join_at_step: int | None = None  # fixed schedule instead of the policy (demonstrations, tests)
-    release_after: int | None = None  # steps after the first real gradient
+    # A fixed script instead of the measured policy (demonstrations, tests): the controller's elastic policy is
+    # then elastic.policy.ScheduledPolicy (join from this step; release `release_after` steps after training).
+    join_at_step: int | None = None
+    release_after: int | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # the elastic runtime (heartbeats, timeouts)
     worker_start_timeout_s: float = 600.0
-    # Who decides joins/releases: "controller" = the shared LibraController (areal_libra/control, with its
-    # persistence filter) through LiveElastic.join/release; "pool" = LiveElastic's own ElasticController.
-    decide_in: str = "controller"
     serve: bool = True  # a hybrid in rollout serves requests (needs the request router: policy != round_robin)
     server_threads: int = 1  # CPU threads of a hybrid's embedded server
     server_max_running: int = 64
@@ -136,8 +135,9 @@ class LiveElasticConfig:
     serve_ack_timeout_s: float = 30.0  # a draining hybrid waits this long for the trainer to stop routing to it
 
     def __post_init__(self) -> None:
-        if self.decide_in not in ("controller", "pool"):
-            raise ValueError(f"libra.elastic.decide_in must be 'controller' or 'pool', got {self.decide_in!r}")
+        if (self.join_at_step is not None and self.join_at_step < 0) or (
+                self.release_after is not None and self.release_after < 1):
+            raise ValueError("libra.elastic.join_at_step must be >= 0 and release_after >= 1")
         if self.hybrids < 0 or self.server_threads < 1 or self.server_max_running < 1:
             raise ValueError("libra.elastic: hybrids >= 0, server_threads >= 1 and server_max_running >= 1")
 
@@ -203,6 +203,9 @@ class LibraConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("libra", "static"):
             raise ValueError(f"mode must be libra or static, got {self.mode!r}")
+        if self.mode == "static" and self.elastic.enabled:
+            raise ValueError("libra.elastic.enabled needs libra.mode=libra: the LibraController decides the "
+                             "pool's joins and releases")
 
 
 @dataclass

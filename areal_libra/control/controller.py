@@ -124,12 +124,14 @@ class LibraController:
     """Planner re-solve with the gain > cost gate, and the elastic pool with overshoot check and
     persistence filter. `on_step` is the whole loop body."""
 
-    def __init__(self, cfg: ControlConfig, planner: PlanSource, plan: Any) -> None:
+    def __init__(self, cfg: ControlConfig, planner: PlanSource, plan: Any, elastic_policy: Any = None) -> None:
+        """`elastic_policy`: what decides joins and releases, ElasticPolicy(cfg.elastic_policy) unless given (a
+        scripted areal_libra.elastic.policy.ScheduledPolicy: the same interface)."""
         self.cfg = cfg
         self.planner = planner
         self.plan = plan
         self.replan_policy = ReplanPolicy(cfg.replan_policy) if cfg.replan else None
-        self.elastic = ElasticPolicy(cfg.elastic_policy)
+        self.elastic = elastic_policy if elastic_policy is not None else ElasticPolicy(cfg.elastic_policy)
         self.intervals: deque[float] = deque(maxlen=cfg.interval_window)
         self.t_train: deque[float] = deque(maxlen=4)
         self.t_roll: deque[float] = deque(maxlen=4)
@@ -153,11 +155,11 @@ class LibraController:
 
     @classmethod
     def from_state(cls, cfg: ControlConfig, planner: PlanSource, plan: Any, state: dict[str, Any],
-                   events: list[ControlEvent] | None = None) -> LibraController:
+                   events: list[ControlEvent] | None = None, elastic_policy: Any = None) -> LibraController:
         """A controller that continues where the one that wrote `state` (to_state) stopped; ValueError when
         the state is malformed (the caller then starts fresh)."""
         try:
-            ctl = cls(cfg, planner, plan)
+            ctl = cls(cfg, planner, plan, elastic_policy)
             ctl.intervals.extend(float(x) for x in state["intervals"])
             ctl.t_train.extend(float(x) for x in state["t_train"])
             ctl.t_roll.extend(float(x) for x in state["t_roll"])
@@ -243,10 +245,11 @@ class LibraController:
                   "unit_gpus": pool.unit_gpus} if self.cfg.elastic_project else {})
         since = None if self.last_change is None else obs.step - self.last_change
         d = self.elastic.decide(_mean(self.t_train), _mean(self.t_roll), obs.active_pressure, pool.training,
-                                pool.idle, since, **sizes)
+                                pool.idle, since, step=obs.step, **sizes)
         self.verdicts.append(d.action)
         protect = d.action == "release" and obs.active_pressure >= self.elastic.cfg.protect_pressure
-        persisted = len(self.verdicts) == self.cfg.elastic_persist and len(set(self.verdicts)) == 1
+        persisted = not self.elastic.persist_verdicts or (
+            len(self.verdicts) == self.cfg.elastic_persist and len(set(self.verdicts)) == 1)
         if d.action == "hold" or not (protect or persisted):
             return
         done = cluster.join(d.n, obs.step) if d.action == "join" else cluster.release(d.n, obs.step)

@@ -18,11 +18,10 @@ reduction, batch sharing, snapshots). A hybrid in rollout serves requests on its
 registered with the trainer's AReaL engine and request router (`elastic_serving.ServeRegistry`: routable
 once it holds the latest weights, drained with no request lost when it joins). Before each training step
 it measures T_train, T_rollout (from the trainer's wait for its batch and the rollout side's idle time,
-`elastic.measure.rollout_time`) and the rollout servers' pressure; the decisions come from
-- the shared LibraController (`decide_in: controller`, the default): the LiveCluster calls
-  `pool_view()`, `join(n)`, `release(n)` and reads `observation(step)`;
-- LiveElastic's own ElasticController (`decide_in: pool`);
-- or the fixed schedule (`join_at_step` / `release_after`, for demonstrations), which wins over both.
+`elastic.measure.rollout_time`) and the rollout servers' pressure. It decides nothing: the shared
+LibraController (areal_libra.control, the one elastic decision loop) does, through the LiveCluster, which
+calls `pool_view()`, `join(n)`, `release(n)` and reads `observation()`; with `join_at_step` /
+`release_after` set its policy is the fixed script (elastic.policy.ScheduledPolicy, demonstrations).
 Per-step `elastic/*` keys go to metrics.jsonl through `metrics.add_source`.
 """
 
@@ -41,9 +40,7 @@ from typing import Any
 from areal_libra.config import LiveElasticConfig
 from areal_libra.control.controller import PoolView, StepObservation
 from areal_libra.elastic.measure import RolloutIdleClock, rollout_time
-from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.elastic.state import JOINING, Pool, ReplicaState
-from areal_libra.elastic_runtime.controller import ElasticController
 from areal_libra.elastic_runtime.core import ElasticCore
 from areal_libra.live.elastic_hook import FSDPElasticHook
 
@@ -139,7 +136,7 @@ class ElasticPoolControl:
 class LiveElastic:
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
                  router: Any = None, batch_size: int = 1, device: str = "cpu",
-                 server_args: dict[str, Any] | None = None, policy: ElasticConfig | None = None) -> None:
+                 server_args: dict[str, Any] | None = None) -> None:
         """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
         do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained);
         server_args: extra ServerArgs fields of a hybrid's server (an emulated cluster's pacing)."""
@@ -158,7 +155,6 @@ class LiveElastic:
                                 hybrids=[(rid, 1) for rid in self.rids])
         self.hook = FSDPElasticHook.install(engine, self.core)
         self.hook.before_step = self._before_step
-        self.controller = ElasticController(self.core, ElasticPolicy(policy))
         self.router, self.inference = router, inference
         self.serve = bool(cfg.serve and inference is not None and router is not None)
         if cfg.serve and not self.serve:
@@ -193,10 +189,8 @@ class LiveElastic:
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT,
                                                start_new_session=True))
         self.batch_size = max(1, int(batch_size))
-        self.first_real: dict[str, int] = {}
         self.t_train = 0.0
         self.t_iter_start: float | None = None
-        self.last_decision = ""
         self.wait_s: float | None = None  # the trainer's wait for this step's batch (prepare_batch)
         self.backlog = 0
         self.idle = RolloutIdleClock()
@@ -299,25 +293,8 @@ class LiveElastic:
 
     # -- per step ----------------------------------------------------------------------------------
     def _before_step(self, step: int, t_train_s: float) -> None:
-        obs = self._measure(step, t_train_s)
+        self._measure(step, t_train_s)  # the controller reads it after the step (observation())
         self._rejoin_ready(step)
-        for ev in self.core.events:
-            if ev["event"] == "first_real_gradient":
-                self.first_real.setdefault(ev["rid"], ev["step"])
-        c = self.cfg
-        if c.join_at_step is not None:
-            for rid in self.rids:
-                h = self.core.pool.hybrid[rid]
-                if step >= c.join_at_step and h.generation == 0 and self._ready(rid):
-                    self.core.request_join(rid)
-                if (c.release_after is not None and rid in self.first_real and h.state == ReplicaState.TRAINING
-                        and step >= self.first_real[rid] + c.release_after):
-                    self.core.request_release(rid)
-            return
-        if c.decide_in != "pool" or obs is None:
-            return  # the shared LibraController decides (through join/release)
-        d = self.controller.on_step(obs.train_s, obs.rollout_s, obs.active_pressure)
-        self.last_decision = f"{d.action}:{d.reason}"
 
     def step_metrics(self) -> dict[str, float]:
         out = self.hook.step_metrics()
@@ -343,9 +320,6 @@ class LiveElastic:
             self._routed0 = {a: counts.get(a, 0) for a in hyb}
             out["elastic/hybrid_routed"] = float(routed)
             out["elastic/hybrid_routed_total"] = float(sum(counts.get(a, 0) for a in hyb))
-        if self.last_decision:
-            out["elastic/policy_join"] = float(self.last_decision.startswith("join"))
-            out["elastic/policy_release"] = float(self.last_decision.startswith("release"))
         return out
 
     def close(self) -> None:
@@ -381,8 +355,7 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any) -> Li
 
     emu = ClusterEmulation.from_libra(libra)
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
-                       device=device, server_args=emu.hybrid_server_args() if emu is not None else None,
-                       policy=libra.control.elastic_policy)
+                       device=device, server_args=emu.hybrid_server_args() if emu is not None else None)
     live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live

@@ -178,8 +178,12 @@ class LiveControl:
     """Owns the controller in the trainer: first plan after the profile steps, then one on_step per step."""
 
     def __init__(self, cfg: ControlConfig, source: LivePlanSource, cluster: LiveCluster, profile_steps: int = 1,
-                 pressure_fn: Any = None, events_path: Path | None = None, fleet: Any = None) -> None:
+                 pressure_fn: Any = None, events_path: Path | None = None, fleet: Any = None,
+                 elastic_policy: Any = None) -> None:
+        """`elastic_policy`: the controller's join/release policy when not its measured ElasticPolicy (the
+        scripted elastic.policy.ScheduledPolicy)."""
         self.events_path = events_path
+        self.elastic_policy = elastic_policy
         self.fleet = fleet
         if profile_steps < 1:
             raise ControlError(f"libra.control.profile_steps must be >= 1, got {profile_steps}")
@@ -238,7 +242,7 @@ class LiveControl:
         if [(g.tp, g.count, g.max_len) for g in self.cluster.groups_for(plan)] != [
                 (g.tp, g.count, g.max_len) for g in self.cluster.groups]:
             self.cluster.apply_plan(plan, step)
-        self.ctl = LibraController(self.cfg, self.source, plan)
+        self.ctl = LibraController(self.cfg, self.source, plan, self.elastic_policy)
 
     def _resume(self, step: int) -> None:
         """Continue from the saved controller (live.recover): its plan's layout is brought back (the
@@ -253,7 +257,8 @@ class LiveControl:
                 raise ValueError("no controller had started")
             plan = plan_from_state(snap["plan"])
             events = [ControlEvent(*e) for e in snap.get("events", [])]
-            ctl = LibraController.from_state(self.cfg, self.source, plan, snap["controller"], events)
+            ctl = LibraController.from_state(self.cfg, self.source, plan, snap["controller"], events,
+                                             self.elastic_policy)
             if [(g.tp, g.count, g.max_len) for g in self.cluster.groups_for(plan)] != [
                     (g.tp, g.count, g.max_len) for g in self.cluster.groups]:
                 self.cluster.apply_plan(plan, step)

@@ -94,8 +94,14 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
         if resume_at is not None:  # the controller and pool at the checkpoint's step
             snap = state_file.load(resume_at)
     pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
+    script = None
+    if elastic is not None and libra.elastic.join_at_step is not None:  # the fixed join/release script
+        from areal_libra.elastic.policy import ScheduledPolicy
+
+        script = ScheduledPolicy(libra.elastic.join_at_step, libra.elastic.release_after,
+                                 libra.control.elastic_policy)
     control = LiveControl(libra.control, plan_source(libra, config, str(config.actor.path)), cluster,
-                          fleet=fleet,
+                          fleet=fleet, elastic_policy=script,
                           profile_steps=libra.control.profile_steps, pressure_fn=pressure,
                           events_path=run_dir / "control_events.jsonl")
     if snap is not None:
