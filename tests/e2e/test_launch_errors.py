@@ -72,3 +72,20 @@ def test_libra_tree_is_typed() -> None:
         compose(["libra.rollout_groups=[{name: a, tp: two}]"])
     with pytest.raises(ConfigError, match="bogus"):
         libra_config({"elastic": {"bogus": 1}})
+
+
+def test_trainer_loads_the_typed_config_the_launch_saved(tmp_path) -> None:
+    """What the launch validated and saved is what the trainer gets back (config.load_run_config), typed down to
+    the former dict sections, with the overrides applied."""
+    from areal_libra.config import ControlSettings, libra_config, load_run_config, save
+    from areal_libra.elastic_runtime.settings import RuntimeConfig
+
+    c = compose(["cluster=emulated", "libra.elastic.enabled=true", "libra.scheduler.cmlfq.min_samples=3",
+                 "libra.elastic.runtime.heartbeat_timeout_s=7", "libra.control.replan_policy.every_k=4",
+                 f"cluster.fileroot={tmp_path}"])
+    save(c, tmp_path / "run")
+    typed = load_run_config(tmp_path / "run")
+    assert typed == libra_config(c.libra) and isinstance(typed.control, ControlSettings)
+    assert typed.control.replan_policy.every_k == 4 and typed.control.settle_steps == 10
+    assert typed.scheduler.cmlfq.min_samples == 3 and typed.scheduler.cmlfq.auto_background
+    assert typed.elastic.runtime == RuntimeConfig(heartbeat_timeout_s=7.0)
