@@ -16,6 +16,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_libra.cmlfq.policy import CMLFQConfig
+from areal_libra.control.controller import ControlConfig
+from areal_libra.elastic_runtime.settings import RuntimeConfig
 from areal_libra.utils import first_line as _msg
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -87,17 +90,30 @@ class DispatchConfig:
     rebuild_window: int = 5000
     online_siblings: bool = False
     wandb: bool = True  # also log the step metrics into the active W&B run (AReaL's, on rank 0)
-    cmlfq: dict[str, Any] = field(default_factory=dict)  # CMLFQConfig fields for the cmlfq policy
+    # The cmlfq policy's settings; live, its auto mode validates in a background thread (no stall at the step
+    # boundary), this context's setting of CMLFQConfig.auto_background.
+    cmlfq: CMLFQConfig = field(default_factory=lambda: CMLFQConfig(auto_background=True))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cmlfq, dict):  # a mapping (RemoteRouter's JSON body, tests): the same typed section
+            default = DispatchConfig.__dataclass_fields__["cmlfq"].default_factory()
+            self.cmlfq = _dataclass_from(CMLFQConfig, self.cmlfq, "libra.scheduler.cmlfq", base=default)
 
     @classmethod
     def from_mapping(cls, d: Any) -> DispatchConfig:
-        names = set(cls.__dataclass_fields__)
-        kw = {}
-        for k, v in dict(d).items():
-            if k not in names:
-                raise ValueError(f"libra.scheduler.{k}: unknown key (known: {', '.join(sorted(names))})")
-            kw[k] = dict(v) if k == "cmlfq" and v is not None else v
-        return cls(**kw)
+        return _dataclass_from(cls, d, "libra.scheduler")
+
+
+def _dataclass_from(cls: type, d: Any, where: str, base: Any = None) -> Any:
+    """cls (or `base` with these fields replaced) from a mapping; an unknown key is a one-line ValueError."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw = dict(d)
+    unknown = sorted(set(kw) - names)
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    return dataclasses.replace(base, **kw) if base is not None else cls(**kw)
 
 
 @dataclass
@@ -106,14 +122,12 @@ class LiveElasticConfig:
 
     enabled: bool = False
     hybrids: int = 1
-    join_at_step: int | None = None  # fixed schedule instead of the policy (demonstrations, tests)
-    release_after: int | None = None  # steps after the first real gradient
-    policy: dict[str, Any] = field(default_factory=dict)  # ElasticConfig fields
-    runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields
+    # A fixed script instead of the measured policy (demonstrations, tests): the controller's elastic policy is
+    # then elastic.policy.ScheduledPolicy (join from this step; release `release_after` steps after training).
+    join_at_step: int | None = None
+    release_after: int | None = None
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # the elastic runtime (heartbeats, timeouts)
     worker_start_timeout_s: float = 600.0
-    # Who decides joins/releases: "controller" = the shared LibraController (areal_libra/control, with its
-    # persistence filter) through LiveElastic.join/release; "pool" = LiveElastic's own ElasticController.
-    decide_in: str = "controller"
     serve: bool = True  # a hybrid in rollout serves requests (needs the request router: policy != round_robin)
     server_threads: int = 1  # CPU threads of a hybrid's embedded server
     server_max_running: int = 64
@@ -121,25 +135,30 @@ class LiveElasticConfig:
     serve_ack_timeout_s: float = 30.0  # a draining hybrid waits this long for the trainer to stop routing to it
 
     def __post_init__(self) -> None:
-        if self.decide_in not in ("controller", "pool"):
-            raise ValueError(f"libra.elastic.decide_in must be 'controller' or 'pool', got {self.decide_in!r}")
+        if (self.join_at_step is not None and self.join_at_step < 0) or (
+                self.release_after is not None and self.release_after < 1):
+            raise ValueError("libra.elastic.join_at_step must be >= 0 and release_after >= 1")
         if self.hybrids < 0 or self.server_threads < 1 or self.server_max_running < 1:
             raise ValueError("libra.elastic: hybrids >= 0, server_threads >= 1 and server_max_running >= 1")
 
 
-@dataclass
-class ControlSettings:
-    """`libra.control`: the live control loop (areal_libra.live.live_cluster, areal_libra.control)."""
+@dataclass(frozen=True)
+class ControlSettings(ControlConfig):
+    """`libra.control`: the shared controller's settings (areal_libra.control.ControlConfig, declared there:
+    replan_policy.every_k, replan_policy.reconfig_cost_s, settle_steps, elastic_persist, elastic_policy, ...)
+    and what the live planner plans on (areal_libra.live.live_cluster)."""
 
-    every_k: int = 10  # re-plan period in steps (the paper's)
-    reconfig_cost_s: float = 15.0  # what the re-plan gate charges for one live reconfiguration
-    history: int = 2000  # finished trajectories the planner sees
-    min_history: int = 16
     profile_steps: int = 1  # the first plan is solved from these steps' lengths
-    elastic_persist: int = 6  # steps an elastic verdict must persist before the pool acts
     cluster: str = "cpu"  # the cost preset the planner plans on (a cluster preset or YAML)
     accelerators: int = 0  # size of the planned cluster; 0: the preset's
     allowed_tp: list[int] = field(default_factory=lambda: [1, 2])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.profile_steps < 1 or self.accelerators < 0:
+            raise ValueError("control.profile_steps must be >= 1 and control.accelerators >= 0")
+        if not self.allowed_tp or any(t < 1 or t & (t - 1) for t in self.allowed_tp):
+            raise ValueError(f"control.allowed_tp must be powers of two >= 1, got {list(self.allowed_tp)}")
 
 
 @dataclass
@@ -177,19 +196,16 @@ class LibraConfig:
     emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
     control: ControlSettings = field(default_factory=ControlSettings)
     revive_servers: bool = True  # libra mode: a rollout server that dies is replaced (rollout/revive.py)
+    # The launcher keeps supervising when every rollout server is dead (chaos tests; it stops the run otherwise,
+    # after the revival grace in libra mode). Was the environment variable AREAL_LIBRA_ALLOW_SERVER_LOSS=1.
+    allow_server_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("libra", "static"):
             raise ValueError(f"mode must be libra or static, got {self.mode!r}")
-        c = self.control
-        if c.every_k < 1:
-            raise ValueError(f"control.every_k must be >= 1, got {c.every_k}")
-        if c.profile_steps < 1 or c.elastic_persist < 1 or c.min_history < 1:
-            raise ValueError("control.profile_steps, elastic_persist and min_history must be >= 1")
-        if c.accelerators < 0 or c.reconfig_cost_s < 0:
-            raise ValueError("control.accelerators and reconfig_cost_s must be >= 0")
-        if not c.allowed_tp or any(t < 1 or t & (t - 1) for t in c.allowed_tp):
-            raise ValueError(f"control.allowed_tp must be powers of two >= 1, got {list(c.allowed_tp)}")
+        if self.mode == "static" and self.elastic.enabled:
+            raise ValueError("libra.elastic.enabled needs libra.mode=libra: the LibraController decides the "
+                             "pool's joins and releases")
 
 
 @dataclass
@@ -255,7 +271,7 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
     except OmegaConfBaseException as e:
         raise ConfigError(f"experiment config does not match AReaL's GRPOConfig: {_msg(e)}") from None
     try:
-        libra = OmegaConf.merge(OmegaConf.structured(LibraConfig), libra_raw)
+        libra = OmegaConf.merge(_schema(), libra_raw)
     except OmegaConfBaseException as e:
         raise ConfigError(f"libra config: {_msg(e)}") from None
     OmegaConf.set_struct(areal, True)
@@ -293,10 +309,40 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
     return Composed(areal=areal, libra=libra, choices=choices)
 
 
+def _schema() -> DictConfig:
+    """The `libra:` schema as an OmegaConf tree. OmegaConf makes the nodes of frozen dataclasses (the
+    controller's and the policies' settings) read-only; overrides must merge into them, and to_object builds
+    the frozen objects again (their __post_init__ checks run there)."""
+    schema = OmegaConf.structured(LibraConfig)
+
+    def writable(node: Any) -> None:
+        OmegaConf.set_readonly(node, None)
+        if OmegaConf.is_dict(node):
+            for k in node:
+                child = node._get_node(k)
+                if OmegaConf.is_config(child):
+                    writable(child)
+        elif OmegaConf.is_list(node):
+            for i in range(len(node)):
+                child = node._get_node(i)
+                if OmegaConf.is_config(child):
+                    writable(child)
+
+    writable(schema)
+    return schema
+
+
+def load_run_config(run_dir: Path) -> LibraConfig:
+    """The typed `libra:` config a launch saved in its run directory (libra_config.yaml, see save())."""
+    return libra_config(OmegaConf.load(Path(run_dir) / "libra_config.yaml"))
+
+
 def libra_config(cfg: Any) -> LibraConfig:
     """The `libra:` tree as a typed LibraConfig (from a composed DictConfig, a saved YAML's, or a dict)."""
+    if isinstance(cfg, LibraConfig):
+        return cfg
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(LibraConfig), cfg)
+        merged = OmegaConf.merge(_schema(), cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"libra config: {_msg(e)}") from None

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from areal_libra.config import Composed, ConfigError, compose, save
+from areal_libra.config import Composed, ConfigError, compose, libra_config, save
 
 # libra mode: how long every rollout server may be dead while the trainer starts replacements
 # (rollout/revive.py) before the launcher gives up.
@@ -40,12 +40,12 @@ def resolve_model(c: Composed) -> str:
     if path in ("auto", "", "???"):
         from areal_libra.models.tiny import TinyModelConfig, ensure_model
 
-        model = c.libra.get("model", {})
+        model = c.libra.model
         try:
-            config = TinyModelConfig.for_task(str(model.get("task", "math")))
+            config = TinyModelConfig.for_task(str(model.task))
         except ValueError as e:
             raise LaunchError(f"libra.model.task: {e}") from None
-        return str(ensure_model(seed=int(model.get("seed", c.areal.seed)), config=config))
+        return str(ensure_model(seed=int(model.seed), config=config))
     p = Path(path)
     if not p.is_dir():
         raise LaunchError(f"actor.path={path}: no such model directory")
@@ -108,7 +108,7 @@ def server_specs(c: Composed):
 
 def placement(c: Composed, env: dict[str, str] | None = None, gpu_count: int | None = None):
     """GPU placement of a cuda run: the trainer's device first, then the servers' (disjoint); None on CPU."""
-    if c.libra.get("device", "cpu") != "cuda":
+    if c.libra.device != "cuda":
         return None
     from areal_libra.rollout.launcher import _cuda_count
     from areal_libra.rollout.placement import PlacementError, assign_gpus, visible_devices
@@ -151,8 +151,8 @@ def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
         from areal_libra.rollout.placement import ROLLOUT_DEVICES_ENV
 
         env[ROLLOUT_DEVICES_ENV] = ",".join(rollout_pool)
-    if c.libra.get("device", "cpu") == "cpu":
-        threads = str(int(c.libra.get("trainer_threads", 1)))
+    if c.libra.device == "cpu":
+        threads = str(int(c.libra.trainer_threads))
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     if c.areal.stats_logger.wandb.mode == "online" and not env.get("WANDB_API_KEY"):
         env["WANDB_MODE"] = "offline"
@@ -173,10 +173,12 @@ def _read_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
 
 
 def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, quiet: bool,
-              run_dir: Path | None = None, revive_grace_s: float = 0.0, tool_servers=()) -> int:
+              run_dir: Path | None = None, revive_grace_s: float = 0.0, tool_servers=(),
+              allow_server_loss: bool = False) -> int:
     """Show step, reward, tokens/s and ETA until the trainer exits; fail if every server is dead, at once or,
     when the trainer replaces dead servers (revive_grace_s > 0), if none serves again within that time; fail
-    fast if a tool server (`.alive()`, `.log_path`) dies."""
+    fast if a tool server (`.alive()`, `.log_path`) dies. `allow_server_loss` (libra.allow_server_loss): keep
+    going with every server dead."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -215,7 +217,7 @@ def supervise(proc: subprocess.Popen, metrics_path: Path, total: int, servers, q
             dead, n_servers = dead_servers(run_dir, servers)
             all_dead = bool(dead) and len(dead) == n_servers
             all_dead_since = (all_dead_since or time.monotonic()) if all_dead else None
-            if (all_dead and os.environ.get("AREAL_LIBRA_ALLOW_SERVER_LOSS") != "1"
+            if (all_dead and not allow_server_loss
                     and time.monotonic() - all_dead_since >= revive_grace_s):
                 proc.send_signal(signal.SIGTERM)
                 raise LaunchError(f"all rollout servers died (first: {dead[0]}); see their logs")
@@ -325,7 +327,7 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
         from areal_libra.live.live_cluster import ControlError, check_feasible
 
         try:
-            plan = check_feasible(c.libra, c.areal, model_path)
+            plan = check_feasible(libra_config(c.libra), c.areal, model_path)
         except ControlError as e:
             raise LaunchError(str(e)) from None
         print("areal_libra: libra mode; worst-case plan: " + plan.splitlines()[0].split(": ", 1)[-1], flush=True)
@@ -338,7 +340,7 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
           f"model={model_path} steps={c.areal.total_train_steps}", flush=True)
     if emu is not None:
         print(f"areal_libra: emulated cluster {emu.describe(rollout_groups(c))}", flush=True)
-    backend = LocalProcessBackend.for_device(str(c.libra.get("device")))  # the fleet's, as build_fleet picks it
+    backend = LocalProcessBackend.for_device(c.libra.device)  # the fleet's, as build_fleet picks it
     servers = backend.start(model_path, server_specs(c), str(log_dir / "servers"),
                             devices=gpus.servers if gpus else None)
     try:
@@ -358,10 +360,10 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
                 start_new_session=True,
             )
             try:
-                revive = c.libra.mode == "libra" and bool(c.libra.get("revive_servers", True))
+                revive = c.libra.mode == "libra" and bool(c.libra.revive_servers)
                 rc = supervise(proc, metrics_path, int(c.areal.total_train_steps or 0), servers, quiet,
                                run_dir=log_dir, revive_grace_s=REVIVE_GRACE_S if revive else 0.0,
-                               tool_servers=tool_servers)
+                               tool_servers=tool_servers, allow_server_loss=bool(c.libra.allow_server_loss))
             except BaseException:
                 _stop(proc)
                 raise

@@ -1,7 +1,7 @@
 """Libra's control loop, written once for the simulator and the live run.
 
 Every training step the cluster reports a `StepObservation`. The controller then
-1. re-plans every `every_k` steps (or early, on the re-plan policy's pressure/ratio triggers): the planner
+1. re-plans every `replan_policy.every_k` steps (or early, on the re-plan policy's pressure/ratio triggers): the planner
    re-solves on the recent finished-trajectory history, both plans are priced on that history, scaled by
    the measured step time, and the new plan is applied only when the gain beats the reconfiguration cost
    (areal_libra.planner.replan);
@@ -80,27 +80,33 @@ class PlanSource(Protocol):
 
 @dataclass(frozen=True)
 class ControlConfig:
-    replan: bool = True
-    every_k: int = 10  # the paper's re-plan period
-    reconfig_cost_s: float = 120.0  # what a reconfiguration costs in the gate
-    replan_cooldown_steps: int = 5  # between two early (non-periodic) triggers
-    horizon_steps: int = 1  # steps a new plan is credited with in the gate
+    """The controller's settings, declared once: `libra.control` of a live run is this dataclass
+    (areal_libra.config.ControlSettings adds the live planner's fields); the simulator builds it per rung
+    (areal_libra.sim.libra.control_config). Whether the elastic pool is driven is not a setting here: the
+    controller acts on whatever hybrid replicas the cluster's pool has (none: it never asks)."""
+
+    replan: bool = True  # re-plan at all (off: the first plan stays)
+    # The re-plan policy: period every_k, early triggers, the gain > cost gate (reconfig_cost_s, horizon_steps)
+    replan_policy: ReplanConfig = field(default_factory=ReplanConfig)
+    # After a re-plan, wait this many steps before the next one may be tried, so the gate's measured step time
+    # is the new layout's in steady state, not the reconfiguration's disruption.
+    settle_steps: int = 10
+    interval_window: int = 10  # measured step intervals the gate averages (the current plan's step time)
     history: int = 2000  # finished trajectories the planner sees
     min_history: int = 16
     warmup_steps: int = 2  # the asynchronous pipeline fills in the first steps: no decisions
-    elastic: bool = True
     elastic_persist: int = 6  # chosen on seed 1 of the simulator from {3, 6, 10}
     elastic_project: bool = True  # give the policy pool sizes for its overshoot check
-    # thresholds, and decisions 4 steps apart after any change so its effect shows in the measured times
-    elastic_policy: ElasticConfig = field(default_factory=lambda: ElasticConfig(cooldown_steps=4))
+    elastic_policy: ElasticConfig = field(default_factory=ElasticConfig)  # join/release thresholds, cooldown
 
     def __post_init__(self) -> None:
-        if self.every_k < 1:
-            raise ValueError(f"every_k must be >= 1, got {self.every_k}")
+        if self.settle_steps < 0 or self.interval_window < 1 or self.warmup_steps < 0:
+            raise ValueError(f"settle_steps and warmup_steps must be >= 0 and interval_window >= 1, got "
+                             f"{self.settle_steps}, {self.warmup_steps}, {self.interval_window}")
         if self.elastic_persist < 1:
             raise ValueError(f"elastic_persist must be >= 1, got {self.elastic_persist}")
-        if self.history < self.min_history:
-            raise ValueError(f"history ({self.history}) must be >= min_history ({self.min_history})")
+        if self.min_history < 1 or self.history < self.min_history:
+            raise ValueError(f"need 1 <= min_history ({self.min_history}) <= history ({self.history})")
 
 
 @dataclass(frozen=True)
@@ -118,20 +124,20 @@ class LibraController:
     """Planner re-solve with the gain > cost gate, and the elastic pool with overshoot check and
     persistence filter. `on_step` is the whole loop body."""
 
-    def __init__(self, cfg: ControlConfig, planner: PlanSource, plan: Any) -> None:
+    def __init__(self, cfg: ControlConfig, planner: PlanSource, plan: Any, elastic_policy: Any = None) -> None:
+        """`elastic_policy`: what decides joins and releases, ElasticPolicy(cfg.elastic_policy) unless given (a
+        scripted areal_libra.elastic.policy.ScheduledPolicy: the same interface)."""
         self.cfg = cfg
         self.planner = planner
         self.plan = plan
-        self.replan_policy = ReplanPolicy(ReplanConfig(
-            every_k=cfg.every_k, reconfig_cost_s=cfg.reconfig_cost_s, cooldown_steps=cfg.replan_cooldown_steps,
-            horizon_steps=cfg.horizon_steps)) if cfg.replan else None
-        self.elastic = ElasticPolicy(cfg.elastic_policy) if cfg.elastic else None
-        self.intervals: deque[float] = deque(maxlen=cfg.every_k)
+        self.replan_policy = ReplanPolicy(cfg.replan_policy) if cfg.replan else None
+        self.elastic = elastic_policy if elastic_policy is not None else ElasticPolicy(cfg.elastic_policy)
+        self.intervals: deque[float] = deque(maxlen=cfg.interval_window)
         self.t_train: deque[float] = deque(maxlen=4)
         self.t_roll: deque[float] = deque(maxlen=4)
         self.verdicts: deque[str] = deque(maxlen=cfg.elastic_persist)
         self.last_change: int | None = None
-        self.last_replan = -cfg.every_k
+        self.last_replan = -cfg.settle_steps
         self.events: list[ControlEvent] = []
         self.replans = 0
         self.last_predicted_s = plan.makespan_s if plan is not None else 0.0
@@ -149,11 +155,11 @@ class LibraController:
 
     @classmethod
     def from_state(cls, cfg: ControlConfig, planner: PlanSource, plan: Any, state: dict[str, Any],
-                   events: list[ControlEvent] | None = None) -> LibraController:
+                   events: list[ControlEvent] | None = None, elastic_policy: Any = None) -> LibraController:
         """A controller that continues where the one that wrote `state` (to_state) stopped; ValueError when
         the state is malformed (the caller then starts fresh)."""
         try:
-            ctl = cls(cfg, planner, plan)
+            ctl = cls(cfg, planner, plan, elastic_policy)
             ctl.intervals.extend(float(x) for x in state["intervals"])
             ctl.t_train.extend(float(x) for x in state["t_train"])
             ctl.t_roll.extend(float(x) for x in state["t_roll"])
@@ -178,14 +184,14 @@ class LibraController:
         self.intervals.append(obs.interval_s)
         self.t_train.append(obs.train_s)
         self.t_roll.append(obs.rollout_s)
-        # After a re-plan, wait a full period so the gate's measured step time is the new layout's in steady
+        # After a re-plan, wait settle_steps so the gate's measured step time is the new layout's in steady
         # state, not the reconfiguration's disruption.
-        settled = obs.step >= self.cfg.warmup_steps and obs.step - self.last_replan >= self.cfg.every_k
+        settled = obs.step >= self.cfg.warmup_steps and obs.step - self.last_replan >= self.cfg.settle_steps
         if self.replan_policy is not None and settled and self.replan_policy.should_replan(
                 obs.step, obs.queue_pressure, obs.active_pressure, _mean(self.t_roll), _mean(self.t_train)):
             if self._replan(obs.step, cluster):
                 return self.events[n0:]
-        if self.elastic is not None and obs.step >= self.cfg.warmup_steps:
+        if obs.step >= self.cfg.warmup_steps:
             self._elastic(obs, cluster)
         return self.events[n0:]
 
@@ -239,10 +245,11 @@ class LibraController:
                   "unit_gpus": pool.unit_gpus} if self.cfg.elastic_project else {})
         since = None if self.last_change is None else obs.step - self.last_change
         d = self.elastic.decide(_mean(self.t_train), _mean(self.t_roll), obs.active_pressure, pool.training,
-                                pool.idle, since, **sizes)
+                                pool.idle, since, step=obs.step, **sizes)
         self.verdicts.append(d.action)
         protect = d.action == "release" and obs.active_pressure >= self.elastic.cfg.protect_pressure
-        persisted = len(self.verdicts) == self.cfg.elastic_persist and len(set(self.verdicts)) == 1
+        persisted = not self.elastic.persist_verdicts or (
+            len(self.verdicts) == self.cfg.elastic_persist and len(set(self.verdicts)) == 1)
         if d.action == "hold" or not (protect or persisted):
             return
         done = cluster.join(d.n, obs.step) if d.action == "join" else cluster.release(d.n, obs.step)

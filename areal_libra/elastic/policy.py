@@ -1,6 +1,8 @@
 """Join/release policy of the Elastic Hybrid Pool: a pure function of measured times and pressure.
 
-The live controller, the simulator and the benchmarks all call this one implementation.
+The live controller, the simulator and the benchmarks all call this one implementation, through the shared
+LibraController (areal_libra.control), the one elastic decision loop. `ScheduledPolicy` is a fixed script
+behind the same interface (`cfg`, `decide`, `persist_verdicts`), for demonstrations.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ class ElasticConfig:
     max_join_per_decision: int = 1
     max_release_per_decision: int = 1
     # Decisions are suppressed for this many steps after a change, so a join is not undone before its
-    # effect on the measured times shows up.
-    cooldown_steps: int = 0
+    # effect on the measured times shows up (4: its effect shows in the measured times by then).
+    cooldown_steps: int = 4
 
     def __post_init__(self) -> None:
         if not (self.release_ratio > 0 and self.join_ratio > self.release_ratio):
@@ -53,6 +55,10 @@ class Decision:
 class ElasticPolicy:
     """Deterministic join/release decisions; holds no state between calls."""
 
+    # Its verdicts come from measured times that move with the buffer of finished groups: the controller acts
+    # only on one that persisted ControlConfig.elastic_persist steps.
+    persist_verdicts = True
+
     def __init__(self, cfg: ElasticConfig | None = None) -> None:
         self.cfg = cfg or ElasticConfig()
 
@@ -68,8 +74,10 @@ class ElasticPolicy:
         train_replicas: int | None = None,
         rollout_gpus: int | None = None,
         unit_gpus: int | None = None,
+        step: int | None = None,
     ) -> Decision:
         """n_active: hybrid replicas training now; n_idle: hybrid replicas serving rollout (joinable).
+        `step` (the training step) is for scripted policies; this one does not read it.
 
         With `train_replicas` (data-parallel replicas training now, core + active hybrid), `rollout_gpus`
         and `unit_gpus` (GPUs of one hybrid replica) given, a move is made only if it does not overshoot:
@@ -140,6 +148,54 @@ class ElasticPolicy:
         if target < n_active:
             return Decision("release", n_active - target, f"plan wants {target} hybrid replicas, {n_active} active")
         return Decision("hold", 0, f"plan satisfied ({target} hybrid replicas)")
+
+
+class ScheduledPolicy:
+    """A fixed join/release script behind ElasticPolicy's interface (demonstrations, tests): from step
+    `join_at_step` the idle (ready) hybrid replicas join training, once; `release_after` steps after they
+    started training (None: never) they go back to rollout. Only the rollout-pressure protection of `cfg`
+    still applies (the controller's); its verdicts are a script, not measurements, so the controller acts on
+    them at once (no persistence filter)."""
+
+    persist_verdicts = False
+
+    def __init__(self, join_at_step: int, release_after: int | None = None, cfg: ElasticConfig | None = None) -> None:
+        if join_at_step < 0 or (release_after is not None and release_after < 1):
+            raise ValueError(f"need join_at_step >= 0 and release_after >= 1, got {join_at_step}, {release_after}")
+        self.cfg = cfg or ElasticConfig()
+        self.join_at_step, self.release_after = join_at_step, release_after
+        self.training_since: int | None = None  # the first step the pool showed a hybrid training
+
+    def decide(
+        self,
+        t_train_s: float,
+        t_rollout_s: float,
+        rollout_pressure: float,
+        n_active: int,
+        n_idle: int,
+        steps_since_change: int | None = None,
+        *,
+        train_replicas: int | None = None,
+        rollout_gpus: int | None = None,
+        unit_gpus: int | None = None,
+        step: int | None = None,
+    ) -> Decision:
+        if step is None:
+            return Decision("hold", 0, "the schedule needs the step")
+        if n_active > 0 and self.training_since is None:
+            self.training_since = step
+        if n_active > 0 and rollout_pressure >= self.cfg.protect_pressure:  # as ElasticPolicy: rollout first
+            n = min(n_active, self.cfg.max_release_per_decision)
+            return Decision("release", n, f"rollout pressure {rollout_pressure:.2f} >= {self.cfg.protect_pressure:.2f}")
+        if self.training_since is None:
+            if step >= self.join_at_step and n_idle > 0:
+                return Decision("join", n_idle, f"scheduled: join at step {self.join_at_step}")
+            return Decision("hold", 0, f"scheduled: join at step {self.join_at_step}")
+        if (self.release_after is not None and n_active > 0
+                and step >= self.training_since + self.release_after):
+            return Decision("release", n_active, f"scheduled: release {self.release_after} steps after "
+                            f"training started (step {self.training_since})")
+        return Decision("hold", 0, "scheduled")
 
 
 def _projected(ratio: float, replicas: int | None, rollout_gpus: int | None, unit_gpus: int | None,

@@ -34,7 +34,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,24 +43,10 @@ from areal_libra.elastic.state import CATCHING_UP, IN_DOMAIN, HybridReplica, Poo
 from areal_libra.elastic_runtime.domain import DomainError, GradientDomain
 from areal_libra.elastic_runtime.kv import KV, connect
 from areal_libra.elastic_runtime.priority import enter_background
+from areal_libra.elastic_runtime.settings import RuntimeConfig
 from areal_libra.elastic_runtime.snapshot import SnapshotStore
 
 CORE = "core"
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    namespace: str = "elastic"
-    backend: str = "gloo"  # "nccl" on GPU clusters
-    domain_timeout_s: float = 10.0  # a collective with a dead/hung peer fails after this
-    heartbeat_interval_s: float = 0.25
-    heartbeat_timeout_s: float = 2.0  # a hybrid rank silent for this long is declared dead
-    plan_timeout_s: float = 600.0  # how long followers wait for the leader's next plan
-    chunk_elems: int = 1 << 22
-    snapshot_keep: int = 2
-    max_attempts: int = 4  # per step; after that every hybrid is dropped and the core goes on alone
-    fetch_retries: int = 5
-    fetch_delay_s: float = 0.0  # fault-injection and benchmarking: extra fetch time
 
 
 class ElasticCore:

@@ -8,9 +8,9 @@ The trainer calls, once the PPOTrainer exists:
         if elastic is not None:
             elastic.close()
 
-Configuration: `libra.elastic` (or, while the config tree has no such group, the JSON in the environment
-variable AREAL_LIBRA_ELASTIC), fields of `LiveElasticConfig`, e.g.
-`{"enabled": true, "hybrids": 1, "join_at_step": 2, "release_after": 3}`.
+Configuration: `libra.elastic` (`LiveElasticConfig`: enabled, hybrids, the runtime's settings, a hybrid's
+server), e.g. `libra.elastic.enabled=true libra.elastic.hybrids=1`; the join/release thresholds are the
+controller's (`libra.control.elastic_policy`).
 
 What it does: starts a TCPStore (loopback) and `hybrids` worker processes (`elastic_worker`, each its own
 FSDPEngine built from the run's AReaL config), installs the FSDP hook on the actor engine (domain
@@ -18,11 +18,10 @@ reduction, batch sharing, snapshots). A hybrid in rollout serves requests on its
 registered with the trainer's AReaL engine and request router (`elastic_serving.ServeRegistry`: routable
 once it holds the latest weights, drained with no request lost when it joins). Before each training step
 it measures T_train, T_rollout (from the trainer's wait for its batch and the rollout side's idle time,
-`elastic.measure.rollout_time`) and the rollout servers' pressure; the decisions come from
-- the shared LibraController (`decide_in: controller`, the default): the LiveCluster calls
-  `pool_view()`, `join(n)`, `release(n)` and reads `observation(step)`;
-- LiveElastic's own ElasticController (`decide_in: pool`);
-- or the fixed schedule (`join_at_step` / `release_after`, for demonstrations), which wins over both.
+`elastic.measure.rollout_time`) and the rollout servers' pressure. It decides nothing: the shared
+LibraController (areal_libra.control, the one elastic decision loop) does, through the LiveCluster, which
+calls `pool_view()`, `join(n)`, `release(n)` and reads `observation()`; with `join_at_step` /
+`release_after` set its policy is the fixed script (elastic.policy.ScheduledPolicy, demonstrations).
 Per-step `elastic/*` keys go to metrics.jsonl through `metrics.add_source`.
 """
 
@@ -41,33 +40,18 @@ from typing import Any
 from areal_libra.config import LiveElasticConfig
 from areal_libra.control.controller import PoolView, StepObservation
 from areal_libra.elastic.measure import RolloutIdleClock, rollout_time
-from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.elastic.state import JOINING, Pool, ReplicaState
-from areal_libra.elastic_runtime.controller import ElasticController
-from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
+from areal_libra.elastic_runtime.core import ElasticCore
 from areal_libra.live.elastic_hook import FSDPElasticHook
 
 log = logging.getLogger(__name__)
 
 
 def load_config(libra: Any) -> LiveElasticConfig:
-    raw: Any = None
-    try:
-        raw = libra.get("elastic") if libra is not None else None
-    except Exception:  # noqa: BLE001 - a struct config without the key
-        raw = None
-    if raw is None and os.environ.get("AREAL_LIBRA_ELASTIC"):
-        raw = json.loads(os.environ["AREAL_LIBRA_ELASTIC"])
-    if raw is None:
-        return LiveElasticConfig()
-    if not isinstance(raw, dict):
-        from omegaconf import OmegaConf
+    """`libra.elastic`, typed (from the run's LibraConfig, or a `libra:` mapping checked as at launch)."""
+    from areal_libra.config import libra_config
 
-        raw = OmegaConf.to_container(raw, resolve=True)
-    unknown = set(raw) - set(LiveElasticConfig.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"unknown libra.elastic keys: {sorted(unknown)}")
-    return LiveElasticConfig(**raw)
+    return libra_config(libra if libra is not None else {}).elastic
 
 
 def hybrids_serve(libra: Any) -> bool:
@@ -167,13 +151,12 @@ class LiveElastic:
         self.dir = run_dir / "elastic"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        rt = RuntimeConfig(**cfg.runtime)
+        rt = cfg.runtime
         self.rids = [f"h{i}" for i in range(cfg.hybrids)]
         self.core = ElasticCore(self.store, rt, 0, 1, None, str(self.dir / "snapshots"), state_fn=dict,
                                 hybrids=[(rid, 1) for rid in self.rids])
         self.hook = FSDPElasticHook.install(engine, self.core)
         self.hook.before_step = self._before_step
-        self.controller = ElasticController(self.core, ElasticPolicy(ElasticConfig(**cfg.policy)))
         self.router, self.inference = router, inference
         self.serve = bool(cfg.serve and inference is not None and router is not None and fleet is not None)
         if cfg.serve and not self.serve:
@@ -195,7 +178,7 @@ class LiveElastic:
             cmd = [sys.executable, "-m", "areal_libra.live.elastic_worker",
                    "--store", f"127.0.0.1:{self.store.port}", "--rid", rid,
                    "--snapshot-dir", str(self.dir / "snapshots"), "--config", str(run_dir / "areal_config.yaml"),
-                   "--runtime", json.dumps(cfg.runtime)]
+                   "--runtime", json.dumps(asdict(rt))]
             if self.serve:
                 cmd += ["--serve", "--server-threads", str(cfg.server_threads), "--server-max-running",
                         str(cfg.server_max_running), "--ack-timeout", str(cfg.serve_ack_timeout_s)]
@@ -205,10 +188,8 @@ class LiveElastic:
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT,
                                                start_new_session=True))
         self.batch_size = max(1, int(batch_size))
-        self.first_real: dict[str, int] = {}
         self.t_train = 0.0
         self.t_iter_start: float | None = None
-        self.last_decision = ""
         self.wait_s: float | None = None  # the trainer's wait for this step's batch (prepare_batch)
         self.backlog = 0
         self.idle = RolloutIdleClock()
@@ -311,25 +292,8 @@ class LiveElastic:
 
     # -- per step ----------------------------------------------------------------------------------
     def _before_step(self, step: int, t_train_s: float) -> None:
-        obs = self._measure(step, t_train_s)
+        self._measure(step, t_train_s)  # the controller reads it after the step (observation())
         self._rejoin_ready(step)
-        for ev in self.core.events:
-            if ev["event"] == "first_real_gradient":
-                self.first_real.setdefault(ev["rid"], ev["step"])
-        c = self.cfg
-        if c.join_at_step is not None:
-            for rid in self.rids:
-                h = self.core.pool.hybrid[rid]
-                if step >= c.join_at_step and h.generation == 0 and self._ready(rid):
-                    self.core.request_join(rid)
-                if (c.release_after is not None and rid in self.first_real and h.state == ReplicaState.TRAINING
-                        and step >= self.first_real[rid] + c.release_after):
-                    self.core.request_release(rid)
-            return
-        if c.decide_in != "pool" or obs is None:
-            return  # the shared LibraController decides (through join/release)
-        d = self.controller.on_step(obs.train_s, obs.rollout_s, obs.active_pressure)
-        self.last_decision = f"{d.action}:{d.reason}"
 
     def step_metrics(self) -> dict[str, float]:
         out = self.hook.step_metrics()
@@ -355,9 +319,6 @@ class LiveElastic:
             self._routed0 = {a: counts.get(a, 0) for a in hyb}
             out["elastic/hybrid_routed"] = float(routed)
             out["elastic/hybrid_routed_total"] = float(sum(counts.get(a, 0) for a in hyb))
-        if self.last_decision:
-            out["elastic/policy_join"] = float(self.last_decision.startswith("join"))
-            out["elastic/policy_release"] = float(self.last_decision.startswith("release"))
         return out
 
     def close(self) -> None:
@@ -377,6 +338,8 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fleet
                     pressure: Any = None) -> LiveElastic | None:
     """The pool of a live run; `fleet`: the rollout ServerFleet (hybrids serve through it; train.install_fleet);
     `pressure`: the run's one pressure sampler (train.rollout_pressure)."""
+    from areal_libra.config import libra_config
+
     cfg = load_config(libra)
     if not cfg.enabled:
         return None
@@ -385,11 +348,12 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fleet
     if inference is not None and not hasattr(inference, "addresses"):
         inference = None
     router = getattr(inference, "request_router", None) if inference is not None else None
-    device = str(libra.get("device", "cpu")) if libra is not None else "cpu"
+    libra = libra_config(libra)
+    device = libra.device
     batch = int(trainer.config.train_dataset.batch_size) if hasattr(trainer, "config") else 1
     from areal_libra.rollout.emulation import ClusterEmulation
 
-    emu = ClusterEmulation.from_libra(libra) if libra is not None else None
+    emu = ClusterEmulation.from_libra(libra)
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,
                        device=device, pacing=emu.hybrid_pacing().as_dict() if emu is not None else None,
                        fleet=fleet, pressure=pressure)

@@ -18,10 +18,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
 from areal_libra.rollout.groups import RolloutGroup, groups_from_plan
+
+if TYPE_CHECKING:
+    from areal_libra.config import LibraConfig
 
 log = logging.getLogger("areal_libra.control")
 
@@ -175,8 +178,12 @@ class LiveControl:
     """Owns the controller in the trainer: first plan after the profile steps, then one on_step per step."""
 
     def __init__(self, cfg: ControlConfig, source: LivePlanSource, cluster: LiveCluster, profile_steps: int = 1,
-                 pressure_fn: Any = None, events_path: Path | None = None, fleet: Any = None) -> None:
+                 pressure_fn: Any = None, events_path: Path | None = None, fleet: Any = None,
+                 elastic_policy: Any = None) -> None:
+        """`elastic_policy`: the controller's join/release policy when not its measured ElasticPolicy (the
+        scripted elastic.policy.ScheduledPolicy)."""
         self.events_path = events_path
+        self.elastic_policy = elastic_policy
         self.fleet = fleet
         if profile_steps < 1:
             raise ControlError(f"libra.control.profile_steps must be >= 1, got {profile_steps}")
@@ -235,7 +242,7 @@ class LiveControl:
         if [(g.tp, g.count, g.max_len) for g in self.cluster.groups_for(plan)] != [
                 (g.tp, g.count, g.max_len) for g in self.cluster.groups]:
             self.cluster.apply_plan(plan, step)
-        self.ctl = LibraController(self.cfg, self.source, plan)
+        self.ctl = LibraController(self.cfg, self.source, plan, self.elastic_policy)
 
     def _resume(self, step: int) -> None:
         """Continue from the saved controller (live.recover): its plan's layout is brought back (the
@@ -250,7 +257,8 @@ class LiveControl:
                 raise ValueError("no controller had started")
             plan = plan_from_state(snap["plan"])
             events = [ControlEvent(*e) for e in snap.get("events", [])]
-            ctl = LibraController.from_state(self.cfg, self.source, plan, snap["controller"], events)
+            ctl = LibraController.from_state(self.cfg, self.source, plan, snap["controller"], events,
+                                             self.elastic_policy)
             if [(g.tp, g.count, g.max_len) for g in self.cluster.groups_for(plan)] != [
                     (g.tp, g.count, g.max_len) for g in self.cluster.groups]:
                 self.cluster.apply_plan(plan, step)
@@ -314,7 +322,7 @@ class LiveControl:
         return path
 
 
-def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
+def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlanSource:
     """The planner for this run: `libra.control.cluster` (cost preset, resized to `accelerators`), the run's
     model from its config.json, one step's batch, AReaL's staleness bound."""
     from areal_libra.cost.presets import ClusterSpec, load_cluster, load_hardware
@@ -361,19 +369,7 @@ def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
     return LivePlanSource(cluster, model_spec_from_hf(model_path), cfg)
 
 
-def control_config(libra: Any) -> ControlConfig:
-    """The controller's settings from libra.control, with libra.elastic.policy (ElasticConfig fields) for the
-    pool's thresholds (cooldown 4 unless given)."""
-    from areal_libra.elastic.policy import ElasticConfig
-
-    c = libra.control
-    policy = ElasticConfig(**{"cooldown_steps": 4, **dict(libra.elastic.policy or {})})
-    return ControlConfig(every_k=int(c.every_k), reconfig_cost_s=float(c.reconfig_cost_s), history=int(c.history),
-                         min_history=int(c.min_history), elastic=bool(libra.elastic.enabled),
-                         elastic_persist=int(c.elastic_persist), elastic_policy=policy)
-
-
-def check_feasible(libra: Any, areal_cfg: Any, model_path: str) -> str:
+def check_feasible(libra: LibraConfig, areal_cfg: Any, model_path: str) -> str:
     """Solve once on a worst-case history (every trajectory at gconfig.max_new_tokens) before anything
     starts, so that a cluster the model cannot fit is a one-line error at launch; returns the plan summary."""
     from areal_libra.planner import PlanError

@@ -4,6 +4,9 @@ Started by `areal_libra.launch` in AReaL's SPMD mode (AREAL_SPMD_MODE=1, torch.d
 AREAL_LLM_SERVER_ADDRS naming the rollout servers):
 
     python -m areal_libra.live.train --run-dir DIR
+
+It loads the typed LibraConfig the launch validated and saved (DIR/libra_config.yaml, config.load_run_config)
+and hands its sections on; nothing here reads a key with a default of its own.
 """
 
 from __future__ import annotations
@@ -13,36 +16,38 @@ import importlib
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from omegaconf import OmegaConf
+from areal_libra.config import LibraConfig, libra_config, load_run_config
 
 
-def build_dataset(libra, areal_cfg):
+def build_dataset(libra: LibraConfig | Any, areal_cfg: Any) -> Any:
     from areal.utils.dynamic_import import import_from_string
 
+    ds = libra_config(libra).dataset
     path = areal_cfg.train_dataset.path
     path = None if path in (None, "", "generated") else str(path)
-    builder = import_from_string(str(libra.dataset.get("builder", "areal_libra.workflows.math_data.load_math_dataset")))
-    return builder(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
+    return import_from_string(ds.builder)(path, size=ds.n_problems, seed=ds.seed)
 
 
-def routing_policy(libra) -> str:
+def routing_policy(libra: LibraConfig) -> str:
     """The request routing policy: libra mode routes with C-MLFQ where the config says AReaL's round-robin."""
-    policy = str(libra.get("scheduler", {}).get("policy", "round_robin"))
-    if str(libra.get("mode", "static")) == "libra" and policy == "round_robin":
+    policy = libra.scheduler.policy
+    if libra.mode == "libra" and policy == "round_robin":
         return "cmlfq"
     return policy
 
 
-def install_router(trainer, libra, run_dir: Path, metrics, force: bool = False) -> object | None:
+def install_router(trainer, libra: LibraConfig, run_dir: Path, metrics, force: bool = False) -> object | None:
     """Hook the project's dispatcher into AReaL's request path unless the policy is plain round-robin
     (`force`: even then, e.g. for elastic hybrids, whose servers come and go through the router)."""
     policy = routing_policy(libra)
     if policy == "round_robin" and not force:
         return None
-    if str(libra.get("scheduler", {}).get("policy")) != policy:
-        libra = OmegaConf.merge(libra, {"scheduler": {"policy": policy}})
+    if libra.scheduler.policy != policy:
+        libra = replace(libra, scheduler=replace(libra.scheduler, policy=policy))
     from areal_libra.rollout.router import build_router
 
     router = build_router(libra, run_dir)
@@ -51,14 +56,12 @@ def install_router(trainer, libra, run_dir: Path, metrics, force: bool = False) 
     return router
 
 
-def rollout_pressure(trainer, libra):
+def rollout_pressure(trainer, libra: LibraConfig):
     """The run's one rollout-pressure sampler (rollout/pressure.py) over AReaL's serving addresses, for the
     elastic pool and the controller; None when neither runs (static mode, no pool) or there is no engine."""
-    from areal_libra.live.elastic_live import load_config
-
     if int(os.environ.get("RANK", "0") or 0) != 0:
         return None
-    if str(libra.get("mode", "static")) != "libra" and not load_config(libra).enabled:
+    if libra.mode != "libra" and not libra.elastic.enabled:
         return None
     rollout = getattr(trainer, "rollout", None)
     inference = getattr(rollout, "_engine", rollout)  # RemoteSGLangEngine wraps the RemoteInfEngine
@@ -69,11 +72,11 @@ def rollout_pressure(trainer, libra):
     return PressureSampler(lambda: list(inference.addresses))
 
 
-def _libra_rank0(libra) -> bool:
-    return str(libra.get("mode", "static")) == "libra" and int(os.environ.get("RANK", "0") or 0) == 0
+def _libra_rank0(libra: LibraConfig) -> bool:
+    return libra.mode == "libra" and int(os.environ.get("RANK", "0") or 0) == 0
 
 
-def install_fleet(trainer, libra, run_dir: Path, metrics, router):
+def install_fleet(trainer, libra: LibraConfig, run_dir: Path, metrics, router):
     """The rollout fleet (rollout/fleet.py), the one owner of rollout membership: in libra mode it switches
     layouts and replaces dead servers; elastic hybrids that serve attach and detach through it."""
     from areal_libra.live.elastic_live import hybrids_serve
@@ -86,7 +89,7 @@ def install_fleet(trainer, libra, run_dir: Path, metrics, router):
     from areal_libra.rollout.fleet import build_fleet
 
     fleet = build_fleet(trainer, router, run_dir)
-    if libra_mode and bool(libra.get("revive_servers", True)):  # a dead server is replaced (rollout/revive.py)
+    if libra_mode and libra.revive_servers:  # a dead server is replaced (rollout/revive.py)
         from areal_libra.rollout.revive import ServerReviver
 
         reviver = ServerReviver(fleet, router, run_dir).start()
@@ -95,20 +98,18 @@ def install_fleet(trainer, libra, run_dir: Path, metrics, router):
     return fleet
 
 
-def install_control(trainer, libra, config, run_dir: Path, metrics, router, elastic, sinks: list, fleet=None,
-                    pressure=None):
+def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics, router, elastic, sinks: list,
+                    fleet=None, pressure=None):
     """libra mode: the shared LibraController drives this run (areal_libra.live.live_cluster); `fleet`
     (install_fleet) switches its layouts; `pressure`: the run's sampler; with an elastic pool the pool's step
     observation carries its window instead."""
     if not _libra_rank0(libra):
         return None
-    from areal_libra.config import libra_config
-    from areal_libra.live.live_cluster import LiveCluster, LiveControl, control_config, plan_source
+    from areal_libra.live.live_cluster import LiveCluster, LiveControl, plan_source
     from areal_libra.rollout.router import GROUPS_FILE, publish_metrics, read_groups_file
 
-    typed = libra_config(libra)
     groups = read_groups_file(run_dir / GROUPS_FILE)[0] if (run_dir / GROUPS_FILE).exists() else []
-    cluster = LiveCluster(fleet, elastic, history_len=typed.control.history,
+    cluster = LiveCluster(fleet, elastic, history_len=libra.control.history,
                           max_running=groups[0].max_running if groups else 256,
                           max_tokens=int(config.gconfig.max_tokens), groups=groups)
     sinks.append(cluster.on_trajectory)
@@ -128,9 +129,15 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
             snap = state_file.load(resume_at)
     # One reader per window: with a pool, its observation (LiveCluster prefers it) took the step's window.
     pressure_fn = pressure.take if pressure is not None and elastic is None else None
-    control = LiveControl(control_config(typed), plan_source(libra, config, str(config.actor.path)), cluster,
-                          fleet=fleet,
-                          profile_steps=typed.control.profile_steps, pressure_fn=pressure_fn,
+    script = None
+    if elastic is not None and libra.elastic.join_at_step is not None:  # the fixed join/release script
+        from areal_libra.elastic.policy import ScheduledPolicy
+
+        script = ScheduledPolicy(libra.elastic.join_at_step, libra.elastic.release_after,
+                                 libra.control.elastic_policy)
+    control = LiveControl(libra.control, plan_source(libra, config, str(config.actor.path)), cluster,
+                          fleet=fleet, elastic_policy=script,
+                          profile_steps=libra.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")
     if snap is not None:
         control.resume = snap
@@ -166,7 +173,7 @@ def resume_pool(control, elastic, snap: dict) -> None:
     control._record({"step": step, "event": "elastic_resume", "detail": detail})
 
 
-def install_emulation(trainer, libra, run_dir: Path, metrics, control, elastic=None) -> None:
+def install_emulation(trainer, libra: LibraConfig, run_dir: Path, metrics, control, elastic=None) -> None:
     """cluster=emulated: pace the trainer (servers pace themselves) to the emulated model and accelerators."""
     from areal_libra.rollout.emulation import ClusterEmulation
 
@@ -204,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger(name).disabled = False
 
     config, _ = load_expr_config(["--config", str(run_dir / "areal_config.yaml")], GRPOConfig)
-    libra = OmegaConf.load(run_dir / "libra_config.yaml")
+    libra = load_run_config(run_dir)  # the typed config the launch validated
     dataset = build_dataset(libra, config)
 
     metrics = StepMetrics(run_dir / "metrics.jsonl", total_steps=config.total_train_steps)
-    workflow_mod, _, _ = str(libra.workflow).rpartition(".")
+    workflow_mod, _, _ = libra.workflow.rpartition(".")
     wf_module = importlib.import_module(workflow_mod)
     # Fan-out: finished trajectories go to the metrics and, once installed, to the router's live tree.
     sinks = [metrics.on_trajectory]
@@ -218,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     workflow_kwargs = dict(
         gconfig=config.gconfig,
         tokenizer_path=config.tokenizer_path,
-        max_turns=int(libra.max_turns),
+        max_turns=libra.max_turns,
     )
-    wf_cls = getattr(wf_module, str(libra.workflow).rpartition(".")[2])
+    wf_cls = getattr(wf_module, libra.workflow.rpartition(".")[2])
     if hasattr(wf_cls, "libra_kwargs"):  # a workflow's own settings from the libra: config (e.g. its tool's URL)
         workflow_kwargs.update(wf_cls.libra_kwargs(libra))
     with PPOTrainer(config, train_dataset=dataset, valid_dataset=None) as trainer:
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
 
         metrics.add_source(lambda: rollout_counters(trainer.rollout))  # nothing lost: accepted vs rejected
         try:
-            trainer.train(workflow=str(libra.workflow), workflow_kwargs=workflow_kwargs)
+            trainer.train(workflow=libra.workflow, workflow_kwargs=workflow_kwargs)
         finally:
             if getattr(trainer, "_libra_reviver", None) is not None:
                 trainer._libra_reviver.stop()

@@ -5,6 +5,9 @@ pressure, or when predicted rollout and training times drift apart by `ratio` (e
 training-bound split is as wrong as a rollout-bound one). Gate: apply only if the gain over the
 horizon beats the reconfiguration cost, (T_cur - T_new) * horizon_steps - cost > 0, and the relative
 gain is at least `min_gain`. Public Libra defaults: K=10, 0.75, 0.85, 1.25, 5%, 15 s.
+
+`ReplanConfig` is declared once: the controller's `ControlConfig.replan_policy`, i.e. `libra.control.replan_policy`
+in a live run (areal_libra.config); the simulator sets its own gate cost on it (areal_libra.sim.libra).
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ReplanConfig:
-    every_k: int = 10
+    every_k: int = 10  # re-plan period in steps (the paper's K)
     queue_pressure: float = 0.75
     active_pressure: float = 0.85
     ratio: float = 1.25
     min_gain: float = 0.05
-    reconfig_cost_s: float = 15.0
-    horizon_steps: int = 1  # steps the new plan is assumed to run before the next decision
-    cooldown_steps: int = 0  # minimum steps between two early (non-periodic) triggers
+    reconfig_cost_s: float = 15.0  # what the gate charges for one reconfiguration (a live CPU run's)
+    horizon_steps: int = 1  # steps the new plan is credited with in the gate
+    cooldown_steps: int = 5  # minimum steps between two early (non-periodic) triggers
 
     def __post_init__(self) -> None:
         if self.every_k < 1:
@@ -30,6 +33,8 @@ class ReplanConfig:
             raise ValueError(f"ratio must be >= 1, got {self.ratio}")
         if self.horizon_steps < 1:
             raise ValueError(f"horizon_steps must be >= 1, got {self.horizon_steps}")
+        if self.reconfig_cost_s < 0 or self.cooldown_steps < 0:
+            raise ValueError("reconfig_cost_s and cooldown_steps must be >= 0")
 
 
 class ReplanPolicy:

@@ -269,35 +269,18 @@ class ClusterEmulation:
 
     @classmethod
     def from_libra(cls, libra: Any) -> ClusterEmulation | None:
-        """From the `libra:` config (LibraConfig, DictConfig or dict); None unless emulation is enabled."""
-        em = libra.get("emulated") if hasattr(libra, "get") else getattr(libra, "emulated", None)
-        if em is None:
+        """From the `libra:` config (the typed LibraConfig; a DictConfig or dict is typed first); None unless
+        emulation is enabled."""
+        from areal_libra.config import libra_config
+
+        cfg = libra_config(libra)
+        em = cfg.emulated
+        if not em.enabled:
             return None
-
-        def get(key: str, default: Any) -> Any:
-            return em.get(key, default) if hasattr(em, "get") else getattr(em, key, default)
-
-        if not get("enabled", False):
-            return None
-        el = libra.get("elastic") if hasattr(libra, "get") else getattr(libra, "elastic", None)
-
-        def el_get(key: str, default: Any) -> Any:
-            if el is None:
-                return default
-            return el.get(key, default) if hasattr(el, "get") else getattr(el, key, default)
-
-        hybrids = int(el_get("hybrids", 1)) if el_get("enabled", False) else 0
-        return cls(
-            accelerators=get("accelerators", 16),
-            model=str(get("model", DEFAULT_MODEL)),
-            gpu=str(get("gpu", DEFAULT_GPU)),
-            time_scale=get("time_scale", DEFAULT_TIME_SCALE),
-            trainer_accelerators=get("trainer_accelerators", None),
-            server_threads=get("server_threads", 1),
-            length_growth=float(get("length_growth", 0.0)),
-            growth_horizon=int(get("growth_horizon", 40)),
-            hybrid_accelerators=hybrids,
-        )
+        return cls(accelerators=em.accelerators, model=em.model, gpu=em.gpu, time_scale=em.time_scale,
+                   trainer_accelerators=em.trainer_accelerators, server_threads=em.server_threads,
+                   length_growth=float(em.length_growth), growth_horizon=int(em.growth_horizon),
+                   hybrid_accelerators=cfg.elastic.hybrids if cfg.elastic.enabled else 0)
 
     def multiplier(self, version: int | str | None) -> float:
         return length_multiplier(version, self.length_growth, self.growth_horizon)

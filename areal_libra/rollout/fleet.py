@@ -649,8 +649,6 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     """The fleet of a live run (areal_libra/live/train.py, after install_router): the launcher's
     servers from rollout_groups.json + servers.json, the model from the AReaL config; new servers start
     through `backend` (None: local processes, SGLang where libra.device is cuda, else embedded)."""
-    from omegaconf import OmegaConf
-
     from areal_libra.rollout.router import GROUPS_FILE, read_groups_file
 
     run_dir = Path(run_dir)
@@ -659,9 +657,11 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     servers = [FleetServer(a, g.name, g.tp, g.threads, g.max_running, reg.get(a, {}).get("pid"),
                            gpus=tuple(str(d) for d in reg.get(a, {}).get("gpus") or ()))
                for g, row in zip(groups, addrs) for a in row]
-    libra = OmegaConf.load(run_dir / "libra_config.yaml") if (run_dir / "libra_config.yaml").exists() else {}
     if backend is None:
-        backend = LocalProcessBackend.for_device(str(libra.get("device", "cpu")))
+        from areal_libra.config import load_run_config
+
+        device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
+        backend = LocalProcessBackend.for_device(device)
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
     kwargs.setdefault("rollout_devices", pool)
     return ServerFleet(trainer.rollout, router, str(trainer.config.actor.path), run_dir / "servers", backend,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, is_dataclass, replace
+from typing import Any
 
 BACKENDS = ("sglang", "vllm", "embedded")
 _TERM = re.compile(r"^(?:([dt])(\d+))(?:([dt])(\d+))?$")
@@ -140,12 +141,15 @@ def group_from_mapping(d: Mapping, index: int) -> RolloutGroup:
 
 def resolve_groups(libra: Mapping, max_tokens: int) -> list[RolloutGroup]:
     """The run's groups: `libra.rollout_alloc` (allocation string) wins over `libra.rollout_groups`."""
-    alloc = libra.get("rollout_alloc")
+    def get(key: str) -> Any:  # a mapping (DictConfig, dict) or the typed LibraConfig
+        return libra.get(key) if isinstance(libra, Mapping) else getattr(libra, key)
+
+    alloc = get("rollout_alloc")
     if alloc:
         _, groups = parse_allocation(str(alloc))
     else:
-        raw = libra.get("rollout_groups") or []
-        groups = [group_from_mapping(dict(g), i) for i, g in enumerate(raw)]
+        raw = get("rollout_groups") or []
+        groups = [group_from_mapping(asdict(g) if is_dataclass(g) else dict(g), i) for i, g in enumerate(raw)]
     return assign_buckets(groups, max_tokens)
 
 

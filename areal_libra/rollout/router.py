@@ -21,7 +21,7 @@ import time
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from areal_libra.cmlfq import Bucket, Dispatcher, NoHealthyServer, ServerGroup, make_policy
@@ -146,9 +146,8 @@ class RequestRouter:
         cfg = self.config
         switches = {}
         if cfg.policy == "cmlfq":
-            switches = dict(cfg.cmlfq)
-            switches["rebuild_every"] = 0  # the live tree rebuilds off the request path instead
-            switches.setdefault("auto_background", True)  # auto mode validates off the request path too
+            # A copy (the policy writes to its config); the live tree rebuilds off the request path instead.
+            switches = {"config": replace(cfg.cmlfq, rebuild_every=0)}
             if tree is not None:
                 switches["tree"] = tree  # a new layout keeps what the tree has learned
         policy = make_policy(cfg.policy, [Bucket(g.max_len, g.tp) for g in groups], **switches)
@@ -670,8 +669,10 @@ def build_router(
     """The run's router: groups and addresses from <run_dir>/rollout_groups.json (written by launch), or
     from the config's groups split over `addresses` / AREAL_LLM_SERVER_ADDRS in launch order."""
     run_dir = Path(run_dir)
-    sched = dict(libra.get("scheduler") or {})
-    cfg = DispatchConfig.from_mapping(sched)
+    from areal_libra.config import libra_config
+
+    libra = libra_config(libra)  # typed (a dict or DictConfig: checked here, one line per bad key)
+    cfg = libra.scheduler
     gfile = run_dir / GROUPS_FILE
     if gfile.exists() and addresses is None:
         groups, addrs = read_groups_file(gfile)
@@ -775,15 +776,12 @@ class RemoteRouter:
     def from_groups_file(cls, run_dir: str | Path, libra: Mapping) -> RemoteRouter:
         groups, addrs = read_groups_file(Path(run_dir) / GROUPS_FILE)
         body = groups_body(groups, addrs)
-        sched = libra.get("scheduler") or {}
-        try:
-            from omegaconf import DictConfig, OmegaConf
+        from dataclasses import asdict
 
-            if isinstance(sched, DictConfig):
-                sched = OmegaConf.to_container(sched, resolve=True)
-        except ImportError:  # pragma: no cover - omegaconf is a dependency
-            pass
-        return cls(body, dict(sched), str(run_dir), str(libra.get("workflow", "")))
+        from areal_libra.config import libra_config
+
+        typed = libra_config(libra)
+        return cls(body, asdict(typed.scheduler), str(run_dir), typed.workflow)
 
 
 def install_single_controller(controller, router: RemoteRouter) -> None:

@@ -9,23 +9,27 @@ trajectories, measured step/rollout/training times and server pressure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
+from areal_libra.planner.replan import ReplanConfig
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
 from areal_libra.sim.systems import AREAL_STALENESS, Env, PolicyRouter, SimKnobs, SystemSpec
 
 
 @dataclass
 class LibraOptions:
+    """What a rung of the ladder has; the controller's settings are ControlConfig's (control_config)."""
+
     homogeneous: bool = False  # +planner: a single rollout TP (the planner's best homogeneous plan)
     cmlfq: bool = True
     elastic: bool = True
-    replan: bool = True
-    every_k: int = 10
-    reconfig_cost_s: float = 120.0  # the 48-GPU production config's gate cost
-    history: int = 2000  # finished trajectories the planner sees
     hybrid_replicas: int = 3  # Elastic Hybrid Pool workers carved from the planned rollout pool
+
+
+# What one reconfiguration costs in the re-plan gate on the simulated 48-GPU production cluster (a live CPU
+# run uses ReplanConfig's own default): this context's setting of the one field, ReplanConfig.reconfig_cost_s.
+SIM_RECONFIG_COST_S = 120.0
 
 
 TREE_BACKEND = "auto"  # the scheduler's C++ prefix tree when built, else its Python core
@@ -82,8 +86,6 @@ def planner_config(env: Env, **fields):
     if env.knobs.planner_mode == "async":
         return PlannerConfig(global_batch=per_step, mode="async", staleness=env.staleness, **fields)
     return PlannerConfig(global_batch=per_step * (env.staleness + 1), **fields)
-# Steps a new plan is credited with in the re-plan gate (the planner's default: one step).
-REPLAN_HORIZON = 1
 
 
 def planner_cluster(env: Env):
@@ -367,14 +369,13 @@ class SimCluster:
         sim.call_at(sim.t + fetch, activate)
 
 
-def control_config(opts: LibraOptions, knobs: SimKnobs) -> ControlConfig:
-    """The shared controller's settings for a rung: the production gate cost, 5-step re-plan cooldown,
-    elastic decisions 4 steps after any change and only on a verdict that persisted knobs.elastic_persist
-    steps (the measured T_train/T_rollout swings with the buffer of finished groups)."""
-    return ControlConfig(replan=opts.replan, every_k=opts.every_k, reconfig_cost_s=opts.reconfig_cost_s,
-                         replan_cooldown_steps=5, horizon_steps=REPLAN_HORIZON, history=opts.history,
-                         elastic=opts.elastic, elastic_persist=knobs.elastic_persist,
-                         elastic_project=knobs.elastic_project)
+def control_config(knobs: SimKnobs) -> ControlConfig:
+    """The shared controller's settings in the simulator: ControlConfig's defaults (re-plan every 10 steps,
+    5-step cooldown between early triggers, elastic decisions 4 steps after any change and only on a verdict
+    that persisted elastic_persist steps), the production gate cost, and the knobs that are set."""
+    set_knobs = {k: v for k, v in (("replan", knobs.replan), ("elastic_persist", knobs.elastic_persist),
+                                   ("elastic_project", knobs.elastic_project)) if v is not None}
+    return ControlConfig(replan_policy=ReplanConfig(reconfig_cost_s=SIM_RECONFIG_COST_S), **set_knobs)
 
 
 class SimLibraControl(Controller):
@@ -430,15 +431,14 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
 
 def libra_system(name: str, env: Env) -> SystemSpec:
     knobs = env.knobs
-    # knobs.replan off: keep the first plan (no periodic re-planning) in every rung, for comparison.
-    opts = RUNGS[name] if knobs.replan else replace(RUNGS[name], replan=False)
+    opts = RUNGS[name]
     prof = env.workload.profile(env.profile_groups)
     hist = profile_history(prof)
     plan = plan_for(env, hist, opts.homogeneous)
     layout = layout_from_plan(plan, env.workload.cfg.max_len, knobs.train_micro_batch)
     core, units = make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic else (layout, [])
     cluster = SimCluster(env, opts, units)
-    ctl = SimLibraControl(LibraController(control_config(opts, knobs), SimPlanSource(env, opts.homogeneous), plan),
+    ctl = SimLibraControl(LibraController(control_config(knobs), SimPlanSource(env, opts.homogeneous), plan),
                           cluster)
     return SystemSpec(name, core, RunConfig(max_staleness=env.staleness),
                       lambda lay: _router_for(lay, opts, None, prof, knobs), ctl)

@@ -34,9 +34,10 @@ class SimKnobs:
     planner_mode: str = "async"  # the planner's rollout objective: async | window
     train_micro_batch: bool = True  # the simulated trainer runs the plan's micro-batch size
     hybrid_dp_div: int = 2  # at most (dp - 1) // hybrid_dp_div training replicas are elastic
-    elastic_persist: int = 6  # steps an elastic verdict must persist before the pool acts
-    elastic_project: bool = True  # the elastic policy's overshoot check
-    replan: bool = True  # periodic re-planning in every Libra rung
+    # The controller's settings (areal_libra.control.ControlConfig); None: its own default.
+    elastic_persist: int | None = None  # steps an elastic verdict must persist before the pool acts
+    elastic_project: bool | None = None  # the elastic policy's overshoot check
+    replan: bool | None = None  # re-planning in every Libra rung (false: the first plan stays)
     cmlfq_mode: str = "fixed"  # fixed: the published switches (overrun on); auto: C-MLFQ's auto mode
 
     def __post_init__(self) -> None:
@@ -44,8 +45,10 @@ class SimKnobs:
             raise ValueError(f"knob cmlfq_mode must be fixed or auto, got {self.cmlfq_mode!r}")
         if self.planner_mode not in ("async", "window"):
             raise ValueError(f"knob planner_mode must be async or window, got {self.planner_mode!r}")
-        if self.hybrid_dp_div < 1 or self.elastic_persist < 1:
-            raise ValueError("knobs hybrid_dp_div and elastic_persist must be >= 1")
+        if self.hybrid_dp_div < 1:
+            raise ValueError("knob hybrid_dp_div must be >= 1")
+        if self.elastic_persist is not None and self.elastic_persist < 1:
+            raise ValueError("knob elastic_persist must be >= 1")
         if self.spill_ratio is not None and self.spill_ratio <= 1:
             raise ValueError(f"knob spill_ratio must be > 1 (or null), got {self.spill_ratio}")
 

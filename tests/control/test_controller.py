@@ -12,6 +12,7 @@ import pytest
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
 from areal_libra.elastic.policy import ElasticConfig
 from areal_libra.live.live_cluster import LiveCluster
+from areal_libra.planner.replan import ReplanConfig
 from areal_libra.sim.cluster import Simulation
 from areal_libra.sim.libra import SimPlanSource
 from areal_libra.sim.registry import build_system
@@ -190,7 +191,7 @@ def _obs(step, interval=10.0, train=5.0, roll=5.0, active=0.0):
 
 
 def test_gate_applies_only_when_gain_beats_cost():
-    cfg = ControlConfig(every_k=10, reconfig_cost_s=3.0, elastic=False)
+    cfg = ControlConfig(replan_policy=ReplanConfig(every_k=10, reconfig_cost_s=3.0))
     # Measured 10 s; current plan priced 5 s, new 4 s -> scaled 8 s: gain 2 s < cost 3 s: kept.
     ctl = LibraController(cfg, _Planner(_Plan(4.0, "new"), 5.0), _Plan(5.0, "cur"))
     cl = _Cluster()
@@ -224,9 +225,44 @@ def test_elastic_acts_only_on_a_persistent_verdict():
     assert cl.moves == [("release", 5)]
 
 
+class _ScriptCluster(_Cluster):
+    """A pool whose joins and releases take effect at once (one hybrid)."""
+
+    def join(self, n, step):
+        self.view = PoolView(training=1, idle=0, train_replicas=3, rollout_gpus=7, unit_gpus=1)
+        return super().join(n, step)
+
+    def release(self, n, step):
+        self.view = PoolView(training=0, idle=1, train_replicas=2, rollout_gpus=8, unit_gpus=1)
+        return super().release(n, step)
+
+
+def test_scheduled_policy_is_one_more_policy_behind_the_same_interface():
+    """The join_at_step/release_after script goes through the controller like the measured policy: join at
+    step 5 (no persistence wait), release 3 steps after training started, never join again; rollout pressure
+    still protects."""
+    from areal_libra.elastic.policy import ScheduledPolicy
+
+    cfg = ControlConfig(replan=False, elastic_persist=6)
+    ctl = LibraController(cfg, _Planner(_Plan(1.0, "x"), 1.0), _Plan(1.0, "x"), ScheduledPolicy(5, 3))
+    cl = _ScriptCluster(training=0, idle=1)
+    for s in range(2, 16):
+        ctl.on_step(_obs(s, train=10.0), cl)  # T_train/T_rollout 2: the measured policy would join at once
+    assert cl.moves == [("join", 5), ("release", 9)]
+    ctl = LibraController(cfg, _Planner(_Plan(1.0, "x"), 1.0), _Plan(1.0, "x"), ScheduledPolicy(2))
+    cl = _ScriptCluster(training=0, idle=1)
+    ctl.on_step(_obs(2), cl)
+    ctl.on_step(_obs(3, active=0.95), cl)
+    assert cl.moves == [("join", 2), ("release", 3)]
+    with pytest.raises(ValueError):
+        ScheduledPolicy(2, 0)
+
+
 def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="interval_window"):
+        ControlConfig(interval_window=0)
     with pytest.raises(ValueError, match="every_k"):
-        ControlConfig(every_k=0)
+        ControlConfig(replan_policy=ReplanConfig(every_k=0))
     with pytest.raises(ValueError, match="elastic_persist"):
         ControlConfig(elastic_persist=0)
 
@@ -308,7 +344,7 @@ def test_restored_controller_makes_the_same_decisions(recorded, tmp_path, k):
 
 
 def test_controller_state_rejects_malformed_input():
-    cfg = ControlConfig(every_k=10, elastic_persist=3)
+    cfg = ControlConfig(elastic_persist=3)
     ctl = LibraController(cfg, _Planner(_Plan(1.0, "x"), 1.0), _Plan(1.0, "x"))
     for s in range(1, 6):
         ctl.on_step(_obs(s, train=10.0), _Cluster())

@@ -14,6 +14,13 @@ CASES = [
     (["actor.path={tmp}"], "is not a Hugging Face model"),
     (["libra.max_turns=abc"], "bad override 'libra.max_turns=abc'"),
     (["libra.scheduler.polcy=cmlfq"], "unknown config key 'scheduler.polcy'"),
+    # the former dict sections are dataclasses: a typo is one line at launch, before any server starts
+    (["libra.scheduler.cmlfq.min_sample=3"], "unknown config key 'scheduler.cmlfq.min_sample'"),
+    (["libra.elastic.runtime.heartbeat_timout_s=3"], "unknown config key 'elastic.runtime.heartbeat_timout_s'"),
+    (["libra.control.elastic_policy.join_ration=1.3"], "unknown config key 'control.elastic_policy.join_ration'"),
+    (["libra.control.replan_policy.evry_k=5"], "unknown config key 'control.replan_policy.evry_k'"),
+    (["libra.elastic.policy.join_ratio=1.3"], "unknown config key 'elastic.policy.join_ratio'"),  # moved to control
+    (["libra.control.replan_policy.every_k=0"], "every_k must be >= 1"),
 ]
 
 
@@ -28,6 +35,7 @@ def test_cli_bad_input(args: list[str], expected: str, tmp_path) -> None:
     assert "Traceback" not in r.stderr
     assert any(expected in ln for ln in lines), r.stderr
     assert lines[-1].startswith("areal_libra: error:")
+    assert not list(tmp_path.glob("logs/**/servers.json"))  # nothing was started
 
 
 def test_overrides_keep_areal_names_and_fall_through_to_libra() -> None:
@@ -64,3 +72,20 @@ def test_libra_tree_is_typed() -> None:
         compose(["libra.rollout_groups=[{name: a, tp: two}]"])
     with pytest.raises(ConfigError, match="bogus"):
         libra_config({"elastic": {"bogus": 1}})
+
+
+def test_trainer_loads_the_typed_config_the_launch_saved(tmp_path) -> None:
+    """What the launch validated and saved is what the trainer gets back (config.load_run_config), typed down to
+    the former dict sections, with the overrides applied."""
+    from areal_libra.config import ControlSettings, libra_config, load_run_config, save
+    from areal_libra.elastic_runtime.settings import RuntimeConfig
+
+    c = compose(["cluster=emulated", "libra.elastic.enabled=true", "libra.scheduler.cmlfq.min_samples=3",
+                 "libra.elastic.runtime.heartbeat_timeout_s=7", "libra.control.replan_policy.every_k=4",
+                 f"cluster.fileroot={tmp_path}"])
+    save(c, tmp_path / "run")
+    typed = load_run_config(tmp_path / "run")
+    assert typed == libra_config(c.libra) and isinstance(typed.control, ControlSettings)
+    assert typed.control.replan_policy.every_k == 4 and typed.control.settle_steps == 10
+    assert typed.scheduler.cmlfq.min_samples == 3 and typed.scheduler.cmlfq.auto_background
+    assert typed.elastic.runtime == RuntimeConfig(heartbeat_timeout_s=7.0)

@@ -158,37 +158,58 @@ def test_domain_weighted_mean_and_zero_weight_joiner():
 
 
 # -- controller and Megatron bucket views ----------------------------------------------------------
-def test_controller_turns_policy_decisions_into_requests(tmp_path):
-    from areal_libra.elastic_runtime.controller import ElasticController
+def test_the_libra_controller_drives_the_pool(tmp_path):
+    """The one elastic decision loop: LibraController -> LiveCluster -> ElasticPoolControl -> the core's
+    join/release requests (the pool's own ElasticController is gone)."""
+    from types import SimpleNamespace
+
+    from areal_libra.config import LiveElasticConfig
+    from areal_libra.control import ControlConfig, LibraController, StepObservation
     from areal_libra.elastic_runtime.core import ElasticCore, RuntimeConfig
+    from areal_libra.live.elastic_live import ElasticPoolControl
+    from areal_libra.live.live_cluster import LiveCluster
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     core = ElasticCore(store, RuntimeConfig(), 0, 1, None, str(tmp_path), dict, hybrids=[("h0", 1), ("h1", 1)])
-    ctl = ElasticController(core, ElasticPolicy(ElasticConfig(cooldown_steps=1)))
-    d = ctl.on_step(t_train_s=2.0, t_rollout_s=1.0, rollout_pressure=0.1)
-    assert d.action == "join" and core.pool.hybrid["h0"].state == ReplicaState.REQUESTED
+    for rid in ("h0", "h1"):
+        core.kv.set(f"hb/{rid}/0", 1.0)  # the hybrids' first heartbeat: ready to join
+    cluster = LiveCluster(None, ElasticPoolControl(core, LiveElasticConfig(enabled=True, hybrids=2)))
+    cfg = ControlConfig(replan=False, elastic_persist=1, elastic_project=False,
+                        elastic_policy=ElasticConfig(cooldown_steps=1))
+    ctl = LibraController(cfg, None, SimpleNamespace(makespan_s=1.0))
+
+    def step(s: int, pressure: float) -> list[str]:
+        return [e.kind for e in ctl.on_step(StepObservation(s, 3.0, 2.0, 1.0, 0.0, pressure), cluster)]
+
+    assert step(2, 0.1) == ["join"] and core.pool.hybrid["h0"].state == ReplicaState.REQUESTED
     assert core.kv.get("cmd/h0") == {"op": "join", "gen": 1}
-    assert ctl.on_step(2.0, 1.0, 0.1).action == "hold"  # one transition at a time
+    assert step(3, 0.1) == []  # one transition at a time: the join is in flight
     h0 = core.pool.hybrid["h0"]
     for st in (ReplicaState.FETCHING, ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING, ReplicaState.TRAINING):
         core.pool.advance("h0", st, h0.generation)
-    assert ctl.on_step(2.0, 1.0, 0.95).action == "release"  # protect rollout
+    assert step(4, 0.95) == ["release"]  # protect rollout
     assert core.kv.get("cmd/h0") == {"op": "release", "gen": 2}
+    store.set("elastic/shutdown", "1")
 
 
-def test_live_config_from_libra_or_environment(monkeypatch):
+def test_live_config_is_the_typed_section(monkeypatch):
+    """libra.elastic comes from the config only (the AREAL_LIBRA_ELASTIC back door is gone), typed down to its
+    runtime settings; a typo is refused."""
     from omegaconf import OmegaConf
 
+    from areal_libra.config import ConfigError
+    from areal_libra.elastic_runtime.settings import RuntimeConfig
     from areal_libra.live.elastic_live import load_config
 
-    monkeypatch.delenv("AREAL_LIBRA_ELASTIC", raising=False)
-    assert not load_config(OmegaConf.create({})).enabled
-    cfg = load_config(OmegaConf.create({"elastic": {"enabled": True, "hybrids": 2, "policy": {"join_ratio": 1.3}}}))
-    assert cfg.enabled and cfg.hybrids == 2 and cfg.policy == {"join_ratio": 1.3}
     monkeypatch.setenv("AREAL_LIBRA_ELASTIC", '{"enabled": true, "join_at_step": 3}')
-    assert load_config(OmegaConf.create({})).join_at_step == 3
-    with pytest.raises(ValueError, match="unknown libra.elastic keys"):
+    assert not load_config(OmegaConf.create({})).enabled and load_config({}).join_at_step is None
+    cfg = load_config(OmegaConf.create({"elastic": {"enabled": True, "hybrids": 2,
+                                                    "runtime": {"heartbeat_timeout_s": 9.0}}}))
+    assert cfg.enabled and cfg.hybrids == 2 and cfg.runtime == RuntimeConfig(heartbeat_timeout_s=9.0)
+    with pytest.raises(ConfigError, match="hybirds"):
         load_config(OmegaConf.create({"elastic": {"enabled": True, "hybirds": 1}}))
+    with pytest.raises(ConfigError, match="heartbeat_timout_s"):
+        load_config({"elastic": {"runtime": {"heartbeat_timout_s": 1.0}}})
 
 
 # -- background placement ----------------------------------------------------------------------------

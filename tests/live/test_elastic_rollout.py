@@ -220,13 +220,18 @@ def test_pool_view_join_release_over_the_core(tmp_path):
     store.set("elastic/shutdown", "1")
 
 
-def test_live_elastic_config_switch() -> None:
-    from areal_libra.config import ConfigError, LiveElasticConfig, libra_config
+def test_live_elastic_config_has_one_decider() -> None:
+    """The LibraController is the one elastic decision loop: the pool has no decide_in switch, and an elastic
+    pool without the controller (static mode) or a bad script is refused at launch."""
+    from areal_libra.config import ConfigError, libra_config
 
-    assert LiveElasticConfig().decide_in == "controller"
-    assert libra_config({"elastic": {"decide_in": "pool"}}).elastic.decide_in == "pool"
     with pytest.raises(ConfigError, match="decide_in"):
-        libra_config({"elastic": {"decide_in": "nobody"}})
+        libra_config({"elastic": {"decide_in": "pool"}})
+    with pytest.raises(ConfigError, match="needs libra.mode=libra"):
+        libra_config({"mode": "static", "elastic": {"enabled": True}})
+    with pytest.raises(ConfigError, match="release_after"):
+        libra_config({"elastic": {"join_at_step": 2, "release_after": 0}})
+    assert libra_config({"elastic": {"enabled": True, "join_at_step": 2}}).elastic.join_at_step == 2
 
 
 def test_rollout_time_from_wait_and_backlog() -> None:

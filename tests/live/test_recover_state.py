@@ -112,7 +112,10 @@ def _control(tmp_path: Path):
 
     cluster = LiveCluster(None, None, groups=[RolloutGroup("tp1", tp=1, count=2, max_len=4096)])
     cluster.finished.extend([(10, 100)] * 32)
-    cfg = ControlConfig(every_k=4, elastic=False, min_history=16, history=64)
+    from areal_libra.planner.replan import ReplanConfig
+
+    cfg = ControlConfig(replan_policy=ReplanConfig(every_k=4), settle_steps=4, interval_window=4, min_history=16,
+                        history=64)
     return LiveControl(cfg, _Source(), cluster, events_path=tmp_path / "control_events.jsonl")
 
 

@@ -305,8 +305,10 @@ def test_build_router_from_groups_file_and_from_config(tmp_path: Path, monkeypat
     libra2 = {"rollout_groups": [{"name": "s", "tp": 1}, {"name": "l", "tp": 2}], "scheduler": {"policy": "mlfq"}}
     r2 = build_router(libra2, other, max_tokens=100, health=False)
     assert r2.group_addrs == [["x:1"], ["y:1"]] and [g.max_len for g in r2.groups] == [50, 100]
-    with pytest.raises(ValueError, match="unknown key"):
+    with pytest.raises(ValueError, match="polcy"):  # the typed config's one line (ConfigError)
         build_router({"scheduler": {"polcy": "cmlfq"}}, tmp_path, health=False)
+    with pytest.raises(ValueError, match="min_sample"):
+        build_router({"scheduler": {"cmlfq": {"min_sample": 3}}}, tmp_path, health=False)
     with pytest.raises(ValueError, match="2 servers but 3"):
         build_router(libra2, other, addresses=["a", "b", "c"], max_tokens=100, health=False)
     assert json.loads((tmp_path / "rollout_groups.json").read_text())["groups"][1]["addresses"] == ["b:1"]
