@@ -562,16 +562,18 @@ class BatchEngine:
         """Sleep until this iteration (begun at t0) has taken ``target`` seconds: an emulated accelerator
         is as fast as the real one it stands for, never faster. Overruns (own compute > target) are counted."""
         compute = time.perf_counter() - t0
+        if compute < target:
+            time.sleep(target - compute)
+        # Counters and the log change together, after the sleep: a reader sees the same iterations in both.
         st = self.stats
+        decode = kind == "decode"
         st.paced_iterations += 1
         st.pace_target_seconds += target
-        decode = kind == "decode"
         st.paced_decode_iterations += decode
         if compute >= target:
             st.pace_overruns += 1
             st.pace_decode_overruns += decode
         else:
-            time.sleep(target - compute)
             st.pace_sleep_seconds += target - compute
         self.pace_log.append((kind, batch, tokens, time.perf_counter() - t0, target, compute))
 

@@ -111,6 +111,19 @@ def test_unpaced_server_reports_no_emulation(tiny_model_dir):
         s.close()
 
 
+def _settled_info(addr: str, timeout_s: float = 10.0) -> dict:
+    """/get_server_info once the engine has stopped pacing (the burst's last iteration may still be sleeping)."""
+    deadline = time.monotonic() + timeout_s
+    info = http(addr, "/get_server_info")[1]
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        again = http(addr, "/get_server_info")[1]
+        if again["engine_stats"]["paced_iterations"] == info["engine_stats"]["paced_iterations"]:
+            return again
+        info = again
+    return info
+
+
 def test_an_injected_pacing_paces_an_in_process_server(tiny_model_dir):
     """A hybrid replica's in-process server is given its pacing object (the server has no emulation flags)."""
     from areal_libra.rollout.emulation import ServerPacing
@@ -119,7 +132,7 @@ def test_an_injected_pacing_paces_an_in_process_server(tiny_model_dir):
     s = InProcessServer(tiny_model_dir, pacing)
     try:
         _burst(s.addr, 2, 4)
-        info = http(s.addr, "/get_server_info")[1]
+        info = _settled_info(s.addr)
         assert info["emulation"]["model"] == "qwen3-14b" and info["emulation"]["tp"] == 1
         decodes = [x for x in info["emulation"]["recent"] if x[0] == "decode"]
         assert info["engine_stats"]["paced_decode_iterations"] == len(decodes) > 0
