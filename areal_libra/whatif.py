@@ -14,6 +14,13 @@ import json
 import sys
 import time
 
+from areal_libra.cost.presets import PresetError
+from areal_libra.sim.cluster import SimError
+from areal_libra.sim.libra import layout_from_plan, plan_for, profile_history
+from areal_libra.sim.registry import run_system
+from areal_libra.sim.report import add_roofline, make_env
+from areal_libra.sim.systems import check_cluster
+from areal_libra.trace import TraceError
 from areal_libra.utils import first_line
 
 
@@ -58,10 +65,6 @@ def main_reason(static: dict, libra: dict, plan_step_s: float, fixed_step_s: flo
 
 
 def whatif(trace: str, cluster: str, model: str, steps: int, seed: int = 0, batch_prompts: int | None = None) -> dict:
-    from areal_libra.sim.libra import layout_from_plan, plan_for, profile_history
-    from areal_libra.sim.registry import run_system
-    from areal_libra.sim.report import add_roofline, make_env
-    from areal_libra.sim.systems import check_cluster
 
     env = make_env(trace, cluster, model, seed, batch_prompts)
     check_cluster(env.truth, env.n_gpus)
@@ -85,9 +88,6 @@ def whatif(trace: str, cluster: str, model: str, steps: int, seed: int = 0, batc
 
 
 def main(argv: list[str] | None = None) -> int:
-    from areal_libra.cost.presets import PresetError
-    from areal_libra.sim.cluster import SimError
-    from areal_libra.trace import TraceError
 
     t0 = time.time()
     try:

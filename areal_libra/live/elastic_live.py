@@ -37,19 +37,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from areal_libra.config import LiveElasticConfig
+from areal_libra.config import LiveElasticConfig, libra_config
 from areal_libra.control.controller import PoolView, StepObservation
 from areal_libra.elastic.measure import RolloutIdleClock, rollout_time
 from areal_libra.elastic.state import JOINING, Pool, ReplicaState
 from areal_libra.elastic_runtime.core import ElasticCore
 from areal_libra.live.elastic_hook import FSDPElasticHook
+from areal_libra.live.elastic_serving import ServeRegistry
+from areal_libra.rollout.emulation import ClusterEmulation
 
 log = logging.getLogger(__name__)
 
 
 def load_config(libra: Any) -> LiveElasticConfig:
     """`libra.elastic`, typed (from the run's LibraConfig, or a `libra:` mapping checked as at launch)."""
-    from areal_libra.config import libra_config
 
     return libra_config(libra if libra is not None else {}).elastic
 
@@ -164,7 +165,6 @@ class LiveElastic:
                         "in rollout")
         self.registry = None
         if self.serve:
-            from areal_libra.live.elastic_serving import ServeRegistry
 
             self.registry = ServeRegistry("127.0.0.1", self.store.port, rt.namespace, self.rids, fleet,
                                           group=cfg.rollout_group)
@@ -338,7 +338,6 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fleet
                     pressure: Any = None) -> LiveElastic | None:
     """The pool of a live run; `fleet`: the rollout ServerFleet (hybrids serve through it; train.install_fleet);
     `pressure`: the run's one pressure sampler (train.rollout_pressure)."""
-    from areal_libra.config import libra_config
 
     cfg = load_config(libra)
     if not cfg.enabled:
@@ -351,7 +350,6 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fleet
     libra = libra_config(libra)
     device = libra.device
     batch = int(trainer.config.train_dataset.batch_size) if hasattr(trainer, "config") else 1
-    from areal_libra.rollout.emulation import ClusterEmulation
 
     emu = ClusterEmulation.from_libra(libra)
     live = LiveElastic(trainer.actor, Path(run_dir), cfg, inference=inference, router=router, batch_size=batch,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from areal_libra.elastic_runtime.kv import KV, connect
+from areal_libra.server.inprocess import InProcessServer
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,6 @@ def inprocess_launch(engine: Any, root: str, threads: int, max_running: int, see
     def launch(replica: Any) -> tuple[str, Callable[[], None]]:
         from areal.api.io_struct import SaveLoadMeta
 
-        from areal_libra.server.inprocess import InProcessServer
 
         count[0] += 1
         path = os.path.join(root, f"weights{count[0]}")

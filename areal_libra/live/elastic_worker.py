@@ -18,6 +18,13 @@ import os
 import sys
 from typing import Any
 
+from areal_libra.elastic_runtime.core import RuntimeConfig
+from areal_libra.elastic_runtime.hybrid import HybridWorker
+from areal_libra.elastic_runtime.kv import KV, connect
+from areal_libra.elastic_runtime.modeswitch import HttpRollout
+from areal_libra.live.elastic_hook import AReaLEngineReplica
+from areal_libra.live.elastic_serving import inprocess_launch, serve_channel
+from areal_libra.rollout.emulation import ServerPacing
 from areal_libra.utils import free_port
 
 
@@ -37,9 +44,6 @@ def build_engine(engine_config: Any, dataset_size: int = 1024, batch_size: int =
 
 def run_worker(host: str, port: int, rid: str, rank: int, snapshot_dir: str, engine: Any,
                rollout: Any = None, cfg: Any = None) -> dict[str, Any]:
-    from areal_libra.elastic_runtime.core import RuntimeConfig
-    from areal_libra.elastic_runtime.hybrid import HybridWorker
-    from areal_libra.live.elastic_hook import AReaLEngineReplica
 
     replica = AReaLEngineReplica(engine, snapshot_dir, rid, rank)
     return HybridWorker(host, port, cfg or RuntimeConfig(), rid, rank, snapshot_dir, replica, rollout).run()
@@ -70,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     from areal.api.cli_args import GRPOConfig, load_expr_config
 
     config, _ = load_expr_config(["--config", args.config], GRPOConfig)
-    from areal_libra.elastic_runtime.core import RuntimeConfig
 
     try:
         rt = RuntimeConfig(**json.loads(args.runtime))
@@ -79,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     pacing = None
     if args.pacing is not None:
-        from areal_libra.rollout.emulation import ServerPacing
 
         try:
             fields = json.loads(args.pacing)
@@ -92,9 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     engine = build_engine(config.actor, batch_size=config.train_dataset.batch_size)
     rollout = None
     if args.serve:
-        from areal_libra.elastic_runtime.kv import KV, connect
-        from areal_libra.elastic_runtime.modeswitch import HttpRollout
-        from areal_libra.live.elastic_serving import inprocess_launch, serve_channel
 
         register, unregister = serve_channel(KV(connect(host, int(port)), rt.namespace), args.rid,
                                              args.server_threads, args.server_max_running, args.ack_timeout)

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
-from areal_libra.rollout.groups import RolloutGroup, groups_from_plan
+from areal_libra.control.controller import ControlEvent
+from areal_libra.cost.presets import ClusterSpec, ModelSpec, load_cluster, load_hardware, load_model
+from areal_libra.elastic.measure import rollout_time
+from areal_libra.live.recover import plan_from_state
+from areal_libra.planner import PlanError, PlannerConfig, price, solve
+from areal_libra.rollout.groups import RolloutGroup, groups_from_plan, resolve_groups
+from areal_libra.utils import append_jsonl
 
 if TYPE_CHECKING:
     from areal_libra.config import LibraConfig
@@ -35,7 +41,6 @@ class ControlError(ValueError):
 
 def model_spec_from_hf(path: str | Path, name: str = "run-model") -> Any:
     """The cost model's ModelSpec of a Hugging Face checkpoint (its config.json)."""
-    from areal_libra.cost.presets import ModelSpec
 
     cfg = json.loads((Path(path) / "config.json").read_text())
     heads = int(cfg["num_attention_heads"])
@@ -57,12 +62,10 @@ class LivePlanSource:
     config: Any  # planner.PlannerConfig
 
     def solve(self, history: list[tuple[int, ...]]) -> Any:
-        from areal_libra.planner import solve
 
         return solve(self.cluster, self.model, history, self.config)
 
     def price(self, plan: Any, history: list[tuple[int, ...]]) -> float:
-        from areal_libra.planner import price
 
         return price(plan, self.cluster, self.model, history, self.config).makespan_s
 
@@ -150,7 +153,6 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
     the rollout side's idle time and samples the servers' queues), preferred when there is one; `inputs`:
     what it computed T_rollout from (LiveElastic.rollout_inputs), so the rule runs again on the fuller train
     time."""
-    from areal_libra.elastic.measure import rollout_time
 
     interval = float(rec.get("step_time_s", 0.0))
     train = sum(float(rec.get(f"timeperf/{k}", 0.0)) for k in
@@ -231,7 +233,6 @@ class LiveControl:
 
     def _start(self, step: int) -> None:
         """The first plan, from the profile steps' lengths; applied when it differs from the start layout."""
-        from areal_libra.planner import PlanError
 
         hist = self.cluster.history(self.cfg.history)
         try:
@@ -248,8 +249,6 @@ class LiveControl:
         """Continue from the saved controller (live.recover): its plan's layout is brought back (the
         restarted servers start in the launch layout), then it decides on this step as if it never stopped.
         A state that does not load: one line, and the ordinary first plan."""
-        from areal_libra.control.controller import ControlEvent
-        from areal_libra.live.recover import plan_from_state
 
         snap, self.resume = self.resume, None
         try:
@@ -276,7 +275,6 @@ class LiveControl:
         """Control decisions go to <run_dir>/control_events.jsonl and the trainer log."""
         print(f"areal_libra control: step {event['step']}: {event['event']}: {event['detail']}", flush=True)
         if self.events_path is not None:
-            from areal_libra.utils import append_jsonl
 
             append_jsonl(self.events_path, event)
 
@@ -325,8 +323,6 @@ class LiveControl:
 def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlanSource:
     """The planner for this run: `libra.control.cluster` (cost preset, resized to `accelerators`), the run's
     model from its config.json, one step's batch, AReaL's staleness bound."""
-    from areal_libra.cost.presets import ClusterSpec, load_cluster, load_hardware
-    from areal_libra.planner import PlannerConfig
 
     c = libra.control
     emulated = libra.emulated if libra.emulated.enabled else None
@@ -342,7 +338,6 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlan
         n = int(c.accelerators)
     elif emulated is None and str(c.cluster) == "cpu":
         # The embedded CPU cluster plans what the config grants: trainer threads + the servers' TP.
-        from areal_libra.rollout.groups import resolve_groups
 
         groups = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))
         n = int(libra.trainer_threads) + sum(g.tp * g.count for g in groups)
@@ -363,7 +358,6 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlan
 
         cfg = replace(cfg, train_tp=(1,), max_pp=1, train_backend="fsdp")
     if emulated is not None:  # plan for the emulated model on the emulated accelerators
-        from areal_libra.cost.presets import load_model
 
         return LivePlanSource(cluster, load_model(str(emulated.model)), cfg)
     return LivePlanSource(cluster, model_spec_from_hf(model_path), cfg)
@@ -372,7 +366,6 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlan
 def check_feasible(libra: LibraConfig, areal_cfg: Any, model_path: str) -> str:
     """Solve once on a worst-case history (every trajectory at gconfig.max_new_tokens) before anything
     starts, so that a cluster the model cannot fit is a one-line error at launch; returns the plan summary."""
-    from areal_libra.planner import PlanError
 
     src = plan_source(libra, areal_cfg, model_path)
     max_new = int(areal_cfg.gconfig.max_new_tokens)

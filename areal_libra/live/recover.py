@@ -28,6 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from areal_libra.cost.training import TrainParallel
+from areal_libra.planner.types import Plan, RolloutInstance
 from areal_libra.utils import atomic_write_text
 
 CONTROL_STATE = "control_state.json"
@@ -105,8 +107,6 @@ def plan_to_state(plan: Any) -> dict[str, Any]:
 
 
 def plan_from_state(d: dict[str, Any]) -> Any:
-    from areal_libra.cost.training import TrainParallel
-    from areal_libra.planner.types import Plan, RolloutInstance
 
     try:
         return Plan(**{**d, "train": TrainParallel(**d["train"]),

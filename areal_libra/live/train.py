@@ -21,6 +21,21 @@ from pathlib import Path
 from typing import Any
 
 from areal_libra.config import LibraConfig, libra_config, load_run_config
+from areal_libra.elastic.policy import ScheduledPolicy
+from areal_libra.live.elastic_live import hybrids_serve, install_elastic
+from areal_libra.live.live_cluster import LiveCluster, LiveControl, plan_source
+from areal_libra.live.recover import (
+    ControlStateFile,
+    recover_enabled,
+    recovered_steps,
+    restore_control_state,
+)
+from areal_libra.metrics import StepMetrics
+from areal_libra.rollout.emulation import ClusterEmulation, install_train_pacing
+from areal_libra.rollout.fleet import build_fleet
+from areal_libra.rollout.pressure import PressureSampler
+from areal_libra.rollout.revive import ServerReviver, rollout_counters
+from areal_libra.rollout.router import GROUPS_FILE, build_router, publish_metrics, read_groups_file
 
 
 def build_dataset(libra: LibraConfig | Any, areal_cfg: Any) -> Any:
@@ -48,7 +63,6 @@ def install_router(trainer, libra: LibraConfig, run_dir: Path, metrics, force: b
         return None
     if libra.scheduler.policy != policy:
         libra = replace(libra, scheduler=replace(libra.scheduler, policy=policy))
-    from areal_libra.rollout.router import build_router
 
     router = build_router(libra, run_dir)
     trainer.rollout.set_request_router(router)
@@ -67,7 +81,6 @@ def rollout_pressure(trainer, libra: LibraConfig):
     inference = getattr(rollout, "_engine", rollout)  # RemoteSGLangEngine wraps the RemoteInfEngine
     if not hasattr(inference, "addresses"):
         return None
-    from areal_libra.rollout.pressure import PressureSampler
 
     return PressureSampler(lambda: list(inference.addresses))
 
@@ -79,18 +92,15 @@ def _libra_rank0(libra: LibraConfig) -> bool:
 def install_fleet(trainer, libra: LibraConfig, run_dir: Path, metrics, router):
     """The rollout fleet (rollout/fleet.py), the one owner of rollout membership: in libra mode it switches
     layouts and replaces dead servers; elastic hybrids that serve attach and detach through it."""
-    from areal_libra.live.elastic_live import hybrids_serve
 
     if router is None or int(os.environ.get("RANK", "0") or 0) != 0:
         return None
     libra_mode = _libra_rank0(libra)  # libra mode always routes (C-MLFQ), so the fleet can switch layouts
     if not (libra_mode or hybrids_serve(libra)):
         return None
-    from areal_libra.rollout.fleet import build_fleet
 
     fleet = build_fleet(trainer, router, run_dir)
     if libra_mode and libra.revive_servers:  # a dead server is replaced (rollout/revive.py)
-        from areal_libra.rollout.revive import ServerReviver
 
         reviver = ServerReviver(fleet, router, run_dir).start()
         metrics.add_source(reviver.metrics)
@@ -105,20 +115,12 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
     observation carries its window instead."""
     if not _libra_rank0(libra):
         return None
-    from areal_libra.live.live_cluster import LiveCluster, LiveControl, plan_source
-    from areal_libra.rollout.router import GROUPS_FILE, publish_metrics, read_groups_file
 
     groups = read_groups_file(run_dir / GROUPS_FILE)[0] if (run_dir / GROUPS_FILE).exists() else []
     cluster = LiveCluster(fleet, elastic, history_len=libra.control.history,
                           max_running=groups[0].max_running if groups else 256,
                           max_tokens=int(config.gconfig.max_tokens), groups=groups)
     sinks.append(cluster.on_trajectory)
-    from areal_libra.live.recover import (
-        ControlStateFile,
-        recover_enabled,
-        recovered_steps,
-        restore_control_state,
-    )
 
     state_file = ControlStateFile(run_dir)
     snap = None
@@ -131,7 +133,6 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
     pressure_fn = pressure.take if pressure is not None and elastic is None else None
     script = None
     if elastic is not None and libra.elastic.join_at_step is not None:  # the fixed join/release script
-        from areal_libra.elastic.policy import ScheduledPolicy
 
         script = ScheduledPolicy(libra.elastic.join_at_step, libra.elastic.release_after,
                                  libra.control.elastic_policy)
@@ -175,13 +176,10 @@ def resume_pool(control, elastic, snap: dict) -> None:
 
 def install_emulation(trainer, libra: LibraConfig, run_dir: Path, metrics, control, elastic=None) -> None:
     """cluster=emulated: pace the trainer (servers pace themselves) to the emulated model and accelerators."""
-    from areal_libra.rollout.emulation import ClusterEmulation
 
     emu = ClusterEmulation.from_libra(libra)
     if emu is None:
         return
-    from areal_libra.rollout.emulation import install_train_pacing
-    from areal_libra.rollout.router import GROUPS_FILE, read_groups_file
 
     static_groups = read_groups_file(run_dir / GROUPS_FILE)[0]
     if control is not None:
@@ -203,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     from areal import PPOTrainer
     from areal.api.cli_args import GRPOConfig, load_expr_config
 
-    from areal_libra.metrics import StepMetrics
 
     # AReaL's logging set-up (dictConfig) disables loggers created before it: keep ours.
     for name in list(logging.root.manager.loggerDict):
@@ -232,20 +229,17 @@ def main(argv: list[str] | None = None) -> int:
         workflow_kwargs.update(wf_cls.libra_kwargs(libra))
     with PPOTrainer(config, train_dataset=dataset, valid_dataset=None) as trainer:
         trainer.stats_logger.add_sink(metrics.on_commit)
-        from areal_libra.live.elastic_live import hybrids_serve
 
         router = install_router(trainer, libra, run_dir, metrics, force=hybrids_serve(libra))
         if router is not None:
             sinks.append(router.on_trajectory)
             router.attach_engine(trainer.rollout)  # a server that missed a weight update stays out
-        from areal_libra.live.elastic_live import install_elastic
 
         pressure = rollout_pressure(trainer, libra)
         fleet = install_fleet(trainer, libra, run_dir, metrics, router)  # None: no layout changes, no hybrids
         elastic = install_elastic(trainer, libra, run_dir, metrics, fleet, pressure)  # None unless libra.elastic.enabled
         control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks, fleet, pressure)
         install_emulation(trainer, libra, run_dir, metrics, control, elastic)
-        from areal_libra.rollout.revive import rollout_counters
 
         metrics.add_source(lambda: rollout_counters(trainer.rollout))  # nothing lost: accepted vs rejected
         try:

@@ -32,7 +32,11 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from areal_libra.sim.hardware import HardwareTruth
+from areal_libra.config import libra_config
+from areal_libra.cost.presets import PresetError, load_hardware, load_model
+from areal_libra.rollout.launcher import ServerSpec
+from areal_libra.server.embedded_server import parse_args, run
+from areal_libra.sim.hardware import HardwareTruth, truth_from_specs
 
 DEFAULT_MODEL = "qwen3-14b"
 DEFAULT_GPU = "h200"
@@ -86,8 +90,6 @@ class GrowingPacer:
 
 def emulated_truth(model: str, gpu: str) -> HardwareTruth:
     """The hardware truth for ``model`` on ``gpu``, built from the presets' spec-sheet facts only."""
-    from areal_libra.cost.presets import PresetError, load_hardware, load_model
-    from areal_libra.sim.hardware import truth_from_specs
 
     try:
         return truth_from_specs(load_hardware(gpu), load_model(model))
@@ -271,7 +273,6 @@ class ClusterEmulation:
     def from_libra(cls, libra: Any) -> ClusterEmulation | None:
         """From the `libra:` config (the typed LibraConfig; a DictConfig or dict is typed first); None unless
         emulation is enabled."""
-        from areal_libra.config import libra_config
 
         cfg = libra_config(libra)
         em = cfg.emulated
@@ -298,7 +299,6 @@ class ClusterEmulation:
 
     def server_spec(self, group: Any, seed: int = 0) -> Any:
         """The launcher's ServerSpec for one server of a RolloutGroup on this emulated cluster."""
-        from areal_libra.rollout.launcher import ServerSpec
 
         return self.emulate_spec(ServerSpec(tp=group.tp, max_running=group.max_running, group=group.name, seed=seed))
 
@@ -491,7 +491,6 @@ def parse_server_args(argv: list[str] | None = None) -> tuple[Any, ServerPacing]
     """(the embedded server's ServerArgs, the pacing) of ``--emulate-* flags <embedded server flags>``; bad
     values exit 2 with one line (a model path without config.json: exit 1, as the server's own CLI)."""
     # The embedded server's module loads aiohttp: imported here, off the trainer's and launcher's path.
-    from areal_libra.server.embedded_server import parse_args
 
     p = _Parser(prog=f"python -m {SERVER_ENTRY}", allow_abbrev=False,
                 description="An embedded server paced to a model on an accelerator (the simulator's hardware truth).")
@@ -517,7 +516,6 @@ def parse_server_args(argv: list[str] | None = None) -> tuple[Any, ServerPacing]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from areal_libra.server.embedded_server import run
 
     args, pacing = parse_server_args(argv)
     return run(args, pacing)

@@ -47,7 +47,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from areal_libra.config import load_run_config
 from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, ServerBackend
+from areal_libra.rollout.emulation import active
 from areal_libra.rollout.futures import then_record
 from areal_libra.rollout.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
 from areal_libra.rollout.launcher import ServerLaunchError, ServerSpec
@@ -57,6 +59,7 @@ from areal_libra.rollout.placement import (
     place_new_servers,
     servers_to_retire,
 )
+from areal_libra.rollout.router import GROUPS_FILE, read_groups_file, write_groups_file
 from areal_libra.utils import append_jsonl, atomic_write_text, first_line, pid_alive
 
 log = logging.getLogger(__name__)
@@ -369,7 +372,6 @@ class ServerFleet:
                  for g, row in zip(target, slots) for s in row if s is None]
         if not specs:
             return []
-        from areal_libra.rollout.emulation import active
 
         emu = active()  # cluster=emulated: the new servers are paced like the launcher's
         if emu is not None:
@@ -600,7 +602,6 @@ class ServerFleet:
     def _write_files(self, draining: Sequence[FleetServer] = ()) -> None:
         if self.run_dir is None:
             return
-        from areal_libra.rollout.router import write_groups_file
 
         gone = {id(s) for s in draining}
         body = {"servers": [s.record("draining" if id(s) in gone else "serving") for s in self.servers]}
@@ -649,7 +650,6 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     """The fleet of a live run (areal_libra/live/train.py, after install_router): the launcher's
     servers from rollout_groups.json + servers.json, the model from the AReaL config; new servers start
     through `backend` (None: local processes, SGLang where libra.device is cuda, else embedded)."""
-    from areal_libra.rollout.router import GROUPS_FILE, read_groups_file
 
     run_dir = Path(run_dir)
     groups, addrs = read_groups_file(run_dir / GROUPS_FILE)
@@ -658,7 +658,6 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
                            gpus=tuple(str(d) for d in reg.get(a, {}).get("gpus") or ()))
                for g, row in zip(groups, addrs) for a in row]
     if backend is None:
-        from areal_libra.config import load_run_config
 
         device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
         backend = LocalProcessBackend.for_device(device)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from areal_libra.rollout.fleet import FleetError
 from areal_libra.utils import append_jsonl, first_line
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ class ServerReviver:
         dead = self.dead()
         if not dead:
             return None
-        from areal_libra.rollout.fleet import FleetError
 
         t0 = time.monotonic()
         try:

@@ -52,6 +52,7 @@ from aiohttp import web
 
 from areal_libra.server import memory_debug
 from areal_libra.server.protocol import RequestError, finish_text, names, parse_generate, short
+from areal_libra.utils import pid_alive
 
 if TYPE_CHECKING:  # batching imports torch, which the CLI's argument checks do without
     from areal_libra.server.batching import Pacer
@@ -582,8 +583,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 async def _watch_parent(pid: int, stop: asyncio.Event) -> None:
     """Servers run in their own session (so they can be killed as a group); without this, a launcher that
     crashes would leave them running forever."""
-    from areal_libra.utils import pid_alive
-
     while pid_alive(pid) and os.getppid() != 1:
         await asyncio.sleep(1.0)
     logger.warning("parent process %d is gone; shutting down", pid)
