@@ -91,7 +91,10 @@ def install_control(trainer, libra, config, run_dir: Path, metrics, router, elas
         if resume_at is not None:  # the controller and pool at the checkpoint's step
             snap = state_file.load(resume_at)
     pressure = (lambda: (0.0, router.load_fraction())) if router is not None else None
-    control = LiveControl(control_config(typed), plan_source(libra, config, str(config.actor.path)), cluster,
+    src = plan_source(libra, config, str(config.actor.path))
+    if router is not None and hasattr(router, "set_pricing"):  # C-MLFQ prices moves on the planner's spec
+        router.set_pricing(src.cluster.hardware, src.model)
+    control = LiveControl(control_config(typed), src, cluster,
                           fleet=fleet,
                           profile_steps=typed.control.profile_steps, pressure_fn=pressure,
                           events_path=run_dir / "control_events.jsonl")

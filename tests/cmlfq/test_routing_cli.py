@@ -118,7 +118,7 @@ def test_routing_bench_runs(tmp_path):
 
 
 # The README's synthetic-trace switches (chosen on seed 1; README section "cmlfq").
-SYNTH_SWITCHES = "center=0.5,move_cost=0.5,growth=0.5,drift=true,overrun=true,state_key="
+SYNTH_SWITCHES = "center=0.5,growth=0.5,drift=true,overrun=true,state_key="
 
 
 def test_synth_must_show_on_the_tuning_seed(tmp_path):
