@@ -34,13 +34,19 @@ def test_price_is_remaining_decode_saving_against_reprefill_from_the_cost_evalua
 
     per_gpu = min(256.0, c1.kv_capacity_tokens() / kv)  # a TP1 server's batch of requests like this one
 
-    def tok(c):  # a balanced fleet: every GPU holds per_gpu of them
+    def batch(c):  # a balanced fleet: every GPU holds per_gpu of them
         conc = min(256.0, c.kv_capacity_tokens() / kv)
-        n = c.tp * per_gpu
-        return float(c.decode_step_s(min(n, conc), min(n, conc) * kv)) * max(1.0, n / conc)
+        return min(c.tp * per_gpu, conc), c.tp * per_gpu
+
+    def tok(c):
+        b, n = batch(c)
+        return float(c.decode_step_s(b, b * kv)) * n / b
 
     assert pr.saving_s == pytest.approx(rem * (tok(c1) - tok(c8)))
-    assert pr.cost_s == pytest.approx(max(0.0, float(c8.prefill_s(ctx)) - float(c1.prefill_s(payload, ctx - payload))))
+    # A prefill stalls the server's whole running batch.
+    assert pr.cost_s == pytest.approx(max(0.0, float(c8.prefill_s(ctx)) * batch(c8)[0]
+                                          - float(c1.prefill_s(payload, ctx - payload)) * batch(c1)[0]))
+    assert pr.cost_s > 0
     assert pr.worth == (pr.saving_s > pr.cost_s)
     # A measured load: an idle target decodes at batch 1, a crowded current server waits its turn.
     loaded = p.price(ctx, payload, rem, 0, 2, loads=[400.0, 0.0, 0.0])
@@ -71,8 +77,9 @@ def test_a_move_whose_reprefill_costs_more_than_its_saving_is_not_made():
     # The same move with a short context and a long remaining length pays: it is made.
     hist2 = [traj(f"g{i}", "q", 0, 100, [(100, 800), (30_000, None)]) for i in range(5)]
     req2 = RequestInfo("y", "q", 100, 1000, 100, (ToolReturn("search", 800),), 1, None, (100, 1000))
-    assert pricer().price(1000, 800, 30_000.0, 0, 2).worth
-    pol = make_policy("cmlfq", B, center=None, start_lookup=False, pricer=pricer())
+    idle = [0.0, 0.0, 0.0]  # an idle target: its prefill stalls no one else
+    assert pricer().price(1000, 800, 30_000.0, 0, 2, loads=idle).worth
+    pol = make_policy("cmlfq", B, center=None, start_lookup=False, pricer=pricer(), load_fn=lambda: idle)
     pol.fit(hist2)
     assert pol.tool_return(req2, 0) == 2 and pol.priced_out == 0
 
