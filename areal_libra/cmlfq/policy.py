@@ -728,16 +728,18 @@ class CMLFQPolicy(_Base):
         fn = self._ll.load_fn
         return None if fn is None or self.pricer is None else [x * tp for x, tp in zip(fn(), self.pricer.tps)]
 
-    def _priced_start(self, req: RequestInfo, b: int, remaining: float | None) -> int:
+    def _priced_start(self, req: RequestInfo, b: int, remaining: float | None, from_global: bool) -> int:
         """A placement moves nothing, but it loads a bucket: with a price and the buckets' load, the tree's
         bucket is kept unless the least-loaded bucket would decode the predicted length sooner (the same
-        Cost Evaluator time per token as a move's saving)."""
+        Cost Evaluator time per token as a move's saving). A prediction from the global root (the prompt has
+        no trusted history) is the same for every such request, so it tells them apart no better than
+        chance: they go to the least-loaded bucket."""
         loads = self._loads()
         if loads is None or not remaining:
             return b
         ll = min(range(len(loads)), key=lambda i: (loads[i] / self.pricer.tps[i], i))
-        if ll == b:
-            return b
+        if ll == b or from_global:
+            return ll
         ctx = req.context_tokens
         t_b = self.pricer.token_s(b, ctx, remaining, loads[b] + 1.0)
         t_ll = self.pricer.token_s(ll, ctx, remaining, loads[ll] + 1.0)
@@ -775,12 +777,12 @@ class CMLFQPolicy(_Base):
             self._poll_auto()
         req = self._track(req)
         if not self.config.start_lookup or (self._mlfq_at and (0, False) in self._mlfq_at):
-            b, remaining = 0, None
+            b, remaining, from_global = 0, None, True
         else:
             b, from_global, remaining = self._tree_decide(req, 0, True)
             self.decisions += 1
             self.lookups_from_global += from_global
-        b = self._priced_start(req, b, remaining)
+        b = self._priced_start(req, b, remaining, from_global)
         self._record(req.trajectory_id, b, True)
         self.routed_decisions += 1
         if self.fallback_active:

@@ -134,3 +134,19 @@ def test_fallback_routes_least_loaded_while_accuracy_is_low_and_keeps_scoring_in
     assert pol.fallback_fraction() == pytest.approx(2 / (FALLBACK_MIN_DECISIONS + 2))
     pol.finish(traj("n", "p", 2, 100, [(50, 50), (50, None)]))
     assert len(pol.accuracy.scored) == FALLBACK_MIN_DECISIONS + 2
+
+
+def test_placement_by_a_prompts_own_history_but_least_loaded_from_the_global_root():
+    # Prompt "p" has its own history (ends long: bucket 2 on TP8); prompt "new" has none, so its prediction
+    # comes from the global root, the same for every such request: it goes to the least-loaded bucket.
+    hist = [traj(f"h{i}", "p", 0, 100, [(30_000, None)]) for i in range(5)]
+    loads = [3.0, 0.5, 2.0]  # per GPU: bucket 1 (TP2) is the least loaded
+    pol = make_policy("cmlfq", B, center=None, pricer=pricer(), load_fn=lambda: loads)
+    pol.fit(hist)
+    own = RequestInfo("a", "p", 100, 100, 0, (), 1, None, (100,))
+    new = RequestInfo("b", "new", 100, 100, 0, (), 1, None, (100,))
+    assert pol.start(own) == 2  # 30,000 tokens to decode: TP8 is faster even with its load
+    assert pol.start(new) == 1
+    bare = make_policy("cmlfq", B, center=None)  # no price, no load: the tree's bucket for both
+    bare.fit(hist)
+    assert bare.start(new) == 2
