@@ -92,7 +92,7 @@ class DispatchConfig:
     wandb: bool = True  # also log the step metrics into the active W&B run (AReaL's, on rank 0)
     # The cmlfq policy's settings; live, its auto mode validates in a background thread (no stall at the step
     # boundary), this context's setting of CMLFQConfig.auto_background.
-    cmlfq: CMLFQConfig = field(default_factory=lambda: CMLFQConfig(auto_background=True))
+    cmlfq: CMLFQConfig = field(default_factory=lambda: CMLFQConfig(auto_background=True, fallback=True))
 
     def __post_init__(self) -> None:
         if isinstance(self.cmlfq, dict):  # a mapping (RemoteRouter's JSON body, tests): the same typed section

@@ -241,13 +241,14 @@ class TreeCore {
   }
 
   // The C-MLFQ bucket rule (areal_libra/cmlfq/policy.py documents it; _pytree.py mirrors it).
-  void set_rule(const std::vector<double>& thresholds, bool use_mean, double q, double move_cost, bool overrun,
+  // Whether a move pays for its re-prefill is not the core's business: the policy prices it with the Cost
+  // Evaluator (cmlfq/migration.py) from the predicted remaining length the decision returns.
+  void set_rule(const std::vector<double>& thresholds, bool use_mean, double q, bool overrun,
                 bool condition, bool prompt_first) {
     if (thresholds.empty()) throw std::invalid_argument("need at least one bucket threshold");
     th_ = thresholds;
     use_mean_ = use_mean;
     q_ = q;
-    move_cost_ = move_cost;
     overrun_ = overrun;
     condition_ = condition;
     prompt_first_ = prompt_first;
@@ -290,9 +291,11 @@ class TreeCore {
   // One C-MLFQ decision: the request's scale (set_scaling), then the rule in the tree's units: contexts
   // (rounded half to even, as Python's round) and thresholds divided by the scale. depth: the request's
   // tool returns so far (growth is read there; ids may be shorter, e.g. a placement).
+  // *remaining: the centre's predicted remaining length (mean remaining past the current context, in the
+  // request's own tokens, i.e. times the scale; 0 when nothing is known).
   int decide_bucket(const std::string& prompt, const std::vector<int32_t>& ids, int64_t ctx,
                     const std::vector<int64_t>& dctx_in, int current, bool placing, int64_t step, int64_t depth,
-                    int64_t prompt_tokens, bool* from_global) {
+                    int64_t prompt_tokens, bool* from_global, double* remaining) {
     if (th_.empty()) throw std::invalid_argument("set_rule() first");
     const double scale = (drift_ || growth_exp_ != 0) ? scale_of(prompt, step, depth, ctx, prompt_tokens) : 1.0;
     if (!(scale > 0)) throw std::invalid_argument("scale must be > 0");
@@ -319,9 +322,11 @@ class TreeCore {
     }
     Result r = lookup_stats(prompt, ids, use_mean_ ? 0.5 : q_, floors_, prompt_first_ && cond);
     *from_global = r.from_global;
+    *remaining = 0.0;
     if (r.count == 0) return current;
     // Predicted final length = context at the node's decision point + its remaining length.
     const double base = static_cast<double>(cond ? dctx[r.depth] : ctx);
+    *remaining = std::max(0.0, (base + r.mean) - static_cast<double>(ctx)) * scale;
     const int b_center = bucket_of(th, base + (use_mean_ ? r.mean : static_cast<double>(r.pq)));
     if (placing) return b_center;
     int target = current;
@@ -329,9 +334,6 @@ class TreeCore {
       target = b_center;
     else if (overrun_ && static_cast<double>(ctx) > th[current])
       target = b_center;
-    if (target != current && move_cost_ > 0 &&
-        (base + r.mean) - static_cast<double>(ctx) < move_cost_ * static_cast<double>(ctx))
-      target = current;
     return target;
   }
 
@@ -339,8 +341,10 @@ class TreeCore {
                    const std::vector<int64_t>& dctx, int current, bool placing, int64_t step, int64_t depth,
                    int64_t prompt_tokens) {
     bool from_global = true;
-    int b = decide_bucket(prompt, ids, ctx, dctx, current, placing, step, depth, prompt_tokens, &from_global);
-    return py::make_tuple(b, from_global);
+    double remaining = 0.0;
+    int b = decide_bucket(prompt, ids, ctx, dctx, current, placing, step, depth, prompt_tokens, &from_global,
+                          &remaining);
+    return py::make_tuple(b, from_global, remaining);
   }
 
   // Payload size classes of the return-state cache key (PrefixTree.return_ids' key).
@@ -402,8 +406,10 @@ class TreeCore {
     const int64_t ptok = as_int(attr(r, a_ptok).ptr());
     read_ints(attr(r, a_dctx).ptr(), &dctx_buf_);
     bool from_global = true;
-    int b = decide_bucket(prompt_buf_, *ids, ctx, dctx_buf_, current, placing, step, n, ptok, &from_global);
-    return py::make_tuple(b, from_global);
+    double remaining = 0.0;
+    int b = decide_bucket(prompt_buf_, *ids, ctx, dctx_buf_, current, placing, step, n, ptok, &from_global,
+                          &remaining);
+    return py::make_tuple(b, from_global, remaining);
   }
 
   double scale(const std::string& prompt, int64_t step, int64_t depth, int64_t ctx, int64_t prompt_tokens) const {
@@ -698,7 +704,6 @@ class TreeCore {
   std::vector<double> th_;
   bool use_mean_ = true;
   double q_ = 0.5;
-  double move_cost_ = 0.0;
   bool overrun_ = false;
   bool condition_ = true;
   bool prompt_first_ = true;
@@ -751,7 +756,7 @@ PYBIND11_MODULE(_prefix_tree, m) {
       .def("time_lookups", &TreeCore::time_lookups, py::arg("prompts"), py::arg("states"), py::arg("floors"),
            py::arg("q") = 0.5, py::arg("prompt_first") = false, py::arg("repeat") = 5)
       .def("set_rule", &TreeCore::set_rule, py::arg("thresholds"), py::arg("use_mean"), py::arg("q"),
-           py::arg("move_cost"), py::arg("overrun"), py::arg("condition"), py::arg("prompt_first"))
+           py::arg("overrun"), py::arg("condition"), py::arg("prompt_first"))
       .def("set_scaling", &TreeCore::set_scaling, py::arg("drift"), py::arg("rate"), py::arg("has_ref"),
            py::arg("ref"), py::arg("past_ok"), py::arg("growth"), py::arg("growth_exp"))
       .def("scale", &TreeCore::scale, py::arg("prompt"), py::arg("step"), py::arg("depth"), py::arg("ctx"),

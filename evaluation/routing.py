@@ -8,8 +8,9 @@ Builds the prefix tree (and trains the predictor) from --train, then replays --e
 the visibility rule of docs/trace-format.md: a trajectory sees the training traces and the
 evaluated trajectories of earlier steps, never those of its own step. Prints, per policy, the metrics
 defined there. --cmlfq sets the switches of the cmlfq row; --variant adds a C-MLFQ row with other switches (CMLFQConfig fields), e.g.
-`--variant paper:center=none,move_cost=0`. C-MLFQ runs in auto mode unless a tuned switch is set (or
-auto=false); --auto-log prints what it chose at each step boundary.
+`--variant paper:center=none,start_lookup=false`. C-MLFQ runs in auto mode unless a tuned switch is set (or
+auto=false); --auto-log prints what it chose at each step boundary. Moves are not priced here (a replay of
+lengths has no servers; the simulator and the live router price them, docs/cmlfq.md).
 """
 
 from __future__ import annotations
@@ -140,13 +141,34 @@ def start_references(train, evals, buckets: list[int]) -> tuple[float, float]:
     return (fresh / n, causal / n) if n else (0.0, 0.0)
 
 
+def parse_price(text: str, n_buckets: int):
+    """--price CLUSTER:MODEL:TP,TP,... (cost presets and one TP per bucket) -> a MigrationPricer."""
+    from areal_libra.cmlfq import MigrationPricer
+    from areal_libra.cost import PresetError, load_cluster, load_model
+
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise UsageError(f"--price {text!r}: expected CLUSTER:MODEL:TP,TP,... (e.g. a800x48:qwen3-14b:1,2,4)")
+    try:
+        tps = [int(t) for t in parts[2].split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--price {text!r}: the TPs must be integers") from None
+    if len(tps) != n_buckets:
+        raise UsageError(f"--price {text!r}: {len(tps)} TPs for {n_buckets} buckets")
+    try:
+        return MigrationPricer(load_cluster(parts[0]).hardware, load_model(parts[1]), tps)
+    except (PresetError, OSError) as e:
+        raise UsageError(f"--price {text!r}: {e}") from None
+
+
 def evaluate(train, evals, buckets: list[int], policies: list[tuple[str, str, dict]],
-             auto_log: dict | None = None) -> dict:
+             auto_log: dict | None = None, pricer=None) -> dict:
     """Metrics per row; auto_log (if given) receives, per C-MLFQ row in auto mode, every choice it made
-    (the first at the end of --train, then one after each scored step; the last one is never used)."""
+    (the first at the end of --train, then one after each scored step; the last one is never used).
+    pricer: C-MLFQ's migration price (--price); None: moves are not priced."""
     out = {}
     for label, name, switches in policies:
-        pol = make_policy(name, buckets, **switches)
+        pol = make_policy(name, buckets, **switches, **({"pricer": pricer} if name == "cmlfq" else {}))
         pol.fit(train)
         m = replay(pol, evals)
         out[label] = {k: getattr(m, k) for k in METRICS}
@@ -164,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cmlfq", default="", help="switches of the cmlfq row, key=value,... (CMLFQConfig fields)")
     ap.add_argument("--variant", action="append", default=[], help="extra C-MLFQ row NAME:key=value,...")
     ap.add_argument("--skip-bad", action="store_true", help="skip malformed trace lines (counted on stderr)")
+    ap.add_argument("--price", default="", metavar="CLUSTER:MODEL:TP,...",
+                    help="price C-MLFQ's moves with the Cost Evaluator for servers of these TPs (one per bucket; "
+                         "no load in a replay: a balanced, busy fleet), e.g. a800x48:qwen3-14b:1,2,4")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--auto-log", action="store_true",
                     help="also print what C-MLFQ's auto mode chose at each step boundary (JSON: key 'auto')")
@@ -188,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         if stats.get("bad_lines"):
             print(f"routing: skipped {stats['bad_lines']} malformed trace lines", file=sys.stderr)
         chosen: dict | None = {} if args.auto_log else None
-        result = evaluate(train, evals, buckets, rows, chosen)
+        pricer = parse_price(args.price, len(buckets)) if args.price else None
+        result = evaluate(train, evals, buckets, rows, chosen, pricer)
     except (UsageError, TraceError, ValueError) as e:
         print(f"routing: {e}", file=sys.stderr)
         return 2

@@ -151,11 +151,11 @@ class PyTreeCore:
         return mean, p90, node.count, node.depth, True, pq
 
     # --- the C-MLFQ bucket rule (documented in policy.py; csrc/prefix_tree.cpp mirrors it) ---
-    def set_rule(self, thresholds: list[float], use_mean: bool, q: float, move_cost: float, overrun: bool,
+    def set_rule(self, thresholds: list[float], use_mean: bool, q: float, overrun: bool,
                  condition: bool, prompt_first: bool) -> None:
         if not thresholds:
             raise ValueError("need at least one bucket threshold")
-        self.rule = (list(thresholds), use_mean, q, move_cost, overrun, condition, prompt_first)
+        self.rule = (list(thresholds), use_mean, q, overrun, condition, prompt_first)
 
     def set_scaling(self, drift: bool, rate: float, has_ref: bool, ref: int, past_ok: bool,
                     growth: GrowthTable | None, growth_exp: float) -> None:
@@ -171,8 +171,9 @@ class PyTreeCore:
         return scale
 
     def decide(self, prompt: str, ids: list[int], ctx: int, dctx: list[int], current: int, placing: bool,
-               step: int, depth: int, prompt_tokens: int) -> tuple[int, bool]:
-        th, use_mean, q, move_cost, overrun, condition, prompt_first = self.rule
+               step: int, depth: int, prompt_tokens: int) -> tuple[int, bool, float]:
+        """(bucket, from_global, predicted remaining length past ctx in the request's tokens: the mean's)."""
+        th, use_mean, q, overrun, condition, prompt_first = self.rule
         scale = self.scale(prompt, step, depth, ctx, prompt_tokens) if self.scaling[0] or self.scaling[5] else 1.0
         if not scale > 0:
             raise ValueError("scale must be > 0")
@@ -187,20 +188,19 @@ class PyTreeCore:
         mean, p90, count, depth, from_global, pq = self.lookup(prompt, ids, 0.5 if use_mean else q, floors,
                                                                prompt_first and cond)
         if count == 0:
-            return current, from_global
+            return current, from_global, 0.0
         # Predicted final length = context at the node's decision point + its remaining length.
         base = float(dctx[depth] if cond else ctx)
+        remaining = max(0.0, (base + mean) - float(ctx)) * scale
         b_center = min(bisect_left(th, base + (mean if use_mean else float(pq))), last)
         if placing:
-            return b_center, from_global
+            return b_center, from_global, remaining
         target = current
         if b_center == min(bisect_left(th, base + float(p90)), last):
             target = b_center
         elif overrun and float(ctx) > th[current]:
             target = b_center
-        if target != current and move_cost > 0 and (base + mean) - float(ctx) < move_cost * float(ctx):
-            target = current
-        return target, from_global
+        return target, from_global, remaining
 
     def _drop(self, node: _Node) -> None:
         stack = [node]

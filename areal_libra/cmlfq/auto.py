@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # replay imports policy, which imports this module
 
 # The switches auto chooses; the grid is the product of these values (a pinned switch keeps its value).
 TREE_GRID: dict[str, tuple] = {"state_key": ("tool,size,status", ""), "drift": (False, True), "window": (200, 50)}
-RULE_GRID: dict[str, tuple] = {"center": (0.3, 0.5, None), "move_cost": (0.05, 0.5), "overrun": (False, True),
-                               "growth": (0.0, 0.5)}
+# (No move-cost switch: whether a move pays for its re-prefill is priced by the Cost Evaluator, not tuned.)
+RULE_GRID: dict[str, tuple] = {"center": (0.3, 0.5, None), "overrun": (False, True), "growth": (0.0, 0.5)}
 TUNED = tuple(TREE_GRID) + tuple(RULE_GRID)
 MIGRATION_CAP = 0.9  # eligible: validated migrated token ratio < this x MLFQ's (or none migrated): a margin, as
 # validation runs on other steps than the ones routed next
@@ -130,10 +130,11 @@ def folds(history: dict[int, list[Trajectory]], steps: int) -> list[tuple[list[T
 class _Fold:
     """One fold: the held-out decision points, and the candidate trees built from its training part."""
 
-    def __init__(self, buckets: tuple[int, ...], base, train: list[Trajectory], held: list[Trajectory]):
+    def __init__(self, buckets: tuple[int, ...], base, train: list[Trajectory], held: list[Trajectory],
+                 pricer=None):
         from areal_libra.cmlfq.replay import decision_points
 
-        self.buckets, self.base, self.train = buckets, base, train
+        self.buckets, self.base, self.train, self.pricer = buckets, base, train, pricer
         self.cases = [(t, decision_points(t)) for t in held]
         self._trees: dict[tuple, object] = {}
 
@@ -144,8 +145,8 @@ class _Fold:
         pol = self._trees.get(key)
         if pol is None:
             # growth > 0 while building so that the growth table exists; its exponent is set per rule.
-            cfg = replace(self.base, auto=False, mlfq_at="", growth=0.5, tree_path=None, **tree_sw)
-            pol = CMLFQPolicy(self.buckets, cfg)
+            cfg = replace(self.base, auto=False, mlfq_at="", growth=0.5, tree_path=None, fallback=False, **tree_sw)
+            pol = CMLFQPolicy(self.buckets, cfg, pricer=self.pricer)
             pol.fit(self.train)
             if pol.drift is not None:
                 pol.drift.past_ok = True  # a held-out step may lie before the training steps
@@ -207,9 +208,10 @@ def _grid(grid: dict[str, tuple], pinned: dict) -> list[dict]:
 
 
 def choose(history: dict[int, list[Trajectory]], buckets: Sequence[int], base, pinned: dict | None = None,
-           steps: int = 3, sample: int = 192, train_cap: int = 512) -> AutoChoice | None:
+           steps: int = 3, sample: int = 192, train_cap: int = 512, pricer=None) -> AutoChoice | None:
     """Pick the switches for the next step (module docstring). `base`: the policy's CMLFQConfig (its
-    untuned fields are kept); `pinned`: switches the caller fixed. None when nothing can be validated.
+    untuned fields are kept); `pinned`: switches the caller fixed; `pricer`: the policy's migration price
+    (the candidates are validated with it). None when nothing can be validated.
 
     The grid is walked in two stages to stay cheap: every rule setting (RULE_GRID) on the first tree of
     TREE_GRID; then the TOP_RULES best rules on each other value of the tree switches (state_key, drift,
@@ -221,7 +223,7 @@ def choose(history: dict[int, list[Trajectory]], buckets: Sequence[int], base, p
     if not pairs:
         return None
     th = tuple(buckets)
-    fs = [_Fold(th, base, subsample(tr, train_cap * max(1, len(pairs) - 1)), subsample(ho, sample))
+    fs = [_Fold(th, base, subsample(tr, train_cap * max(1, len(pairs) - 1)), subsample(ho, sample), pricer)
           for tr, ho in pairs]
     m_acc, m_mig = _metrics([_score(MLFQPolicy(th), f) for f in fs])
     cap = MIGRATION_CAP * m_mig

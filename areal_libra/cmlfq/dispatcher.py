@@ -88,6 +88,15 @@ class Dispatcher:
                          "spills": 0}
         if isinstance(policy, LeastLoadedPolicy) and policy.load_fn is None:
             policy.load_fn = self._group_loads
+        if hasattr(policy, "fallback_active") and policy.load_fn is None:
+            policy.load_fn = self._gpu_loads  # C-MLFQ's least-loaded fallback and its move price
+        self._set_bucket_gpus()
+
+    def _set_bucket_gpus(self) -> None:
+        """Healthy GPUs per group: the shares C-MLFQ's fallback verdict compares its accuracy with."""
+        if hasattr(self.policy, "bucket_gpus"):
+            self.policy.bucket_gpus = [sum(1 for a in g.addresses if a not in self._unhealthy) * max(1, g.tp)
+                                       for g in self.groups]
 
     def _group_loads(self) -> list[float]:
         out = []
@@ -235,6 +244,7 @@ class Dispatcher:
 
     def end_step(self) -> None:
         with self._lock:
+            self._set_bucket_gpus()
             end = getattr(self.policy, "end_step", None)
             if end is not None:
                 end()
@@ -243,6 +253,10 @@ class Dispatcher:
         with self._lock:
             out = dict(self.counters)
             out["active_trajectories"] = len(self._traj)
+            if hasattr(self.policy, "fallback_active"):  # C-MLFQ: decisions routed, and by its fallback
+                out["cmlfq_decisions"] = self.policy.routed_decisions
+                out["fallback_decisions"] = self.policy.fallback_decisions
+                out["fallback_active"] = int(self.policy.fallback_active)
             out["unhealthy"] = len(self._unhealthy)
             for g in self.groups:
                 out[f"inflight/{g.name}"] = sum(self._inflight[a] for a in g.addresses)

@@ -232,6 +232,69 @@ class PredictorPolicy(_Base):
             self._refit()
 
 
+# Fewest scored decisions before the fallback judges C-MLFQ: the standard error of a measured accuracy is at
+# most sqrt(0.25 / n), 0.05 at n = 100 (a statistical floor, not a setting fitted to any workload).
+FALLBACK_MIN_DECISIONS = 100
+# C-MLFQ keeps deciding only while its accuracy exceeds the fallback's by this many standard errors (the
+# conventional one-sided ~98% bound): every move and every placement away from the least-loaded bucket costs
+# something, so the burden of proof is on C-MLFQ.
+FALLBACK_Z = 2.0
+
+
+class DecisionAccuracy:
+    """C-MLFQ's measured decision accuracy over its most recent scored decisions (a decision is right when it
+    chose the bucket of the trajectory's final length), against the accuracy its fallback reaches on the
+    same trajectories. Least-loaded routing ignores lengths: it fills bucket b with a share q_b of the
+    requests (its share of the GPUs, as it balances load per GPU), so it is right with probability
+    sum_b q_b x p_b, p_b the share of decisions whose true bucket is b. Without the shares, q_b is C-MLFQ's
+    own share of choices (Cohen's chance agreement). `low()`: C-MLFQ's accuracy does not exceed that by
+    FALLBACK_Z standard errors, so its moves and placements buy nothing the fallback would not.
+
+    kinds[b]: what the servers of bucket b are (their TP, when the policy knows it): buckets of the same kind
+    are the same hardware, so a decision is right when it chose a bucket of the right kind (default: every
+    bucket its own kind)."""
+
+    def __init__(self, n_buckets: int, window: int, kinds: Sequence[int] | None = None) -> None:
+        if window < 1:
+            raise ValueError(f"fallback_window must be >= 1, got {window}")
+        names = list(range(n_buckets)) if kinds is None else list(kinds)
+        if len(names) != n_buckets:
+            raise ValueError(f"{len(names)} bucket kinds for {n_buckets} buckets")
+        order = sorted(set(names), key=names.index)
+        self.kind = [order.index(k) for k in names]  # bucket -> kind index
+        self.n = len(order)
+        self.scored: deque[tuple[int, int]] = deque(maxlen=window)  # (chosen, true) kinds, oldest first
+
+    def add(self, chosen: int, true: int) -> None:
+        """A scored decision: the bucket chosen and the bucket of the final length."""
+        self.scored.append((self.kind[chosen], self.kind[true]))
+
+    def stats(self, shares: Sequence[float] | None = None) -> tuple[int, float, float]:
+        """(decisions scored, measured accuracy, the fallback's accuracy on them): shares[b] = the share of
+        requests the fallback puts in bucket b (None: C-MLFQ's own shares)."""
+        n = len(self.scored)
+        if n == 0:
+            return 0, 0.0, 0.0
+        chosen, true = [0] * self.n, [0] * self.n
+        right = 0
+        for c, t in self.scored:
+            chosen[c] += 1
+            true[t] += 1
+            right += c == t
+        if shares is None or len(shares) != len(self.kind) or not sum(shares) > 0:
+            q = [c / n for c in chosen]
+        else:
+            q = [0.0] * self.n
+            for b, x in enumerate(shares):
+                q[self.kind[b]] += max(0.0, float(x)) / sum(shares)
+        return n, right / n, sum(a * b / n for a, b in zip(q, true))
+
+    def low(self, shares: Sequence[float] | None = None) -> bool:
+        n, acc, base = self.stats(shares)
+        # Before FALLBACK_MIN_DECISIONS nothing is measured yet: no verdict (C-MLFQ decides).
+        return n >= FALLBACK_MIN_DECISIONS and acc <= base + FALLBACK_Z * math.sqrt(acc * (1.0 - acc) / n)
+
+
 @dataclass
 class CMLFQConfig:
     min_samples: int = 4  # a node needs this many samples before it is trusted
@@ -242,9 +305,9 @@ class CMLFQConfig:
     rebuild_every: int = 0  # rebuild the tree every N inserted trajectories (0: never)
     rebuild_window: int = 5000  # ...from this many most recent trajectories
     online_siblings: bool = False  # insert finished trajectories at once (siblings of a running prompt see them)
-    # The two defaults below were chosen on PolyTrace Search-R1 steps 0-1 -> 2 (README "cmlfq"); the paper's
-    # rule is center=None, move_cost=0.
-    move_cost: float = 0.05  # migrate only if predicted remaining length >= move_cost * context (0: off)
+    # The default below was chosen on PolyTrace Search-R1 steps 0-1 -> 2 (README "cmlfq"); the paper's rule
+    # is center=None. Whether a move pays for its re-prefill is priced by the Cost Evaluator
+    # (cmlfq/migration.py) when the policy knows its buckets' servers (`pricer`).
     overrun: bool = False  # when the context already overruns the bucket and mean/P90 disagree, go by the mean
     center: float | None = 0.3  # what must agree with the P90: None = the mean (paper), or a quantile q
     # Place the start by the centre estimate of the prompt's root (paper: always start shortest). Placing
@@ -268,7 +331,7 @@ class CMLFQConfig:
     # At a tool return, scale the node's remaining lengths by (this request's growth past its prompt /
     # the prompt's typical growth at the same depth) ** growth (0: off). Per-sample persistence.
     growth: float = 0.0
-    # Auto mode (scheduler/auto.py): at each step boundary choose center, move_cost, overrun, growth,
+    # Auto mode (scheduler/auto.py): at each step boundary choose center, overrun, growth,
     # state_key, drift and window by leave-one-step-out validation on the visible steps, and let MLFQ decide
     # in the regions (depth, overrun) where its decisions validate better. None = on unless one of those
     # switches is set away from its default (explicit settings then run as given); True with explicit
@@ -285,24 +348,50 @@ class CMLFQConfig:
     auto_background: bool = False
     backend: str = "auto"
     tree_path: str | None = None  # load this tree file (empty tree + warning if it is missing or broken)
+    # Least-loaded fallback (module `Fallback`): route least-loaded inside the buckets, without moves, while
+    # the measured decision accuracy is not above a length-blind router's. Off for a replay of lengths
+    # (nothing is loaded there); the simulator and the live router turn it on.
+    fallback: bool = False
+    fallback_window: int = 2000  # decisions of recently finished trajectories the accuracy is measured on
 
 
 class CMLFQPolicy(_Base):
     """C-MLFQ: start in the shortest bucket; at each tool return look up the deepest matching node of the
     causal prefix tree and migrate only when the buckets of context + mean remaining and of context + P90
-    remaining agree and differ from the current bucket."""
+    remaining agree and differ from the current bucket, and (with a `pricer`, cmlfq/migration.py) the decode
+    GPU time the predicted remaining length saves on the target exceeds the re-prefill's. With
+    `fallback` on, it routes least-loaded inside the buckets (no moves) while its measured decision accuracy
+    is not above chance (DecisionAccuracy), still deciding in the shadow so it can earn its way back.
+
+    pricer: a MigrationPricer for these buckets (None: moves are not priced, e.g. a replay of lengths with
+    no servers). load_fn: requests (running and queued) per GPU of each bucket, read by the fallback and the
+    price (None: the fallback counts its own placements, the price takes the servers as full)."""
 
     name = "cmlfq"
 
     def __init__(self, buckets: Sequence[int | Bucket], config: CMLFQConfig | None = None,
-                 tree: PrefixTree | None = None, **switches) -> None:
+                 tree: PrefixTree | None = None, pricer=None, load_fn: Callable[[], Sequence[float]] | None = None,
+                 **switches) -> None:
         super().__init__(buckets)
+        if pricer is not None and len(pricer.tps) != len(self.buckets):
+            raise ValueError(f"the pricer has {len(pricer.tps)} buckets, the policy {len(self.buckets)}")
+        self.pricer = pricer
+        self._ll = LeastLoadedPolicy(self.buckets, load_fn)
+        # GPUs of each bucket (set by the caller that runs the servers): the fallback's placement shares.
+        self.bucket_gpus: Sequence[float] | None = None
+        self.fallback_active = False  # the verdict of the last step boundary
+        self.routed_decisions = 0  # starts and tool returns routed
+        self.fallback_decisions = 0  # ... of which the fallback routed
+        self.priced_out = 0  # moves the tree wanted that did not pay for their re-prefill
+        self._made: dict[str, list[int]] = {}  # C-MLFQ's own decisions per running trajectory (scored at finish)
         cfg = config or CMLFQConfig()
         for k, v in switches.items():
             if not hasattr(cfg, k):
                 raise ValueError(f"unknown cmlfq switch {k!r}")
             setattr(cfg, k, v)
         self.config = cfg
+        self.accuracy = DecisionAccuracy(len(self.buckets), cfg.fallback_window,
+                                         None if pricer is None else pricer.tps)
         self.sizes = SizeClasses(cfg.size_small, cfg.size_medium)
         kw = dict(min_samples=cfg.min_samples, window=cfg.window, max_nodes=cfg.max_nodes, sizes=self.sizes,
                   backend=cfg.backend)
@@ -380,7 +469,7 @@ class CMLFQPolicy(_Base):
         units of the reference level; the core computes each request's multiplier from this state."""
         cfg = self.config
         self._tree.set_rule(self.buckets, cfg.center is None, 0.5 if cfg.center is None else float(cfg.center),
-                            float(cfg.move_cost), bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
+                            bool(cfg.overrun), bool(cfg.condition), bool(cfg.prompt_first))
         self._tree.set_scaling(self.drift, self.growth, float(cfg.growth) if self.growth is not None else 0.0)
 
     # --- learning ---
@@ -427,8 +516,39 @@ class CMLFQPolicy(_Base):
         self._refit_drift()
         self._auto_choose()
 
+    def set_pricer(self, pricer) -> None:
+        """Price moves with `pricer` from now on (the live router learns the cost spec after it starts); the
+        accuracy is then scored per server kind (the pricer's TPs), from scratch if the kinds changed."""
+        if pricer is not None and len(pricer.tps) != len(self.buckets):
+            raise ValueError(f"the pricer has {len(pricer.tps)} buckets, the policy {len(self.buckets)}")
+        self.pricer = pricer
+        acc = DecisionAccuracy(len(self.buckets), self.config.fallback_window, None if pricer is None else pricer.tps)
+        if acc.kind != self.accuracy.kind:
+            self.accuracy = acc
+
+    @property
+    def load_fn(self) -> Callable[[], Sequence[float]] | None:
+        return self._ll.load_fn
+
+    @load_fn.setter
+    def load_fn(self, fn: Callable[[], Sequence[float]] | None) -> None:
+        self._ll.load_fn = fn
+
+    def fallback_fraction(self) -> float | None:
+        """Share of the routed decisions the least-loaded fallback made (None before any decision)."""
+        return self.fallback_decisions / self.routed_decisions if self.routed_decisions else None
+
+    def _score(self, traj: Trajectory) -> None:
+        made = self._made.pop(traj.trajectory_id, None)
+        if made:
+            true = self.bucket_of(traj.final_length)
+            for b in made:
+                self.accuracy.add(b, true)
+
     def finish(self, traj: Trajectory) -> None:
         self._contexts.pop(traj.trajectory_id, None)
+        self._score(traj)
+        self._ll.finish(traj)
         if self.config.online_siblings:
             self._insert(traj)
             return
@@ -444,6 +564,8 @@ class CMLFQPolicy(_Base):
         self._pending = []
         self._refit_drift()
         self._auto_choose()
+        # The fallback verdict for the next step, from the decisions scored so far.
+        self.fallback_active = bool(self.config.fallback) and self.accuracy.low(self.bucket_gpus)
 
     # --- auto mode ---
     def _auto_choose(self) -> None:
@@ -461,7 +583,7 @@ class CMLFQPolicy(_Base):
         self._auto_key = (keep[-1], n)
         cfg = self.config
         args = ({k: list(v) for k, v in self._by_step.items()}, self.buckets, replace(cfg), dict(self._pinned),
-                cfg.auto_steps, cfg.auto_sample, cfg.auto_train)
+                cfg.auto_steps, cfg.auto_sample, cfg.auto_train, self.pricer)
         if not cfg.auto_background:
             self._take_choice(choose(*args))
             return
@@ -546,6 +668,17 @@ class CMLFQPolicy(_Base):
         self._auto_key = None
         self.auto_choice, self.auto_log = old.auto_choice, list(old.auto_log)
         self.tree = old.tree
+        self.inherit_routing(old)
+
+    def inherit_routing(self, old: CMLFQPolicy) -> None:
+        """Carry the measured accuracy, the fallback verdict and the decision counts over a re-plan (the
+        bucket indices of the scored decisions keep their meaning only when the bucket count is the same)."""
+        if old.accuracy.kind == self.accuracy.kind:
+            self.accuracy.scored.extend(old.accuracy.scored)
+            self.fallback_active = old.fallback_active and bool(self.config.fallback)
+        self.routed_decisions += old.routed_decisions
+        self.fallback_decisions += old.fallback_decisions
+        self.priced_out += old.priced_out
 
     def _mlfq_decision(self, req: RequestInfo, current: int) -> int | None:
         """MLFQ's decision when the request's region is one where MLFQ decides, else None."""
@@ -564,10 +697,62 @@ class CMLFQPolicy(_Base):
         predicted final = context at that node's decision point + its remaining length (centre and P90);
         migrate when both land in the same bucket and it differs from the current one (with the
         overrun and move-cost switches); a first placement takes the centre's bucket."""
-        bucket, from_global = self._tree_decide(req, current, placing)  # C++: this is the only call into it
+        bucket, from_global, _ = self._tree_decide(req, current, placing)  # C++: the only call into it
         self.decisions += 1
         self.lookups_from_global += from_global
         return bucket
+
+    def _move(self, req: RequestInfo, current: int) -> int:
+        """The bucket after a tool return: the tree's rule (or MLFQ's in its regions), then the price of the
+        move (cmlfq/migration.py): a move whose re-prefill costs more than the remaining decode saves is not
+        made."""
+        b = self._mlfq_decision(req, current) if self._mlfq_at else None
+        remaining = None
+        if b is None:
+            b, from_global, remaining = self._tree_decide(req, current, False)
+            self.decisions += 1
+            self.lookups_from_global += from_global
+        if b == current or self.pricer is None:
+            return b
+        if remaining is None:  # MLFQ's region: the tree still predicts the remaining length
+            _, _, remaining = self._tree_decide(req, current, False)
+        payload = req.tool_returns[-1].payload_tokens if req.tool_returns else 0
+        loads = self._loads()
+        if not self.pricer.price(req.context_tokens, payload, remaining, current, b, loads).worth:
+            self.priced_out += 1
+            return current
+        return b
+
+    def _loads(self) -> list[float] | None:
+        """Requests per server of each bucket (load_fn gives them per GPU), or None without a load."""
+        fn = self._ll.load_fn
+        return None if fn is None or self.pricer is None else [x * tp for x, tp in zip(fn(), self.pricer.tps)]
+
+    def _priced_start(self, req: RequestInfo, b: int, remaining: float | None, from_global: bool) -> int:
+        """A placement moves nothing, but it loads a bucket: with a price and the buckets' load, the tree's
+        bucket is kept unless the least-loaded bucket would decode the predicted length sooner (the same
+        Cost Evaluator time per token as a move's saving). A prediction from the global root (the prompt has
+        no trusted history) is the same for every such request, so it tells them apart no better than
+        chance: they go to the least-loaded bucket."""
+        loads = self._loads()
+        if loads is None or not remaining:
+            return b
+        ll = min(range(len(loads)), key=lambda i: (loads[i] / self.pricer.tps[i], i))
+        if ll == b or from_global:
+            return ll
+        ctx = req.context_tokens
+        t_b = self.pricer.token_s(b, ctx, remaining, loads[b] + 1.0)
+        t_ll = self.pricer.token_s(ll, ctx, remaining, loads[ll] + 1.0)
+        return ll if t_ll < t_b else b
+
+    def _record(self, trajectory_id: str, bucket: int, first: bool) -> None:
+        made = self._made.get(trajectory_id)
+        if first or made is None:
+            if len(self._made) >= 1_000_000:  # trajectories that never finish (aborted): drop the oldest
+                del self._made[next(iter(self._made))]
+            self._made[trajectory_id] = [bucket]
+        else:
+            made.append(bucket)
 
     def _track(self, req: RequestInfo) -> RequestInfo:
         """Fill in decision_contexts from earlier calls for this trajectory when the caller did not."""
@@ -592,18 +777,34 @@ class CMLFQPolicy(_Base):
             self._poll_auto()
         req = self._track(req)
         if not self.config.start_lookup or (self._mlfq_at and (0, False) in self._mlfq_at):
-            return 0
-        return self._decide(req, 0, True)
+            b, remaining, from_global = 0, None, True
+        else:
+            b, from_global, remaining = self._tree_decide(req, 0, True)
+            self.decisions += 1
+            self.lookups_from_global += from_global
+        b = self._priced_start(req, b, remaining, from_global)
+        self._record(req.trajectory_id, b, True)
+        self.routed_decisions += 1
+        if self.fallback_active:
+            self.fallback_decisions += 1
+            return self._ll.start(req)
+        return b
 
     def tool_return(self, req: RequestInfo, current: int) -> int:
         if self._auto_ready is not None:
             self._poll_auto()
         req = self._track(req)
-        if self._mlfq_at:
-            b = self._mlfq_decision(req, current)
-            if b is not None:
-                return b
-        return self._decide(req, current)
+        self.routed_decisions += 1
+        if self.fallback_active:
+            # Decide in the shadow, from where C-MLFQ would have put the request, so the accuracy keeps
+            # being measured; the request itself stays where the fallback placed it.
+            made = self._made.get(req.trajectory_id)
+            self._record(req.trajectory_id, self._move(req, made[-1] if made else current), False)
+            self.fallback_decisions += 1
+            return current
+        b = self._move(req, current)
+        self._record(req.trajectory_id, b, False)
+        return b
 
     def _masked(self, st: ToolState) -> ToolState:
         tool, size, status = self._mask

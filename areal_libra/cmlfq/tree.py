@@ -160,10 +160,10 @@ class PrefixTree:
         """Raw lookup on pre-interned ids (the policy's fast path)."""
         return self._core.lookup(prompt_id, ids, q, floors or [], prompt_first)
 
-    def set_rule(self, thresholds: Sequence[float], use_mean: bool, q: float, move_cost: float, overrun: bool,
+    def set_rule(self, thresholds: Sequence[float], use_mean: bool, q: float, overrun: bool,
                  condition: bool, prompt_first: bool) -> None:
         """Install the C-MLFQ bucket rule in the core (policy.CMLFQPolicy does this)."""
-        self._rule = (list(map(float, thresholds)), use_mean, q, move_cost, overrun, condition, prompt_first)
+        self._rule = (list(map(float, thresholds)), use_mean, q, overrun, condition, prompt_first)
         self._core.set_rule(*self._rule)
 
     def growth_table(self) -> GrowthTable:
@@ -185,22 +185,23 @@ class PrefixTree:
 
     def decide(self, prompt_id: str, ids: list[int], ctx: int, dctx: Sequence[int], current: int,
                placing: bool = False, step: int = 0, depth: int | None = None, prompt_tokens: int = 0
-               ) -> tuple[int, bool]:
-        """One C-MLFQ decision in the core: (bucket, whether the global subtree answered). The core scales
+               ) -> tuple[int, bool, float]:
+        """One C-MLFQ decision in the core: (bucket, whether the global subtree answered, predicted remaining
+        length past `ctx` in the request's tokens: what the policy's migration price reads). The core scales
         the request (set_scaling: drift level of `step`, growth at `depth` tool returns of its context past
         `prompt_tokens`; depth defaults to len(ids)), then divides the contexts (rounded) and the thresholds
         by that multiplier so the rule runs in the tree's units."""
         return self._core.decide(prompt_id, ids, ctx, dctx, current, placing, step,
                                  len(ids) if depth is None else depth, prompt_tokens)
 
-    def decide_request(self, req, current: int, placing: bool = False) -> tuple[int, bool]:
+    def decide_request(self, req, current: int, placing: bool = False) -> tuple[int, bool, float]:
         """decide() for a policy.RequestInfo: its tool returns mapped to state ids (none when placing),
         growth read at its depth. The C++ core does all of it in one call (request_decider)."""
         ids = [] if placing else self.return_ids(req.tool_returns)
         return self._core.decide(req.prompt_id, ids, req.context_tokens, req.decision_contexts, current, placing,
                                  req.step, len(req.tool_returns), req.prompt_tokens)
 
-    def request_decider(self) -> Callable[[object, int, bool], tuple[int, bool]]:
+    def request_decider(self) -> Callable[[object, int, bool], tuple[int, bool, float]]:
         """decide_request as one callable for the policy's per-decision path: with the C++ core a single
         call into C++ (request fields, return-state cache, scaling, lookup, rule), else the Python path."""
         return self._core.decide_request if self.backend == "cpp" else self.decide_request

@@ -133,10 +133,12 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
     pressure_fn = pressure.take if pressure is not None and elastic is None else None
     script = None
     if elastic is not None and libra.elastic.join_at_step is not None:  # the fixed join/release script
-
         script = ScheduledPolicy(libra.elastic.join_at_step, libra.elastic.release_after,
                                  libra.control.elastic_policy)
-    control = LiveControl(libra.control, plan_source(libra, config, str(config.actor.path)), cluster,
+    src = plan_source(libra, config, str(config.actor.path))
+    if router is not None and hasattr(router, "set_pricing"):  # C-MLFQ prices moves on the planner's spec
+        router.set_pricing(src.cluster.hardware, src.model)
+    control = LiveControl(libra.control, src, cluster,
                           fleet=fleet, elastic_policy=script,
                           profile_steps=libra.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")

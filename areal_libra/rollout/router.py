@@ -105,6 +105,7 @@ class RequestRouter:
         self.placement_log: OrderedDict[str, list[tuple[int, str]]] = OrderedDict()
         self._step = _StepCounters()
         self._totals = _StepCounters()
+        self._fb_seen = (0, 0)  # C-MLFQ decisions and fallback decisions at the last step_metrics
         self._t_step = time.monotonic()
         self._inflight = [0] * len(self.groups)
         self._area = [0.0] * len(self.groups)
@@ -151,11 +152,29 @@ class RequestRouter:
             if tree is not None:
                 switches["tree"] = tree  # a new layout keeps what the tree has learned
         policy = make_policy(cfg.policy, [Bucket(g.max_len, g.tp) for g in groups], **switches)
+        pricing = getattr(self, "_pricing", None)
+        if pricing is not None and hasattr(policy, "set_pricer"):
+            from areal_libra.cmlfq import MigrationPricer
+
+            hw, model = pricing
+            policy.set_pricer(MigrationPricer(hw, model, [g.tp for g in groups], groups[0].max_running))
         return Dispatcher(
             policy,
             [ServerGroup(g.name, g.tp, g.max_len, list(a)) for g, a in zip(groups, addrs)],
             sticky=cfg.sticky,
         )
+
+    def set_pricing(self, hardware, model) -> None:
+        """C-MLFQ prices its moves with the Cost Evaluator on this spec (cost.presets HardwareSpec and
+        ModelSpec: the planner's, areal_libra.live.train) from now on, in this layout and the next ones."""
+        from areal_libra.cmlfq import MigrationPricer
+
+        with self._layout_lock, self.dispatcher.lock:
+            self._pricing = (hardware, model)
+            pol = self.dispatcher.policy
+            if hasattr(pol, "set_pricer"):
+                pol.set_pricer(MigrationPricer(hardware, model, [g.tp for g in self.groups],
+                                               self.groups[0].max_running))
 
     # --- live reconfiguration (areal_libra.rollout.fleet) ---
     def set_layout(self, groups: Sequence[RolloutGroup], addresses: Sequence[Sequence[str]]) -> list[str]:
@@ -172,6 +191,8 @@ class RequestRouter:
         old_policy = self.dispatcher.policy
         tree = getattr(old_policy, "tree", None) if self.config.policy == "cmlfq" else None
         disp = self._make_dispatcher(groups, addrs, tree)
+        if hasattr(disp.policy, "inherit_routing") and hasattr(old_policy, "inherit_routing"):
+            disp.policy.inherit_routing(old_policy)  # measured accuracy, fallback verdict, decision counts
         if tree is None and self.config.policy not in ("cmlfq", "round_robin", "least_loaded"):
             log.warning("router: the %s policy starts with no history in the new layout", self.config.policy)
         new_all = [a for x in addrs for a in x]
@@ -555,6 +576,15 @@ class RequestRouter:
                 mean_load.append(self._area[gi] / dt)
                 self._area[gi] = 0.0
         d = self.dispatcher.metrics()
+        # Share of this step's C-MLFQ decisions its least-loaded fallback made (None: none routed).
+        fb_frac = None
+        if "cmlfq_decisions" in d:
+            last_r, last_f = self._fb_seen
+            dr, df = d["cmlfq_decisions"] - last_r, d["fallback_decisions"] - last_f
+            if dr < 0:  # a policy that did not inherit the counts
+                dr, df = d["cmlfq_decisions"], d["fallback_decisions"]
+            self._fb_seen = (d["cmlfq_decisions"], d["fallback_decisions"])
+            fb_frac = df / dr if dr > 0 else None
         out = {
             "cmlfq/migrations": s.migrations,
             "cmlfq/migrated_tokens": s.migrated_tokens,
@@ -564,6 +594,8 @@ class RequestRouter:
             "cmlfq/routed": s.routed,
             "cmlfq/finished": s.finished,
             "cmlfq/decision_accuracy": s.correct / s.decisions if s.decisions else None,
+            "cmlfq/fallback_fraction": fb_frac,
+            "cmlfq/fallback_active": d.get("fallback_active"),
             "cmlfq/token_accuracy": s.tokens_ok / s.tokens if s.tokens else None,
             "cmlfq/health_down": s.health_down,
             "cmlfq/health_up": s.health_up,

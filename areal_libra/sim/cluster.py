@@ -145,6 +145,8 @@ class Simulation:
         self.staleness_seen: list[int] = []
         self.gen_tokens = 0
         self.migrated_tokens = 0
+        self.route_decisions = 0  # routing decisions of C-MLFQ (starts + tool returns) ...
+        self.fallback_decisions = 0  # ... of which its least-loaded fallback made
         self.total_final = 0
         self.traj_durations: list[float] = []
         self.traj_versions: list[int] = []
@@ -499,6 +501,8 @@ class Simulation:
             "max_staleness": max(self.staleness_seen) if self.staleness_seen else 0,
             "max_lead": self.max_lead,
             "migrated_token_ratio": self.migrated_tokens / max(1, self.total_final),
+            # Share of C-MLFQ's routing decisions its least-loaded fallback made (None: no C-MLFQ routing).
+            "fallback_fraction": self.fallback_decisions / self.route_decisions if self.route_decisions else None,
             "preemptions": sum(s.preemptions for s in self.servers),
         }
 

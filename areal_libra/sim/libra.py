@@ -316,7 +316,7 @@ class SimCluster:
         sim.apply_layout(core, train_changed=True)
         self.units = units
         self._bind_units()
-        sim.set_router(_router_for(sim.layout, opts, sim.router, knobs=self.env.knobs))
+        sim.set_router(_router_for(sim.layout, opts, sim.router, knobs=self.env.knobs, env=self.env))
 
     def pool(self) -> PoolView:
         sim = self.sim
@@ -407,8 +407,30 @@ def _same(a: Layout, b: Layout) -> bool:
     return a.train == b.train and sorted(a.servers) == sorted(b.servers) and a.bucket_limits == b.bucket_limits
 
 
+def bucket_tps(layout: Layout) -> list[int]:
+    """The TP of each routing bucket: the one holding most of the bucket's GPUs (the larger on a tie)."""
+    out = []
+    for b in range(len(layout.bucket_limits)):
+        gpus: dict[int, int] = {}
+        for tp, bb in layout.servers:
+            if bb == b:
+                gpus[tp] = gpus.get(tp, 0) + tp
+        out.append(max(gpus, key=lambda t: (gpus[t], t)) if gpus else 1)
+    return out
+
+
+def migration_pricer(env: Env, layout: Layout):
+    """C-MLFQ's migration price for a layout: the Cost Evaluator on the planner's cluster spec (calibrated
+    like the planner's, never the simulator's truth) and model; None without a cost spec."""
+    if env.cluster is None or env.model is None:
+        return None
+    from areal_libra.cmlfq import MigrationPricer
+
+    return MigrationPricer(planner_cluster(env).hardware, env.model, bucket_tps(layout))
+
+
 def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None,
-                knobs: SimKnobs | None = None) -> Router:
+                knobs: SimKnobs | None = None, env: Env | None = None) -> Router:
     from areal_libra.cmlfq import make_policy
 
     limits = layout.bucket_limits
@@ -420,10 +442,15 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
     tree = getattr(old_pol, "tree", None)
     knobs = knobs or SimKnobs()
     switches = {} if knobs.cmlfq_mode == "auto" else CMLFQ_SWITCHES
-    pol = (make_policy("cmlfq", limits, tree=tree, **switches) if tree is not None
-           else make_policy("cmlfq", limits, backend=TREE_BACKEND, **switches))
+    # Moves priced by the Cost Evaluator; least-loaded inside the buckets while C-MLFQ's measured accuracy
+    # is not above chance (cmlfq/policy.py, cmlfq/migration.py).
+    extra = {"fallback": True, "pricer": migration_pricer(env, layout) if env is not None else None}
+    pol = (make_policy("cmlfq", limits, tree=tree, **switches, **extra) if tree is not None
+           else make_policy("cmlfq", limits, backend=TREE_BACKEND, **switches, **extra))
     if tree is not None and getattr(pol, "auto", False) and hasattr(old_pol, "inherit"):
         pol.inherit(old_pol)  # keep the auto history and switches across a re-plan
+    elif hasattr(old_pol, "inherit_routing"):
+        pol.inherit_routing(old_pol)  # the measured accuracy and the fallback verdict
     if tree is None and fit:
         pol.fit(fit)  # the live system starts from the prefix tree of its profiling traces
     return PolicyRouter(pol, spill_cfg=_spill_cfg(knobs))
@@ -441,4 +468,4 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     ctl = SimLibraControl(LibraController(control_config(knobs), SimPlanSource(env, opts.homogeneous), plan),
                           cluster)
     return SystemSpec(name, core, RunConfig(max_staleness=env.staleness),
-                      lambda lay: _router_for(lay, opts, None, prof, knobs), ctl)
+                      lambda lay: _router_for(lay, opts, None, prof, knobs, env), ctl)

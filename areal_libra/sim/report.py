@@ -88,9 +88,14 @@ def run_many(names: Sequence[str], env: Env, steps: int, log=None) -> tuple[dict
 KEYS = ("tokens_per_s", "mean_step_s", "rollout_busy_frac", "train_busy_frac", "reconfigurations")
 
 
+def _frac(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def table(results: dict, ref: str | None) -> str:
     lines = [f"{'system':24s} {'tokens/s':>10s} {'paper t/s':>10s} {'vs ' + (ref or '-'):>18s} {'of roof':>7s} "
-             f"{'step s':>8s} {'roll busy':>9s} {'train busy':>10s} {'reconf':>6s} {'stale':>5s}"]
+             f"{'step s':>8s} {'roll busy':>9s} {'train busy':>10s} {'reconf':>6s} {'stale':>5s} {'migr':>5s} "
+             f"{'fallbk':>6s}"]
     base = results.get(ref, {}).get("tokens_per_s") if ref else None
     for n, r in results.items():
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
@@ -98,7 +103,7 @@ def table(results: dict, ref: str | None) -> str:
         paper = f"{r['paper_tokens_per_s']:.0f}" if "paper_tokens_per_s" in r else "-"
         lines.append(f"{n:24s} {r['tokens_per_s']:10.0f} {paper:>10s} {rel:>18s} {roof:>7s} {r['mean_step_s']:8.1f} "
                      f"{r['rollout_busy_frac']:9.2f} {r['train_busy_frac']:10.2f} {r['reconfigurations']:6d} "
-                     f"{r['max_staleness']:5d}")
+                     f"{r['max_staleness']:5d} {r.get('migrated_token_ratio', 0.0):5.2f} {_frac(r.get('fallback_fraction')):>6s}")
     return "\n".join(lines)
 
 
@@ -193,6 +198,8 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
               "paper's unit, input + output tokens of the trained trajectories per second, whole cluster")
         print("of roof: tokens/s as a fraction of the run's roofline bound (every GPU at the hardware truth's "
               "limit, perfect balance; areal_libra/sim/roofline.py)")
+        print("migr: migrated token ratio (re-prefilled context / final tokens); fallbk: share of C-MLFQ's routing "
+              "decisions made by its least-loaded fallback (-: no C-MLFQ routing)")
     if args.plot:
         plot(args.plot, f"{wname} on {args.cluster}", results, sims)
     return 0

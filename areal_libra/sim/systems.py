@@ -109,6 +109,14 @@ class PolicyRouter(Router):
 
     def bind(self, sim) -> None:
         self.sim = sim
+        if hasattr(self.policy, "fallback_active") and self.policy.load_fn is None:
+            self.policy.load_fn = self._loads  # C-MLFQ's fallback and price read the buckets' load per GPU
+
+    def _count(self) -> None:
+        """One routing decision by C-MLFQ: the simulation counts how many its fallback made."""
+        if self.sim is not None and hasattr(self.policy, "fallback_active"):
+            self.sim.route_decisions += 1
+            self.sim.fallback_decisions += bool(self.policy.fallback_active)
 
     def _loads(self) -> list[float]:
         n = self.n_buckets
@@ -133,18 +141,26 @@ class PolicyRouter(Router):
                           step=req.start_version)
 
     def start(self, req: SimRequest) -> int:
+        self._count()
         return self._spill(self.policy.start(self._req(req, req.traj.prompt_tokens)))
 
     def tool_return(self, req: SimRequest) -> int:
         payload = req.tool_state[-1].payload_tokens if req.tool_state else 0
         # After a re-plan with fewer buckets, a request may still sit on a bucket index that is gone.
         cur = min(req.bucket, self.n_buckets - 1)
+        self._count()
         return self._spill(self.policy.tool_return(self._req(req, req.ctx + payload), cur), cur)
 
     def finish(self, req: SimRequest) -> None:
         self.policy.finish(req.traj)
 
     def end_step(self) -> None:
+        if hasattr(self.policy, "bucket_gpus") and self.sim is not None:
+            gpus = [0.0] * self.n_buckets  # the fallback's placement shares (C-MLFQ's fallback verdict)
+            for s in self.sim.servers:
+                if s.bucket < self.n_buckets and not s.retired:
+                    gpus[s.bucket] += s.tp
+            self.policy.bucket_gpus = gpus
         fn = getattr(self.policy, "end_step", None)
         if fn is not None:
             fn()

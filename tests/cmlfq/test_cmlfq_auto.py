@@ -32,12 +32,12 @@ def _split(trajs, first_eval_step):
 def test_auto_is_the_default_and_explicit_switches_still_run_as_given():
     assert make_policy("cmlfq", HEAVY_BUCKETS).auto
     assert make_policy("cmlfq", HEAVY_BUCKETS, min_samples=2, start_lookup=False).auto  # untuned switches
-    fixed = make_policy("cmlfq", HEAVY_BUCKETS, center=0.5, move_cost=0.5)
+    fixed = make_policy("cmlfq", HEAVY_BUCKETS, center=0.5, overrun=True)
     assert not fixed.auto and fixed.config.center == 0.5
     assert not make_policy("cmlfq", HEAVY_BUCKETS, auto=False).auto
     train, _ = _split(heavy_tail_trace(steps=3, per_step=120), 3)
     fixed.fit(train)
-    assert fixed.auto_choice is None and (fixed.config.center, fixed.config.move_cost) == (0.5, 0.5)
+    assert fixed.auto_choice is None and (fixed.config.center, fixed.config.overrun) == (0.5, True)
     pinned = make_policy("cmlfq", HEAVY_BUCKETS, auto=True, center=0.5, state_key="")
     pinned.fit(train)
     assert pinned.auto_choice is not None

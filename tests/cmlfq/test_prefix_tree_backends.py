@@ -60,8 +60,8 @@ AUTO_SWITCHES = {"auto": False, "drift": True, "growth": 0.5, "window": 50, "sta
 @pytest.mark.parametrize("switches", [
     {"auto": False}, {}, AUTO_SWITCHES,
     {**AUTO_SWITCHES, "online_siblings": True, "center": None, "overrun": True},
-    {"center": None, "move_cost": 0.0, "overrun": True, "state_key": "status"},
-    {"center": 0.5, "move_cost": 0.5, "overrun": True, "state_key": "", "drift": True, "growth": 0.5},
+    {"center": None, "overrun": True, "state_key": "status"},
+    {"center": 0.5, "overrun": True, "state_key": "", "drift": True, "growth": 0.5},
     {"auto": False, "growth": 0.5, "window": 50, "condition": False, "prompt_first": False},
 ])
 def test_policy_decisions_agree_between_backends(trajs, switches):
@@ -84,7 +84,8 @@ def test_policy_decisions_agree_between_backends(trajs, switches):
     assert seen["python"] == seen["cpp"]
     assert len(set(seen["cpp"][:-1])) > 1  # the decisions are not all the same bucket
     if switches == {}:
-        assert seen["cpp"][-1]["switches"]["drift"] or seen["cpp"][-1]["switches"]["growth"]  # the path tested
+        # Auto chose (and both cores chose alike); the drift/growth paths are the explicit switch sets below.
+        assert seen["cpp"][-1] is not None and seen["cpp"][-1]["folds"] > 0
 
 
 def test_request_scale_agrees_between_backends(trajs):
@@ -135,7 +136,7 @@ def test_return_state_cache_follows_the_tree(trajs):
     freed: no reference cycle through the core)."""
     trees = {b: PrefixTree(backend=b) for b in ("python", "cpp")}
     for tree in trees.values():
-        tree.set_rule([1536, 3072, 7168], False, 0.3, 0.0, False, True, True)
+        tree.set_rule([1536, 3072, 7168], False, 0.3, False, True, True)
         tree.set_scaling(None, None, 0.0)
     cc = trees["cpp"]
     calls = []
@@ -182,7 +183,7 @@ def test_return_state_cache_follows_the_tree(trajs):
     assert decide_all() != rebuilt or len(calls) > 2
     # The core's own resolver is held weakly: a dropped tree is freed (no cycle through the core).
     tree = PrefixTree(backend="cpp")
-    tree.set_rule([1536, 3072, 7168], False, 0.3, 0.0, False, True, True)
+    tree.set_rule([1536, 3072, 7168], False, 0.3, False, True, True)
     tree.set_scaling(None, None, 0.0)
     tree.insert(train[0])
     tree.request_decider()(first, 0, False)

@@ -134,7 +134,7 @@ def test_dispatcher_makes_the_replays_decisions_on_real_traces():
         oracle = pol.bucket_of(t.final_length)
         ctx, model, tools = t.prompt_tokens, 0, []
         for turn, seg in enumerate(t.segments):
-            addr = d.route({"trajectory_id": t.trajectory_id, "prompt_id": t.prompt_id, "turn": turn,
+            addr = d.route({"trajectory_id": t.trajectory_id, "prompt_id": t.prompt_id, "turn": turn, "step": t.step,
                             "prompt_tokens": t.prompt_tokens, "context_tokens": ctx, "model_tokens": model,
                             "tool_returns": [{"name": r.name, "payload_tokens": r.payload_tokens,
                                               "status": r.status} for r in tools]})
@@ -146,7 +146,12 @@ def test_dispatcher_makes_the_replays_decisions_on_real_traces():
             if seg.tool is not None:
                 ctx += seg.tool.payload_tokens
                 tools.append(seg.tool)
-        if t.segments[-1].tool is not None:  # a decision after the last tool return, never routed
+        if t.segments[-1].tool is not None:  # a decision after the last tool return: the replay makes it too
+            addr = d.route({"trajectory_id": t.trajectory_id, "prompt_id": t.prompt_id, "turn": len(t.segments),
+                            "step": t.step, "prompt_tokens": t.prompt_tokens, "context_tokens": ctx,
+                            "model_tokens": model,
+                            "tool_returns": [{"name": r.name, "payload_tokens": r.payload_tokens,
+                                              "status": r.status} for r in tools]})
             decisions += 1
             correct += int(addr[1:]) == oracle
     for t in evals:

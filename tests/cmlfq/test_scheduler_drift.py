@@ -128,8 +128,8 @@ def test_growth_moves_a_fast_growing_sample_up():
     hist = [traj(f"h{j}", "q", 0, 50, [100, 1000]) for j in range(6)]
     fast = RequestInfo("f", "q", 50, 50 + 700 + 100, 700, (ToolReturn("search", 100, "success"),), 1, None,
                        (50, 850))
-    plain = _fit(make_policy("cmlfq", B, center=0.5, min_samples=1, move_cost=0), hist)
-    grow = _fit(make_policy("cmlfq", B, center=0.5, min_samples=1, move_cost=0, growth=1.0), hist)
+    plain = _fit(make_policy("cmlfq", B, center=0.5, min_samples=1), hist)
+    grow = _fit(make_policy("cmlfq", B, center=0.5, min_samples=1, growth=1.0), hist)
     assert plain.tool_return(fast, 1) == 1
     assert grow.tool_return(fast, 1) == 2
     # A sample growing like its siblings is left alone by either.

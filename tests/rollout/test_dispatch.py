@@ -463,3 +463,35 @@ def test_set_layout_switches_placement_keeps_the_tree_and_drains_retired_servers
     assert set(router.health.addresses) == {keep, "127.0.0.1:7"}
     with pytest.raises(ValueError, match="still in the layout"):
         router.forget([keep])
+
+
+def test_fallback_fraction_is_reported_and_a_wrong_cmlfq_falls_back_to_least_loaded() -> None:
+    from areal_libra.cmlfq.policy import FALLBACK_MIN_DECISIONS
+
+    router = make_router()
+    teach(router)  # a successful calc return -> long answer
+    m = router.step_metrics()
+    assert m["cmlfq/fallback_fraction"] is None and m["cmlfq/fallback_active"] == 0  # nothing routed yet
+    # Now every trajectory ends short after a successful call: C-MLFQ moves each to "long", wrongly.
+    n = FALLBACK_MIN_DECISIONS // 2 + 1
+    for i in range(n):
+        a0, a1 = run_turns(router, f"w{i}", "success")
+        assert router.group_of[a1] == 1  # moved to the long group
+        router.on_trajectory(traj(f"w{i}", "success", 2, step=1))
+    m = router.step_metrics()  # the step boundary scores them: accuracy 1/2, the fallback's 1/2 too
+    assert m["cmlfq/fallback_fraction"] == 0.0 and m["cmlfq/fallback_active"] == 1
+    a0, a1 = run_turns(router, "x", "success")
+    assert a1 == a0  # least-loaded inside the groups, no move
+    m = router.step_metrics()
+    assert m["cmlfq/fallback_fraction"] == 1.0 and m["cmlfq/migrations"] == 0
+
+
+def test_set_pricing_installs_the_cost_evaluators_price_in_this_and_the_next_layout() -> None:
+    from areal_libra.cost import load_cluster, load_model
+
+    router = make_router()
+    assert router.dispatcher.policy.pricer is None
+    router.set_pricing(load_cluster("a800x48").hardware, load_model("qwen3-14b"))
+    assert router.dispatcher.policy.pricer.tps == (1, 2)
+    router.set_layout([SHORT, LONG], ADDRS)
+    assert router.dispatcher.policy.pricer.tps == (1, 2)

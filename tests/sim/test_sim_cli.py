@@ -61,3 +61,19 @@ def test_malformed_trace_names_file_and_line(tmp_path):
     p = _run("throughput.py", "--workload", str(bad), "--steps", "2")
     assert p.returncode == 2
     assert "bad.jsonl:1" in p.stderr and "gen_tokens" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_ablation_reports_migrated_tokens_and_fallback_fraction_per_rung():
+    args = ("--workload", "search_r1", "--cluster", "a800x48", "--steps", "3", "--batch-prompts", "4",
+            "--systems", "+hetero_tp", "+cmlfq")
+    p = _run("ablation.py", *args, "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)["systems"]
+    # +hetero_tp routes least-loaded: C-MLFQ decides nothing there and nothing migrates.
+    assert out["+hetero_tp"]["fallback_fraction"] is None and out["+hetero_tp"]["migrated_token_ratio"] == 0
+    assert 0 <= out["+cmlfq"]["fallback_fraction"] <= 1 and out["+cmlfq"]["migrated_token_ratio"] >= 0
+    text = _run("ablation.py", *args)
+    assert text.returncode == 0, text.stderr
+    head, hetero, cmlfq = text.stdout.splitlines()[1:4]
+    assert head.split()[-2:] == ["migr", "fallbk"]
+    assert hetero.split()[-1] == "-" and cmlfq.split()[-1] == f"{out['+cmlfq']['fallback_fraction']:.2f}"
