@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from areal_libra.models.shape import TINY_QWEN2, Qwen2Shape
 from areal_libra.models.warmup import WarmupConfig
 
 BUILD_INFO = "build_info.json"  # written last: its presence marks a complete build
@@ -26,13 +27,8 @@ FORMAT_VERSION = 2  # bump when the build recipe changes in a way the config doe
 @dataclass(frozen=True)
 class TinyModelConfig:
     name: str = "tiny-qwen2-math"
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 1024
-    vocab_size: int = 512  # BPE vocabulary target; the model's table is rounded up to a multiple of 64
+    # vocab_size is the BPE vocabulary target; the model's table is the tokenizer's size rounded up to 64
+    shape: Qwen2Shape = TINY_QWEN2
     tokenizer_corpus_problems: int = 2000
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     probe_episodes: int = 256  # sampled-success probe after the warm-up (0: skip)
@@ -48,6 +44,12 @@ class TinyModelConfig:
 
     def digest(self, seed: int) -> str:
         cfg = asdict(self)
+        # The digest predates Qwen2Shape: its fields are keyed as the flat fields they were, so cached
+        # builds stay valid (the builder always tied the embeddings).
+        shape = cfg.pop("shape")
+        if shape.pop("tie_word_embeddings") is not True:
+            cfg["tie_word_embeddings"] = False
+        cfg.update(shape)
         if self.task == "math":
             del cfg["task"]  # the digest of math builds predates the field: cached builds stay valid
         else:
@@ -99,24 +101,17 @@ def build_model(out_dir: Path, config: TinyModelConfig, seed: int = 0, quiet: bo
 
 def _build(out_dir: Path, config: TinyModelConfig, seed: int, quiet: bool, t0: float) -> dict:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from areal_libra.models.tokenizer import build_tokenizer
     from areal_libra.models.warmup import get_task, sampled_success
 
     task = get_task(config.task)
-    tokenizer = build_tokenizer(_tokenizer_corpus(config.tokenizer_corpus_problems, config.task), config.vocab_size,
-                                tool_tokens=task.tool_tokens)
+    tokenizer = build_tokenizer(_tokenizer_corpus(config.tokenizer_corpus_problems, config.task),
+                                config.shape.vocab_size, tool_tokens=task.tool_tokens)
     vocab = -(-len(tokenizer) // 64) * 64
-    mcfg = Qwen2Config(
+    mcfg = config.shape.hf_config(
         vocab_size=vocab,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=True,
         rope_theta=10000.0,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from areal_libra.models.shape import Qwen2Shape
 from areal_libra.models.tiny import BUILD_INFO, TinyModelConfig, ensure_model, is_complete, model_dir
 from areal_libra.models.warmup import WarmupConfig, corrupt_number, demonstration, supervised_warmup
 from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, TOOL_TOKENS
@@ -18,11 +19,8 @@ from areal_libra.workflows.math_data import generate_problems
 # A very small configuration so that the build takes a few seconds; the recipe is the default one.
 SMALL = TinyModelConfig(
     name="test-tiny",
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
+    shape=Qwen2Shape(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1),
     tokenizer_corpus_problems=200,
     warmup=WarmupConfig(steps=4, batch_size=8),
     probe_episodes=4,
