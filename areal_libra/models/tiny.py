@@ -14,14 +14,16 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from areal_libra.models.shape import TINY_QWEN2, Qwen2Shape
-from areal_libra.models.warmup import WarmupConfig
+from areal_libra.models.warmup import MATH_WARMUP, WarmupConfig
 
 BUILD_INFO = "build_info.json"  # written last: its presence marks a complete build
-FORMAT_VERSION = 2  # bump when the build recipe changes in a way the config does not capture
+# Part of the cache directory's name (tiny-qwen2-math-v3-<digest>): bump it when the build recipe changes in a
+# way the config does not capture, so a stale cached model is never reused. v3: the 2-3 minute math recipe.
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,8 @@ class TinyModelConfig:
     # vocab_size is the BPE vocabulary target; the model's table is the tokenizer's size rounded up to 64
     shape: Qwen2Shape = TINY_QWEN2
     tokenizer_corpus_problems: int = 2000
-    warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    probe_episodes: int = 256  # sampled-success probe after the warm-up (0: skip)
+    warmup: WarmupConfig = MATH_WARMUP  # code and search_r1: WarmupConfig() (for_task)
+    probe_episodes: int = 128  # sampled-success probe after the warm-up (0: skip)
     task: str = "math"  # the warm-up task (areal_libra.models.warmup.get_task): math | code
 
     @classmethod
@@ -40,22 +42,14 @@ class TinyModelConfig:
         from areal_libra.models.warmup import get_task
 
         get_task(task)  # an unknown task is a ValueError here
-        return cls() if task == "math" else cls(name=f"tiny-qwen2-{task}", task=task)
+        return cls() if task == "math" else cls(name=f"tiny-qwen2-{task}", task=task, warmup=WarmupConfig(),
+                                                 probe_episodes=256)
 
     def digest(self, seed: int) -> str:
-        cfg = asdict(self)
-        # The digest predates Qwen2Shape: its fields are keyed as the flat fields they were, so cached
-        # builds stay valid (the builder always tied the embeddings).
-        shape = cfg.pop("shape")
-        if shape.pop("tie_word_embeddings") is not True:
-            cfg["tie_word_embeddings"] = False
-        cfg.update(shape)
-        if self.task == "math":
-            del cfg["task"]  # the digest of math builds predates the field: cached builds stay valid
-        else:
-            from areal_libra.models.warmup import get_task
+        """The cache key of a build: every field (shape, recipe, task settings) and the seed."""
+        from areal_libra.models.warmup import get_task
 
-            cfg["task_params"] = get_task(self.task).params
+        cfg = asdict(self) | {"task_params": get_task(self.task).params}
         blob = json.dumps({"cfg": cfg, "seed": seed, "v": FORMAT_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -68,7 +62,7 @@ def default_cache_root() -> Path:
 def model_dir(cache_dir: str | Path | None = None, seed: int = 0, config: TinyModelConfig | None = None) -> Path:
     cfg = config or TinyModelConfig()
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    return root / "models" / f"{cfg.name}-{cfg.digest(seed)}"
+    return root / "models" / f"{cfg.name}-v{FORMAT_VERSION}-{cfg.digest(seed)}"
 
 
 def is_complete(path: Path) -> bool:
@@ -86,13 +80,12 @@ def build_model(out_dir: Path, config: TinyModelConfig, seed: int = 0, quiet: bo
     """Build tokenizer + model, warm it up, probe it, and save everything into out_dir (fp32 safetensors)."""
     import torch
 
+    from areal_libra.models.warmup import fit_threads
+
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
-    # On an oversubscribed machine OpenMP threads spin against each other (measured: 2 threads cost 3-5x
-    # the CPU time of 1 for the same step); use one thread then.
-    if os.getloadavg()[0] > (os.cpu_count() or 1):
-        torch.set_num_threads(1)
+    torch.set_num_threads(fit_threads())  # the warm-up adjusts it as the machine's load changes
     try:
         return _build(out_dir, config, seed, quiet, t0)
     finally:
