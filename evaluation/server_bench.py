@@ -183,9 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model_path
         if path is None:
-            from areal_libra.models.random_tiny import TinyModelSpec, build_tiny_model
+            from dataclasses import replace
 
-            spec = TinyModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=352)
+            from areal_libra.models.random_tiny import TinyModelSpec, build_tiny_model
+            from areal_libra.models.shape import TINY_QWEN2
+
+            # The default policy's shape, random weights (the random model's untied init and context).
+            spec = TinyModelSpec(shape=replace(TINY_QWEN2, max_position_embeddings=2048, tie_word_embeddings=False))
             path = build_tiny_model(os.path.join(tmp, "m"), spec)
         rows = run(path, a.batch, a.new_tokens, a.threads, a.turns, not a.no_prefix_cache, a.tp, a.repeats)
     for r in rows + summarize(rows):

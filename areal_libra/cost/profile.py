@@ -22,22 +22,20 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from areal_libra.cost.calibrate import Calibration
 from areal_libra.cost.presets import ModelSpec, PresetError, load_hardware
 from areal_libra.cost.training import TrainParallel
+from areal_libra.models.shape import Qwen2Shape
 from areal_libra.utils import atomic_write_text
 
 
-@dataclass(frozen=True)
-class ProfileShape:
-    hidden: int = 256
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    ffn: int = 1024
-    vocab: int = 2048
+def profile_shape(hidden: int = 256, layers: int = 4) -> Qwen2Shape:
+    """The timed model: a head per 64 of width, a KV head per 128, a 4x MLP (default: 256 wide, 4 layers)."""
+    return Qwen2Shape(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                      num_key_value_heads=max(1, hidden // 128), intermediate_size=4 * hidden, vocab_size=2048,
+                      max_position_embeddings=8192, tie_word_embeddings=True)
 
 
 def _median_time(fn, repeat: int, sync) -> float:
@@ -52,20 +50,22 @@ def _median_time(fn, repeat: int, sync) -> float:
     return times[len(times) // 2]
 
 
-def build_model(shape: ProfileShape, device: str):
+def model_spec(shape: Qwen2Shape, dtype_bytes: int) -> ModelSpec:
+    """The cost model's description of a small Qwen2 shape."""
+    return ModelSpec(name=f"qwen2-h{shape.hidden_size}-l{shape.num_hidden_layers}",
+                     n_layers=shape.num_hidden_layers, hidden=shape.hidden_size, n_heads=shape.num_attention_heads,
+                     n_kv_heads=shape.num_key_value_heads, head_dim=shape.head_dim, ffn=shape.intermediate_size,
+                     vocab=shape.vocab_size, tie_embeddings=shape.tie_word_embeddings, dtype_bytes=dtype_bytes)
+
+
+def build_model(shape: Qwen2Shape, device: str):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                      num_key_value_heads=shape.kv_heads, intermediate_size=shape.ffn, vocab_size=shape.vocab,
-                      max_position_embeddings=8192, tie_word_embeddings=True)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
-    spec = ModelSpec(name=f"qwen2-h{shape.hidden}-l{shape.layers}", n_layers=shape.layers, hidden=shape.hidden,
-                     n_heads=shape.heads, n_kv_heads=shape.kv_heads, head_dim=shape.hidden // shape.heads,
-                     ffn=shape.ffn, vocab=shape.vocab, tie_embeddings=True, dtype_bytes=4 if device == "cpu" else 2)
-    return model, spec
+    model = Qwen2ForCausalLM(shape.hf_config()).to(device=device, dtype=dtype)
+    return model, model_spec(shape, 4 if device == "cpu" else 2)
 
 
 def measure(model, spec: ModelSpec, device: str, quick: bool, cal: Calibration, log) -> None:
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the fit report as JSON")
     ap.add_argument("--quick", action="store_true", help="fewer, smaller measurements (a few seconds)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU (one device = one thread)")
-    ap.add_argument("--hidden", type=int, default=ProfileShape.hidden)
-    ap.add_argument("--layers", type=int, default=ProfileShape.layers)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--layer", action="store_true", help="the layer profile on CPU (the default on cuda)")
     ap.add_argument("--model", default="qwen3-14b", help="layer profile: the target model preset")
     ap.add_argument("--shape", default=None, help="layer profile: HIDDEN,HEADS,KV_HEADS,HEAD_DIM,FFN instead of --model's")
@@ -147,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device == "cpu":
         torch.set_num_threads(max(1, args.threads))
-    shape = ProfileShape(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 64),
-                         kv_heads=max(1, args.hidden // 128), ffn=4 * args.hidden)
+    try:
+        shape = profile_shape(args.hidden, args.layers)
+    except ValueError as e:
+        print(f"error: --hidden/--layers: {e}", file=sys.stderr)
+        return 2
     model, spec = build_model(shape, args.device)
     cal = Calibration(hw0, spec)
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print

@@ -11,20 +11,21 @@ import os
 import string
 from dataclasses import dataclass
 
+from areal_libra.models.shape import Qwen2Shape
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 # Small enough for a ~40-token vocabulary, rich enough for "What is 3+4? Answer: 7" style text.
 DEFAULT_ALPHABET = string.digits + "+-*/=()<>?:. " + "ACDEIRSWacdehilnorstuw\n"
+# Smaller than the policy (models/shape.TINY_QWEN2), with untied embeddings (see build_tiny_model); the
+# vocabulary is the character tokenizer's.
+RANDOM_TINY_SHAPE = Qwen2Shape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)
 
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 128
-    max_position_embeddings: int = 2048
+    shape: Qwen2Shape = RANDOM_TINY_SHAPE
     alphabet: str = DEFAULT_ALPHABET
     seed: int = 0
 
@@ -48,19 +49,12 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
 def build_tiny_model(out_dir: str, spec: TinyModelSpec | None = None) -> str:
     """Write a random Qwen2 causal LM and its tokenizer to ``out_dir``; returns ``out_dir``."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     spec = spec or TinyModelSpec()
     tokenizer = build_char_tokenizer(spec.alphabet)
-    config = Qwen2Config(
+    config = spec.shape.hf_config(
         vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

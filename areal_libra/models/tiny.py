@@ -14,28 +14,26 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from areal_libra.models.warmup import WarmupConfig
+from areal_libra.models.shape import TINY_QWEN2, Qwen2Shape
+from areal_libra.models.warmup import MATH_WARMUP, WarmupConfig
 
 BUILD_INFO = "build_info.json"  # written last: its presence marks a complete build
-FORMAT_VERSION = 2  # bump when the build recipe changes in a way the config does not capture
+# Part of the cache directory's name (tiny-qwen2-math-v3-<digest>): bump it when the build recipe changes in a
+# way the config does not capture, so a stale cached model is never reused. v3: the 2-3 minute math recipe.
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
 class TinyModelConfig:
     name: str = "tiny-qwen2-math"
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 1024
-    vocab_size: int = 512  # BPE vocabulary target; the model's table is rounded up to a multiple of 64
+    # vocab_size is the BPE vocabulary target; the model's table is the tokenizer's size rounded up to 64
+    shape: Qwen2Shape = TINY_QWEN2
     tokenizer_corpus_problems: int = 2000
-    warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    probe_episodes: int = 256  # sampled-success probe after the warm-up (0: skip)
+    warmup: WarmupConfig = MATH_WARMUP  # code and search_r1: WarmupConfig() (for_task)
+    probe_episodes: int = 128  # sampled-success probe after the warm-up (0: skip)
     task: str = "math"  # the warm-up task (areal_libra.models.warmup.get_task): math | code
 
     @classmethod
@@ -44,16 +42,14 @@ class TinyModelConfig:
         from areal_libra.models.warmup import get_task
 
         get_task(task)  # an unknown task is a ValueError here
-        return cls() if task == "math" else cls(name=f"tiny-qwen2-{task}", task=task)
+        return cls() if task == "math" else cls(name=f"tiny-qwen2-{task}", task=task, warmup=WarmupConfig(),
+                                                 probe_episodes=256)
 
     def digest(self, seed: int) -> str:
-        cfg = asdict(self)
-        if self.task == "math":
-            del cfg["task"]  # the digest of math builds predates the field: cached builds stay valid
-        else:
-            from areal_libra.models.warmup import get_task
+        """The cache key of a build: every field (shape, recipe, task settings) and the seed."""
+        from areal_libra.models.warmup import get_task
 
-            cfg["task_params"] = get_task(self.task).params
+        cfg = asdict(self) | {"task_params": get_task(self.task).params}
         blob = json.dumps({"cfg": cfg, "seed": seed, "v": FORMAT_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -66,7 +62,7 @@ def default_cache_root() -> Path:
 def model_dir(cache_dir: str | Path | None = None, seed: int = 0, config: TinyModelConfig | None = None) -> Path:
     cfg = config or TinyModelConfig()
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    return root / "models" / f"{cfg.name}-{cfg.digest(seed)}"
+    return root / "models" / f"{cfg.name}-v{FORMAT_VERSION}-{cfg.digest(seed)}"
 
 
 def is_complete(path: Path) -> bool:
@@ -84,13 +80,12 @@ def build_model(out_dir: Path, config: TinyModelConfig, seed: int = 0, quiet: bo
     """Build tokenizer + model, warm it up, probe it, and save everything into out_dir (fp32 safetensors)."""
     import torch
 
+    from areal_libra.models.warmup import fit_threads
+
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
-    # On an oversubscribed machine OpenMP threads spin against each other (measured: 2 threads cost 3-5x
-    # the CPU time of 1 for the same step); use one thread then.
-    if os.getloadavg()[0] > (os.cpu_count() or 1):
-        torch.set_num_threads(1)
+    torch.set_num_threads(fit_threads())  # the warm-up adjusts it as the machine's load changes
     try:
         return _build(out_dir, config, seed, quiet, t0)
     finally:
@@ -99,24 +94,17 @@ def build_model(out_dir: Path, config: TinyModelConfig, seed: int = 0, quiet: bo
 
 def _build(out_dir: Path, config: TinyModelConfig, seed: int, quiet: bool, t0: float) -> dict:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from areal_libra.models.tokenizer import build_tokenizer
     from areal_libra.models.warmup import get_task, sampled_success
 
     task = get_task(config.task)
-    tokenizer = build_tokenizer(_tokenizer_corpus(config.tokenizer_corpus_problems, config.task), config.vocab_size,
-                                tool_tokens=task.tool_tokens)
+    tokenizer = build_tokenizer(_tokenizer_corpus(config.tokenizer_corpus_problems, config.task),
+                                config.shape.vocab_size, tool_tokens=task.tool_tokens)
     vocab = -(-len(tokenizer) // 64) * 64
-    mcfg = Qwen2Config(
+    mcfg = config.shape.hf_config(
         vocab_size=vocab,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=True,
         rope_theta=10000.0,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -8,10 +8,11 @@ result wrongly into the answer; RL then has to learn to call the tool and copy f
 from __future__ import annotations
 
 import importlib
+import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, TOOL_TOKENS, extract_call, format_result
@@ -21,6 +22,8 @@ from areal_libra.workflows.reward import dapo_math_reward
 
 @dataclass(frozen=True)
 class WarmupConfig:
+    """Defaults: the code and search_r1 tasks' recipe (and the math one before MATH_WARMUP)."""
+
     steps: int = 300
     batch_size: int = 64
     lr: float = 3e-3
@@ -30,6 +33,16 @@ class WarmupConfig:
     tool_fraction: float = 0.75  # demonstrations that call the tool
     corrupt_fraction: float = 0.2  # tool demonstrations whose answer miscopies the tool result
     seed: int = 0
+    clean_share: float = 0.0  # the first steps (this share) on clean demonstrations: tool always, no miscopy
+
+
+# The dapo_math policy's recipe (a third of the demonstrations of the 300 x 64 one). Measured (tinymodel, 2
+# shared cores): the copies (question -> call, result -> answer) appear as a sudden drop of the loss; a lower
+# lr brings it earlier (1.5e-3: by step ~100 at batch 32; 3e-3: ~step 100 at batch 64; 5e-3 and 6e-3: not
+# within 100-200 steps), and clean demonstrations first bring both copies in one go. The imperfect mix of
+# the last 30% sets the tool use and the miscopies that RL then improves on. Built: 38.5 s CPU (the 300 x 64
+# recipe: 122 s); sampled success 0.29, tool use 0.65; the default 100-step run: reward 0.422 -> 0.685.
+MATH_WARMUP = WarmupConfig(steps=200, batch_size=32, lr=1.5e-3, clean_share=0.7)
 
 
 def corrupt_number(s: str, rng: random.Random) -> str:
@@ -153,6 +166,22 @@ def _batch(tokenizer, problems: list, rng: random.Random, cfg: WarmupConfig, tas
     return input_ids, loss_mask, attn
 
 
+def demo_config(cfg: WarmupConfig, step: int) -> WarmupConfig:
+    """The demonstrations of a step: clean ones (the tool always, copied faithfully) for the first
+    `clean_share` of the steps, where both copies (question -> call, result -> answer) are learned fastest,
+    then the imperfect mix that leaves RL its room."""
+    return replace(cfg, tool_fraction=1.0, corrupt_fraction=0.0) if step < cfg.clean_share * cfg.steps else cfg
+
+
+def fit_threads(own: int = 0) -> int:
+    """Torch threads for now: the cores the other processes leave idle (load average less `own`, our
+    threads), at least 1, at most 4 (the tiny model's matrices gain nothing beyond). On an oversubscribed
+    machine OpenMP threads spin against each other (measured: 2 threads cost 3-5x the CPU time of 1 for
+    the same step), so the warm-up asks again every 25 steps."""
+    cores = os.cpu_count() or 1
+    return max(1, min(4, cores, round(cores - max(0.0, os.getloadavg()[0] - own))))
+
+
 def supervised_warmup(model, tokenizer, cfg: WarmupConfig,
                       progress: Callable[[int, float], None] | None = None,
                       task: WarmupTask = MATH_TASK) -> list[float]:
@@ -167,8 +196,10 @@ def supervised_warmup(model, tokenizer, cfg: WarmupConfig,
     model.train()
     losses = []
     for step in range(cfg.steps):
-        ids, mask, attn = _batch(tokenizer, problems[step * cfg.batch_size : (step + 1) * cfg.batch_size], rng, cfg,
-                                 task)
+        if step % 25 == 0:
+            torch.set_num_threads(fit_threads(own=torch.get_num_threads() if step else 0))
+        ids, mask, attn = _batch(tokenizer, problems[step * cfg.batch_size : (step + 1) * cfg.batch_size], rng,
+                                 demo_config(cfg, step), task)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
                                                 reduction="none").view_as(mask[:, 1:])

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from areal_libra.models.shape import Qwen2Shape
 from areal_libra.models.tiny import BUILD_INFO, TinyModelConfig, ensure_model, is_complete, model_dir
 from areal_libra.models.warmup import WarmupConfig, corrupt_number, demonstration, supervised_warmup
 from areal_libra.workflows.markup import CALC_CLOSE, CALC_OPEN, TOOL_TOKENS
@@ -18,11 +19,8 @@ from areal_libra.workflows.math_data import generate_problems
 # A very small configuration so that the build takes a few seconds; the recipe is the default one.
 SMALL = TinyModelConfig(
     name="test-tiny",
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
+    shape=Qwen2Shape(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1),
     tokenizer_corpus_problems=200,
     warmup=WarmupConfig(steps=4, batch_size=8),
     probe_episodes=4,
@@ -152,3 +150,46 @@ def test_cli_rejects_a_file_as_output(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and str(f) in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cache_key_carries_the_recipe_version_and_the_warmup(tmp_path):
+    from dataclasses import replace
+
+    from areal_libra.models.tiny import FORMAT_VERSION
+
+    base = TinyModelConfig()
+    name = model_dir(tmp_path, 1, base).name
+    assert name.startswith(f"tiny-qwen2-math-v{FORMAT_VERSION}-")
+    for changed in (replace(base, warmup=replace(base.warmup, steps=base.warmup.steps + 1)),
+                    replace(base, warmup=replace(base.warmup, clean_share=0.0 if base.warmup.clean_share else 0.5)),
+                    replace(base, probe_episodes=base.probe_episodes + 1)):
+        assert model_dir(tmp_path, 1, changed).name != name  # a stale build is never reused
+    keys = {model_dir(tmp_path, 1, TinyModelConfig.for_task(t)).name for t in ("math", "code", "search_r1")}
+    assert len(keys) == 3
+
+
+def test_threads_follow_the_load(monkeypatch):
+    from areal_libra.models import warmup
+
+    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(warmup.os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert warmup.fit_threads() == 2  # an idle 2-core machine: both cores
+    monkeypatch.setattr(warmup.os, "getloadavg", lambda: (2.1, 0.0, 0.0))
+    assert warmup.fit_threads(own=2) == 2  # the load is our own two threads
+    assert warmup.fit_threads(own=0) == 1  # someone else keeps the cores busy: one thread, no spinning
+    monkeypatch.setattr(warmup.os, "getloadavg", lambda: (20.0, 0.0, 0.0))
+    assert warmup.fit_threads(own=2) == 1
+
+
+def test_clean_share_starts_on_clean_demonstrations():
+    from areal_libra.models.warmup import demo_config
+
+    cfg = WarmupConfig(steps=10, clean_share=0.3, tool_fraction=0.75, corrupt_fraction=0.2)
+    used = [demo_config(cfg, s) for s in range(10)]
+    assert all(c.tool_fraction == 1.0 and c.corrupt_fraction == 0.0 for c in used[:3])
+    assert all(c == cfg for c in used[3:])
+    rng = random.Random(0)
+    probs = generate_problems(200, seed=3)
+    demos = [demonstration(p, rng, used[0]) for p in probs]
+    assert all(d[0][0] == f"{CALC_OPEN}{p.expression}{CALC_CLOSE}" and d[2][0] == f"\nAnswer: {p.answer}"
+               for d, p in zip(demos, probs))

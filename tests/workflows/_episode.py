@@ -41,12 +41,14 @@ class Recorder:
 def tiny_policy(name: str, task: str = "math", tool_only: bool = True) -> object:
     """The workflow tests' policy: tiny, warmed up briefly on demonstrations (only tool-calling ones when
     `tool_only`), so that its episodes do call the tool."""
+    from areal_libra.models.shape import Qwen2Shape
     from areal_libra.models.tiny import TinyModelConfig
     from areal_libra.models.warmup import WarmupConfig
 
     extra = {"tool_fraction": 1.0, "corrupt_fraction": 0.0} if tool_only else {}
-    return TinyModelConfig(name=name, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, tokenizer_corpus_problems=300,
+    shape = Qwen2Shape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1)
+    return TinyModelConfig(name=name, shape=shape, tokenizer_corpus_problems=300,
                            warmup=WarmupConfig(steps=60, batch_size=16, lr=5e-3, **extra), probe_episodes=0,
                            task=task)
 
