@@ -59,11 +59,50 @@ def resolve_model(c: Composed) -> str:
 
 
 def check_dataset(c: Composed) -> None:
+    """Before anything starts: the dataset file (its builder module's `check_file`: exists, readable, the
+    public schema's columns) and a local retriever's corpus (exists, first record in Search-R1's format)."""
+    corpus = c.libra.tools.get("corpus")
+    if corpus is not None:
+        check_corpus(str(corpus))
     path = c.areal.train_dataset.path
     if path in (None, "", "generated"):
         return
     if not Path(str(path)).exists():
         raise LaunchError(f"train_dataset.path={path}: no such file or directory")
+    import importlib
+
+    module = str(c.libra.dataset.builder).rpartition(".")[0]
+    try:
+        check = getattr(importlib.import_module(module), "check_file", None)
+    except ImportError as e:
+        raise LaunchError(f"libra.dataset.builder={c.libra.dataset.builder}: cannot import ({e})") from None
+    if check is None:
+        return
+    try:
+        check(str(path))
+    except ValueError as e:  # DatasetError
+        raise LaunchError(f"train_dataset.path: {e}") from None
+
+
+def check_corpus(path: str) -> None:
+    """`libra.tools.corpus`: a JSONL file whose first record has a string 'contents' (the server checks
+    every line when it indexes them)."""
+    p = Path(path)
+    if not p.is_file():
+        raise LaunchError(f"libra.tools.corpus={path}: no such file")
+    try:
+        with open(p, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), None)
+    except (OSError, UnicodeDecodeError) as e:
+        raise LaunchError(f"libra.tools.corpus={path}: cannot read ({e})") from None
+    if first is None:
+        raise LaunchError(f"libra.tools.corpus={path}: the corpus is empty")
+    try:
+        rec = json.loads(first)
+    except json.JSONDecodeError:
+        raise LaunchError(f"libra.tools.corpus={path}: not JSONL of {{\"id\", \"contents\"}} records") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("contents"), str):
+        raise LaunchError(f"libra.tools.corpus={path}: a record needs a string 'contents' (Search-R1's format)")
 
 
 def rollout_groups(c: Composed):
@@ -302,12 +341,15 @@ def start_retriever(c: Composed, log_dir: Path):
             raise LaunchError(f"libra.tools.retriever_url={url} does not answer POST /retrieve ({e})") from None
         return None
 
+    corpus = c.libra.tools.get("corpus")
     try:
-        proc = RetrieverProcess(log_dir / "retriever.log")
+        proc = RetrieverProcess(log_dir / "retriever.log", corpus=None if corpus is None else str(corpus),
+                                timeout_s=600.0 if corpus is not None else 60.0)  # indexing a real corpus
     except RuntimeError as e:
         raise LaunchError(str(e)) from None
     c.libra.tools.retriever_url = proc.url
-    print(f"areal_libra: retrieval server {proc.url} (BM25, log {log_dir / 'retriever.log'})", flush=True)
+    print(f"areal_libra: retrieval server {proc.url} (BM25 over {corpus or 'the generated corpus'}, "
+          f"log {log_dir / 'retriever.log'})", flush=True)
     return proc
 
 

@@ -24,7 +24,9 @@ def build_dataset(libra, areal_cfg):
     path = areal_cfg.train_dataset.path
     path = None if path in (None, "", "generated") else str(path)
     builder = import_from_string(str(libra.dataset.get("builder", "areal_libra.workflows.math_data.load_math_dataset")))
-    return builder(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed))
+    max_rows = libra.dataset.get("max_rows")
+    return builder(path, size=int(libra.dataset.n_problems), seed=int(libra.dataset.seed),
+                   max_rows=None if max_rows is None else int(max_rows))
 
 
 def routing_policy(libra) -> str:
