@@ -145,7 +145,9 @@ class ControlSettings:
     min_history: int = 16
     profile_steps: int = 1  # the first plan is solved from these steps' lengths
     elastic_persist: int = 6  # steps an elastic verdict must persist before the pool acts
-    cluster: str = "cpu"  # the cost preset the planner plans on (a cluster preset or YAML)
+    # The cost preset the planner plans on (a cluster preset or YAML); "auto": the machine's GPUs (model and
+    # count, areal_libra.cost.presets.detect_cluster) on a cuda run, the cpu preset on the embedded CPU cluster.
+    cluster: str = "auto"
     accelerators: int = 0  # size of the planned cluster; 0: the preset's
     allowed_tp: list[int] = field(default_factory=lambda: [1, 2])
 

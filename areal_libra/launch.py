@@ -105,6 +105,20 @@ def check_corpus(path: str) -> None:
         raise LaunchError(f"libra.tools.corpus={path}: a record needs a string 'contents' (Search-R1's format)")
 
 
+def resolve_control_cluster(c: Composed) -> str:
+    """`libra.control.cluster=auto`: the planner's preset from this machine's GPUs (model and count; the cpu
+    preset on the embedded CPU cluster), written into the config the trainer reads (the trainer sees only
+    its own GPU). An unknown GPU is one line asking for a preset."""
+    from areal_libra.cost.presets import PresetError, resolve_cluster_name
+
+    try:
+        name = resolve_cluster_name(str(c.libra.control.cluster), str(c.libra.get("device", "cpu")))
+    except PresetError as e:
+        raise LaunchError(f"libra.control.cluster=auto: {e}") from None
+    c.libra.control.cluster = name
+    return name
+
+
 def rollout_groups(c: Composed):
     """The run's rollout groups, short to long: `libra.rollout_alloc` (e.g. sglang:d2t1+d1t2) or the
     `libra.rollout_groups` list; bucket thresholds default to an even split of gconfig.max_tokens."""
@@ -310,6 +324,7 @@ def kill_leftover_servers(run_dir: Path) -> list[int]:
 def run(argv: list[str]) -> int:
     c = compose(argv, default_cluster="gpu" if _has_cuda() else "cpu")
     check_dataset(c)
+    resolve_control_cluster(c)
     gpus = placement(c)  # before anything starts: an allocation that does not fit is a one-line error
     emu = emulation(c)  # an emulated layout that does not fit fails before anything starts
     model_path = resolve_model(c)

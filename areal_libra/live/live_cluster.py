@@ -317,13 +317,17 @@ class LiveControl:
 def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
     """The planner for this run: `libra.control.cluster` (cost preset, resized to `accelerators`), the run's
     model from its config.json, one step's batch, AReaL's staleness bound."""
-    from areal_libra.cost.presets import ClusterSpec, load_cluster, load_hardware
+    from areal_libra.cost.presets import ClusterSpec, load_cluster, load_hardware, resolve_cluster_name
     from areal_libra.planner import PlannerConfig
 
     c = libra.control
     emulated = libra.emulated if libra.emulated.enabled else None
     name = str(emulated.gpu) if emulated is not None else str(c.cluster)
     try:
+        # "auto" is resolved by the launcher (which sees every GPU; the trainer sees its own); here too for
+        # other callers.
+        if emulated is None:
+            name = resolve_cluster_name(name, str(libra.get("device", "cpu")))
         # An emulated cluster: its accelerators, resized below (any count, not only whole nodes).
         cluster = (ClusterSpec(load_hardware(name), nodes=1, gpus_per_node=1) if emulated is not None
                    else load_cluster(name))
@@ -332,7 +336,7 @@ def plan_source(libra: Any, areal_cfg: Any, model_path: str) -> LivePlanSource:
     n = 0
     if int(c.accelerators) > 0 and emulated is None:
         n = int(c.accelerators)
-    elif emulated is None and str(c.cluster) == "cpu":
+    elif emulated is None and name == "cpu":
         # The embedded CPU cluster plans what the config grants: trainer threads + the servers' TP.
         from areal_libra.rollout.groups import resolve_groups
 
