@@ -154,7 +154,12 @@ def emulation(c: Composed):
 def server_specs(c: Composed):
     from areal_libra.rollout.launcher import ServerSpec
 
-    specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name) for g in _servers(c)]
+    # Distinct seeds, AReaL's way (its sglang_server.py: base random seed + the server's index on the node).
+    # CPU runs keep seed 0 on every embedded server (their measured runs stay comparable).
+    seed = int(c.areal.seed) if c.libra.get("device", "cpu") == "cuda" else 0
+    step = 1 if c.libra.get("device", "cpu") == "cuda" else 0
+    specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name, seed=seed + step * i)
+             for i, g in enumerate(_servers(c))]
     emu = emulation(c)
     return specs if emu is None else [emu.emulate_spec(s) for s in specs]
 
@@ -198,6 +203,9 @@ def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
         WANDB_SILENT="true",
         PYTHONUNBUFFERED="1",
     )
+    if c.libra.get("device", "cpu") == "cuda":
+        # AReaL's local launcher sets these for the NCCL weight-update group (areal/infra/launcher/local.py).
+        env.update(NCCL_CUMEM_ENABLE="0", NCCL_NVLS_ENABLE="0")
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # disjoint from every server's
     if rollout_pool:
