@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip --disable-pip-version-check -q
 ARGS ?=
 
-.PHONY: run test setup lint bench clean
+.PHONY: run test setup setup-sglang lint bench clean
 setup: $(VENV)/.stamp-patches
 
 $(VENV)/.stamp-venv:
@@ -34,7 +34,15 @@ $(VENV)/.stamp-patches: $(VENV)/.stamp-project $(wildcard patches/areal-1.0.4/*.
 run: setup
 	$(BIN)/python -m areal_libra.launch experiment=dapo_math $(ARGS)
 
-test: setup
+# SGLang without its dependencies (6 MB, never a second torch): tests/sglang checks our command lines and
+# HTTP calls against the pinned version (requirements/sglang-cpu.txt says what can and cannot import on CPU).
+setup-sglang: $(VENV)/.stamp-sglang
+$(VENV)/.stamp-sglang: $(VENV)/.stamp-patches requirements/sglang-cpu.txt
+	@echo ">> installing sglang 0.5.10.post1 (--no-deps) for tests/sglang"
+	$(PIP) install --no-deps -r requirements/sglang-cpu.txt
+	touch $@
+
+test: setup setup-sglang
 	$(BIN)/python -m pytest -q -x --durations=15 $(ARGS)
 
 lint: setup
