@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +48,8 @@ def resolve_model(c: Composed) -> str:
             raise LaunchError(f"libra.model.task: {e}") from None
         return str(ensure_model(seed=int(model.get("seed", c.areal.seed)), config=config))
     p = Path(path)
+    if not p.is_dir() and _HF_ID.match(path) and not p.exists():
+        p = _hf_snapshot(path)  # a Hugging Face id (Qwen/Qwen3-8B): its local copy in the HF cache
     if not p.is_dir():
         raise LaunchError(f"actor.path={path}: no such model directory")
     try:
@@ -56,6 +59,34 @@ def resolve_model(c: Composed) -> str:
     except Exception as e:  # noqa: BLE001 - any failure means "not a model"
         raise LaunchError(f"actor.path={path} is not a Hugging Face model ({type(e).__name__})") from None
     return str(p)
+
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _hf_snapshot(repo_id: str) -> Path:
+    """The local directory of a Hugging Face model id (downloaded into the HF cache when not there yet:
+    config, tokenizer and safetensors weights); one line when it cannot be had."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                               "*.tiktoken", "*.py"]))
+    except Exception as e:  # noqa: BLE001 - offline, no such repo, no access: all the same to the user
+        raise LaunchError(f"actor.path={repo_id}: not a local directory, and the Hugging Face model could not be "
+                          f"fetched ({type(e).__name__}); download it and pass actor.path=/its/directory") from None
+
+
+def check_sglang(c: Composed) -> None:
+    """A cuda run starts `python -m sglang.launch_server`: say what to install instead of failing in a child
+    process (the CPU test environment's --no-deps sglang has no sgl_kernel, so it does not count)."""
+    import importlib.util
+
+    if c.libra.get("device", "cpu") != "cuda":
+        return
+    if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("sgl_kernel") is None:
+        raise LaunchError("cluster=gpu starts SGLang servers, which this environment lacks: run `make setup-gpu` "
+                          "(requirements/gpu.txt), then `make run`; or `make run ARGS=cluster=cpu` for the CPU cluster")
 
 
 def check_dataset(c: Composed) -> None:
@@ -198,7 +229,6 @@ def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
         LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
-        TORCHDYNAMO_DISABLE="1",  # first-call torch.compile costs 25-55 s on CPU for a tiny model
         TOKENIZERS_PARALLELISM="false",
         WANDB_SILENT="true",
         PYTHONUNBUFFERED="1",
@@ -215,6 +245,7 @@ def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
     if c.libra.get("device", "cpu") == "cpu":
         threads = str(int(c.libra.get("trainer_threads", 1)))
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        env["TORCHDYNAMO_DISABLE"] = "1"  # first-call torch.compile costs 25-55 s on CPU for a tiny model
     if c.areal.stats_logger.wandb.mode == "online" and not env.get("WANDB_API_KEY"):
         env["WANDB_MODE"] = "offline"
     return env
@@ -334,6 +365,7 @@ def run(argv: list[str]) -> int:
     check_dataset(c)
     resolve_control_cluster(c)
     gpus = placement(c)  # before anything starts: an allocation that does not fit is a one-line error
+    check_sglang(c)
     emu = emulation(c)  # an emulated layout that does not fit fails before anything starts
     model_path = resolve_model(c)
     c.areal.actor.path = model_path
