@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip --disable-pip-version-check -q
 ARGS ?=
 
-.PHONY: run test setup lint bench clean
+.PHONY: run test setup setup-sglang setup-gpu lint bench clean
 setup: $(VENV)/.stamp-patches
 
 $(VENV)/.stamp-venv:
@@ -31,10 +31,32 @@ $(VENV)/.stamp-patches: $(VENV)/.stamp-project $(wildcard patches/areal-1.0.4/*.
 	$(BIN)/python -m areal_libra.patches apply
 	touch $@
 
-run: setup
+# A GPU node: requirements/gpu.txt (AReaL's areal[cuda], SGLang, megatron-core) in its own venv on Python
+# 3.12 with CUDA 12.9 wheels; GPU_INDEX names PyTorch's cu129 wheel index (--extra-index-url URL).
+# On a CUDA machine without it, `make run` stops with one line saying to run this.
+GPU_PY ?= python3.12
+GPU_INDEX ?=
+setup-gpu: $(VENV)/.stamp-gpu
+$(VENV)/.stamp-gpu: requirements/gpu.txt
+	test -x $(BIN)/python || $(GPU_PY) -m venv $(VENV)
+	@echo ">> installing requirements/gpu.txt (CUDA), areal_libra and the AReaL patches"
+	$(PIP) install $(GPU_INDEX) -r requirements/gpu.txt
+	$(PIP) install --no-deps --no-build-isolation -e .
+	$(BIN)/python -m areal_libra.patches apply
+	touch $@
+
+run: $(if $(wildcard $(VENV)/.stamp-gpu),,setup)
 	$(BIN)/python -m areal_libra.launch experiment=dapo_math $(ARGS)
 
-test: setup
+# SGLang without its dependencies (6 MB, never a second torch): tests/sglang checks our command lines and
+# HTTP calls against the pinned version (requirements/sglang-cpu.txt says what can and cannot import on CPU).
+setup-sglang: $(VENV)/.stamp-sglang
+$(VENV)/.stamp-sglang: $(VENV)/.stamp-patches requirements/sglang-cpu.txt
+	@echo ">> installing sglang 0.5.10.post1 (--no-deps) for tests/sglang"
+	$(PIP) install --no-deps -r requirements/sglang-cpu.txt
+	touch $@
+
+test: setup setup-sglang
 	$(BIN)/python -m pytest -q -x --durations=15 $(ARGS)
 
 lint: setup

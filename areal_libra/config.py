@@ -32,10 +32,15 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------- the `libra:` schema
 @dataclass
 class DatasetConfig:
-    n_problems: int = 4096
+    n_problems: int = 4096  # the generator's size (train_dataset.path=generated)
     seed: int = 1
-    # (path, size, seed) -> datasets.Dataset; path is train_dataset.path (None for the generator)
+    # (path, size, seed, max_rows) -> datasets.Dataset; path is train_dataset.path (None for the generator)
     builder: str = "areal_libra.workflows.math_data.load_math_dataset"
+    max_rows: int | None = None  # a file dataset's row cap; None: every row
+
+    def __post_init__(self) -> None:
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"dataset.max_rows must be >= 1 or null, got {self.max_rows}")
 
 
 @dataclass
@@ -52,6 +57,9 @@ class ToolsConfig:
     # "local": the launch starts the project's BM25 retrieval server (areal_libra.workflows.retriever_server)
     # on 127.0.0.1 and stops it at the end; a URL (http://host:port): an existing Search-R1 style server.
     retriever_url: str | None = None
+    # "local" only: a Search-R1 corpus (JSONL of {"id", "contents"}) the BM25 server indexes; None: the
+    # generated corpus (areal_libra.workflows.search_corpus)
+    corpus: str | None = None
     retriever_topk: int = 2
     retriever_timeout_s: float = 5.0
 
@@ -149,7 +157,9 @@ class ControlSettings(ControlConfig):
     and what the live planner plans on (areal_libra.live.live_cluster)."""
 
     profile_steps: int = 1  # the first plan is solved from these steps' lengths
-    cluster: str = "cpu"  # the cost preset the planner plans on (a cluster preset or YAML)
+    # The cost preset the planner plans on (a cluster preset or YAML); "auto": the machine's GPUs (model and
+    # count, areal_libra.cost.presets.detect_cluster) on a cuda run, the cpu preset on the embedded CPU cluster.
+    cluster: str = "auto"
     accelerators: int = 0  # size of the planned cluster; 0: the preset's
     allowed_tp: list[int] = field(default_factory=lambda: [1, 2])
 

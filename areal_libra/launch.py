@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +48,8 @@ def resolve_model(c: Composed) -> str:
             raise LaunchError(f"libra.model.task: {e}") from None
         return str(ensure_model(seed=int(model.seed), config=config))
     p = Path(path)
+    if not p.is_dir() and _HF_ID.match(path) and not p.exists():
+        p = _hf_snapshot(path)  # a Hugging Face id (Qwen/Qwen3-8B): its local copy in the HF cache
     if not p.is_dir():
         raise LaunchError(f"actor.path={path}: no such model directory")
     try:
@@ -58,12 +61,93 @@ def resolve_model(c: Composed) -> str:
     return str(p)
 
 
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _hf_snapshot(repo_id: str) -> Path:
+    """The local directory of a Hugging Face model id (downloaded into the HF cache when not there yet:
+    config, tokenizer and safetensors weights); one line when it cannot be had."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                               "*.tiktoken", "*.py"]))
+    except Exception as e:  # noqa: BLE001 - offline, no such repo, no access: all the same to the user
+        raise LaunchError(f"actor.path={repo_id}: not a local directory, and the Hugging Face model could not be "
+                          f"fetched ({type(e).__name__}); download it and pass actor.path=/its/directory") from None
+
+
+def check_sglang(c: Composed) -> None:
+    """A cuda run starts `python -m sglang.launch_server`: say what to install instead of failing in a child
+    process (the CPU test environment's --no-deps sglang has no sgl_kernel, so it does not count)."""
+    import importlib.util
+
+    if c.libra.device != "cuda":
+        return
+    if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("sgl_kernel") is None:
+        raise LaunchError("cluster=gpu starts SGLang servers, which this environment lacks: run `make setup-gpu` "
+                          "(requirements/gpu.txt), then `make run`; or `make run ARGS=cluster=cpu` for the CPU cluster")
+
+
 def check_dataset(c: Composed) -> None:
+    """Before anything starts: the dataset file (its builder module's `check_file`: exists, readable, the
+    public schema's columns) and a local retriever's corpus (exists, first record in Search-R1's format)."""
+    corpus = c.libra.tools.corpus
+    if corpus is not None:
+        check_corpus(str(corpus))
     path = c.areal.train_dataset.path
     if path in (None, "", "generated"):
         return
     if not Path(str(path)).exists():
         raise LaunchError(f"train_dataset.path={path}: no such file or directory")
+    import importlib
+
+    module = str(c.libra.dataset.builder).rpartition(".")[0]
+    try:
+        check = getattr(importlib.import_module(module), "check_file", None)
+    except ImportError as e:
+        raise LaunchError(f"libra.dataset.builder={c.libra.dataset.builder}: cannot import ({e})") from None
+    if check is None:
+        return
+    try:
+        check(str(path))
+    except ValueError as e:  # DatasetError
+        raise LaunchError(f"train_dataset.path: {e}") from None
+
+
+def check_corpus(path: str) -> None:
+    """`libra.tools.corpus`: a JSONL file whose first record has a string 'contents' (the server checks
+    every line when it indexes them)."""
+    p = Path(path)
+    if not p.is_file():
+        raise LaunchError(f"libra.tools.corpus={path}: no such file")
+    try:
+        with open(p, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), None)
+    except (OSError, UnicodeDecodeError) as e:
+        raise LaunchError(f"libra.tools.corpus={path}: cannot read ({e})") from None
+    if first is None:
+        raise LaunchError(f"libra.tools.corpus={path}: the corpus is empty")
+    try:
+        rec = json.loads(first)
+    except json.JSONDecodeError:
+        raise LaunchError(f"libra.tools.corpus={path}: not JSONL of {{\"id\", \"contents\"}} records") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("contents"), str):
+        raise LaunchError(f"libra.tools.corpus={path}: a record needs a string 'contents' (Search-R1's format)")
+
+
+def resolve_control_cluster(c: Composed) -> str:
+    """`libra.control.cluster=auto`: the planner's preset from this machine's GPUs (model and count; the cpu
+    preset on the embedded CPU cluster), written into the config the trainer reads (the trainer sees only
+    its own GPU). An unknown GPU is one line asking for a preset."""
+    from areal_libra.cost.presets import PresetError, resolve_cluster_name
+
+    try:
+        name = resolve_cluster_name(str(c.libra.control.cluster), c.libra.device)
+    except PresetError as e:
+        raise LaunchError(f"libra.control.cluster=auto: {e}") from None
+    c.libra.control.cluster = name
+    return name
 
 
 def rollout_groups(c: Composed):
@@ -101,7 +185,12 @@ def emulation(c: Composed):
 def server_specs(c: Composed):
     from areal_libra.rollout.launcher import ServerSpec
 
-    specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name) for g in _servers(c)]
+    # Distinct seeds, AReaL's way (its sglang_server.py: base random seed + the server's index on the node).
+    # CPU runs keep seed 0 on every embedded server (their measured runs stay comparable).
+    seed = int(c.areal.seed) if c.libra.device == "cuda" else 0
+    step = 1 if c.libra.device == "cuda" else 0
+    specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name, seed=seed + step * i)
+             for i, g in enumerate(_servers(c))]
     emu = emulation(c)
     return specs if emu is None else [emu.emulate_spec(s) for s in specs]
 
@@ -140,11 +229,13 @@ def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
         LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
-        TORCHDYNAMO_DISABLE="1",  # first-call torch.compile costs 25-55 s on CPU for a tiny model
         TOKENIZERS_PARALLELISM="false",
         WANDB_SILENT="true",
         PYTHONUNBUFFERED="1",
     )
+    if c.libra.device == "cuda":
+        # AReaL's local launcher sets these for the NCCL weight-update group (areal/infra/launcher/local.py).
+        env.update(NCCL_CUMEM_ENABLE="0", NCCL_NVLS_ENABLE="0")
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # disjoint from every server's
     if rollout_pool:
@@ -154,6 +245,7 @@ def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
     if c.libra.device == "cpu":
         threads = str(int(c.libra.trainer_threads))
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        env["TORCHDYNAMO_DISABLE"] = "1"  # first-call torch.compile costs 25-55 s on CPU for a tiny model
     if c.areal.stats_logger.wandb.mode == "online" and not env.get("WANDB_API_KEY"):
         env["WANDB_MODE"] = "offline"
     return env
@@ -273,7 +365,9 @@ def kill_leftover_servers(run_dir: Path) -> list[int]:
 def run(argv: list[str]) -> int:
     c = compose(argv, default_cluster="gpu" if _has_cuda() else "cpu")
     check_dataset(c)
+    resolve_control_cluster(c)
     gpus = placement(c)  # before anything starts: an allocation that does not fit is a one-line error
+    check_sglang(c)
     emu = emulation(c)  # an emulated layout that does not fit fails before anything starts
     model_path = resolve_model(c)
     c.areal.actor.path = model_path
@@ -304,12 +398,15 @@ def start_retriever(c: Composed, log_dir: Path):
             raise LaunchError(f"libra.tools.retriever_url={url} does not answer POST /retrieve ({e})") from None
         return None
 
+    corpus = c.libra.tools.corpus
     try:
-        proc = RetrieverProcess(log_dir / "retriever.log")
+        proc = RetrieverProcess(log_dir / "retriever.log", corpus=None if corpus is None else str(corpus),
+                                timeout_s=600.0 if corpus is not None else 60.0)  # indexing a real corpus
     except RuntimeError as e:
         raise LaunchError(str(e)) from None
     c.libra.tools.retriever_url = proc.url
-    print(f"areal_libra: retrieval server {proc.url} (BM25, log {log_dir / 'retriever.log'})", flush=True)
+    print(f"areal_libra: retrieval server {proc.url} (BM25 over {corpus or 'the generated corpus'}, "
+          f"log {log_dir / 'retriever.log'})", flush=True)
     return proc
 
 

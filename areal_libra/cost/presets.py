@@ -309,3 +309,55 @@ def load_cluster(ref: str | ClusterSpec) -> ClusterSpec:
     if n % gpn:
         raise PresetError(f"cluster '{ref}': {n} GPUs do not fill whole {hw.name} nodes of {hw.gpus_per_node}")
     return ClusterSpec(hardware=hw.replace(gpus_per_node=gpn), nodes=n // gpn, gpus_per_node=gpn, name=key)
+
+
+# ---------------------------------------------------------------- the machine's own preset
+
+# torch.cuda.get_device_name() -> hardware preset. Only models whose spec sheet matches a preset: the PCIe
+# and NVL H100s, a 40 GB A100 and anything else differ in FLOP/s, bandwidth or memory and get no guess.
+_DEVICE_PRESETS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"\bH200\b", re.I), "h200-fitted"),  # the H200 preset fitted to a measured layer table
+    (re.compile(r"\bH100\b(?!.*\b(PCIe|NVL)\b).*(80\s*GB|HBM3|SXM)", re.I), "h100"),
+    (re.compile(r"\bA800\b.*80\s*GB", re.I), "a800"),
+    (re.compile(r"\bA100\b.*80\s*GB", re.I), "a100"),
+)
+AUTO = "auto"
+
+
+def cluster_for_devices(names: list[str]) -> str:
+    """The cluster preset name for these GPUs (one node: '<hardware>x<count>', e.g. 'h200-fittedx8'); 'cpu'
+    when there are none. A GPU model without a preset, or a mix of models, raises PresetError (one line
+    asking for a preset)."""
+    if not names:
+        return "cpu"
+    kinds = sorted(set(names))
+    if len(kinds) > 1:
+        raise PresetError(f"this node mixes GPU models ({', '.join(kinds)}); set libra.control.cluster to a "
+                          "cluster preset or a cluster YAML")
+    for pattern, hw in _DEVICE_PRESETS:
+        if pattern.search(kinds[0]):
+            return f"{hw}x{len(names)}"
+    raise PresetError(f"no cost preset for GPU '{kinds[0]}' x{len(names)}; set libra.control.cluster to a "
+                      f"cluster preset ({_names('clusters')}, '<hardware>x<N>') or a cluster YAML "
+                      "(python -m areal_libra.cost.profile --device cuda fits one)")
+
+
+def detect_cluster() -> str:
+    """cluster_for_devices of this machine's visible CUDA devices (torch.cuda); 'cpu' without CUDA."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "cpu"
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 - a broken torch or driver: no usable GPUs
+        return "cpu"
+    return cluster_for_devices(names)
+
+
+def resolve_cluster_name(name: str, device: str = "cuda") -> str:
+    """`libra.control.cluster`: 'auto' -> the machine's preset on a cuda run, the cpu preset on the embedded
+    CPU cluster (device 'cpu', even on a GPU machine); any other name as given."""
+    if str(name).lower() != AUTO:
+        return str(name)
+    return "cpu" if device != "cuda" else detect_cluster()

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
 from areal_libra.control.controller import ControlEvent
-from areal_libra.cost.presets import ClusterSpec, ModelSpec, load_cluster, load_hardware, load_model
+from areal_libra.cost.presets import (
+    ClusterSpec,
+    ModelSpec,
+    load_cluster,
+    load_hardware,
+    load_model,
+    resolve_cluster_name,
+)
 from areal_libra.elastic.measure import rollout_time
 from areal_libra.live.recover import plan_from_state
 from areal_libra.planner import PlanError, PlannerConfig, price, solve
@@ -328,6 +335,10 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlan
     emulated = libra.emulated if libra.emulated.enabled else None
     name = str(emulated.gpu) if emulated is not None else str(c.cluster)
     try:
+        # "auto" is resolved by the launcher (which sees every GPU; the trainer sees its own); here too for
+        # other callers.
+        if emulated is None:
+            name = resolve_cluster_name(name, libra.device)
         # An emulated cluster: its accelerators, resized below (any count, not only whole nodes).
         cluster = (ClusterSpec(load_hardware(name), nodes=1, gpus_per_node=1) if emulated is not None
                    else load_cluster(name))
@@ -336,7 +347,7 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlan
     n = 0
     if int(c.accelerators) > 0 and emulated is None:
         n = int(c.accelerators)
-    elif emulated is None and str(c.cluster) == "cpu":
+    elif emulated is None and name == "cpu":
         # The embedded CPU cluster plans what the config grants: trainer threads + the servers' TP.
 
         groups = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))

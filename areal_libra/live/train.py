@@ -44,7 +44,7 @@ def build_dataset(libra: LibraConfig | Any, areal_cfg: Any) -> Any:
     ds = libra_config(libra).dataset
     path = areal_cfg.train_dataset.path
     path = None if path in (None, "", "generated") else str(path)
-    return import_from_string(ds.builder)(path, size=ds.n_problems, seed=ds.seed)
+    return import_from_string(ds.builder)(path, size=ds.n_problems, seed=ds.seed, max_rows=ds.max_rows)
 
 
 def routing_policy(libra: LibraConfig) -> str:

@@ -122,10 +122,49 @@ def _cuda_count() -> int:
         return 0
 
 
+# AReaL 1.0.4's sglang_server.py: server i of n on a node takes its ports (HTTP and dist-init) from its own
+# slice of [10000, 32767), so servers started together never race for the same port.
+PORT_LO, PORT_SPAN = 10000, 22767
+
+
+def port_range(index: int, n_servers: int) -> tuple[int, int]:
+    """[lo, hi) of the ports server `index` of `n_servers` may take (AReaL's per-server slice)."""
+    if not 0 <= index < n_servers:
+        raise ValueError(f"server index {index} out of range for {n_servers} servers")
+    width = PORT_SPAN // n_servers
+    return PORT_LO + index * width, PORT_LO + (index + 1) * width
+
+
+def ports_in_range(n: int, lo: int, hi: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports in [lo, hi) that were free a moment ago (held open together so they differ)."""
+    import random
+    import socket
+
+    socks: list[socket.socket] = []
+    try:
+        for port in random.sample(range(lo, hi), min(hi - lo, 4096)):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            if len(socks) == n:
+                return [x.getsockname()[1] for x in socks]
+        raise ServerLaunchError(f"no {n} free ports in [{lo}, {hi}) on {host}")
+    finally:
+        for x in socks:
+            x.close()
+
+
 def build_command(
-    backend: str, model_path: str, spec: ServerSpec, host: str, port: int, base_gpu_id: int = 0
+    backend: str, model_path: str, spec: ServerSpec, host: str, port: int, base_gpu_id: int = 0,
+    dist_init_port: int | None = None,
 ) -> list[str]:
-    """The server's command line (written to SGLang 0.5's real CLI for the GPU path)."""
+    """The server's command line (written to SGLang 0.5's real CLI for the GPU path; every flag is parsed by
+    sglang 0.5.10.post1's ServerArgs in tests/sglang). `dist_init_port`: SGLang's torch.distributed
+    rendezvous (--dist-init-addr host:port), one per server as AReaL gives it; None: SGLang picks one."""
     if backend == "embedded":
         cmd = [
             sys.executable,
@@ -170,6 +209,8 @@ def build_command(
             "--log-level",
             "warning",
         ]
+        if dist_init_port is not None:
+            cmd += ["--dist-init-addr", f"{host}:{dist_init_port}"]
     else:
         raise ValueError(f"backend must be embedded or sglang, got {backend!r}")
     if spec.max_total_tokens is not None:
@@ -262,11 +303,15 @@ def launch_servers(
             raise ValueError(f"placement {placement.servers} does not match the servers' TP sizes")
         gpus = list(placement.servers)
     os.makedirs(log_dir, exist_ok=True)
-    ports = free_ports(len(specs), host)
+    if backend == "sglang":  # AReaL's way: an HTTP and a dist-init port from each server's own range
+        pairs = [ports_in_range(2, *port_range(i, len(specs)), host) for i in range(len(specs))]
+        ports, dist_ports = [p[0] for p in pairs], [p[1] for p in pairs]
+    else:
+        ports, dist_ports = free_ports(len(specs), host), [None] * len(specs)
     handles: list[ServerHandle] = []
     try:
         for i, (spec, port) in enumerate(zip(specs, ports)):
-            cmd = build_command(backend, model_path, spec, host, port, base_gpu_id=0)
+            cmd = build_command(backend, model_path, spec, host, port, base_gpu_id=0, dist_init_port=dist_ports[i])
             log_path = os.path.join(log_dir, f"server{i}_{spec.group}_{port}.log")
             with open(log_path, "ab") as log:
                 log.write(f"$ {' '.join(cmd)}\n".encode())

@@ -135,7 +135,7 @@ def row_tests(row: dict[str, Any]) -> tuple[list[tuple[list[int], int]], list[tu
     return example, hidden
 
 
-def load_code_dataset(path: str | None = None, size: int = 4096, seed: int = 0):
+def load_code_dataset(path: str | None = None, size: int = 4096, seed: int = 0, max_rows: int | None = None):
     """`size` generated code problems as a `datasets.Dataset` (deterministic by seed); only the generator
     exists, so `path` must be None, '' or 'generated'."""
     if path not in (None, "", "generated"):

@@ -166,9 +166,26 @@ def load_dapo_parquet(path: str | Path, max_rows: int | None = None, tool_instru
     return Dataset.from_list(rows)
 
 
-def load_math_dataset(path: str | None = None, size: int = 4096, seed: int = 0, tool_instruction: bool = True):
-    """The training set: DAPO-Math-17K from `path` when given (size caps the rows), else `size` generated
-    problems. `path` may be None, '' or 'generated' for the generator."""
+def check_file(path: str | Path) -> None:
+    """The launch's check before anything starts: every file exists, is parquet and has DAPO's columns
+    (reads the schemas only). Raises DatasetError with one line naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for f in _parquet_files(Path(path)):
+        try:
+            names = pq.read_schema(f).names
+        except (OSError, pa.ArrowException) as e:
+            raise DatasetError(f"{f}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+        missing = [c for c in ("prompt", "reward_model") if c not in names]
+        if missing:
+            raise DatasetError(f"{f}: missing DAPO column(s) {', '.join(missing)} (has {', '.join(names)})")
+
+
+def load_math_dataset(path: str | None = None, size: int = 4096, seed: int = 0, tool_instruction: bool = True,
+                      max_rows: int | None = None):
+    """The training set: DAPO-Math-17K from `path` when given (every row unless `max_rows`), else `size`
+    generated problems. `path` may be None, '' or 'generated' for the generator."""
     if path in (None, "", "generated"):
         return generated_dataset(size, seed, tool_instruction)
-    return load_dapo_parquet(path, max_rows=size, tool_instruction=tool_instruction)
+    return load_dapo_parquet(path, max_rows=max_rows, tool_instruction=tool_instruction)

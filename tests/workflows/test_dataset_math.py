@@ -80,7 +80,8 @@ def test_dapo_parquet_loads(tmp_path):
     row = ds[3]
     assert row["answer"] == "4" and row["prompt_id"] == "dapo-uuid-3" and row["data_source"] == "math_dapo"
     assert row["messages"][0]["role"] == "system" and row["messages"][1]["content"].startswith(DAPO_PREFIX)
-    assert len(load_math_dataset(str(f), size=5)) == 5
+    assert len(load_math_dataset(str(f), size=5)) == 7  # `size` is the generator's: a file loads every row
+    assert len(load_math_dataset(str(f), size=5, max_rows=5)) == 5
     assert len(load_math_dataset(str(tmp_path), size=100)) == 7  # a directory of parquet files
     assert len(load_dapo_parquet(f, tool_instruction=False)[0]["messages"]) == 1
 

@@ -1,0 +1,159 @@
+"""The GPU path checked against the SGLang version requirements/gpu.txt pins (0.5.10.post1), installed without
+its dependencies (`make setup-sglang`):
+
+- every HTTP path this project calls on a server exists in that version's HTTP server module (its route
+  decorators, read with ast) and is not one of its deprecated stubs that always answer 404;
+- every command line launcher.build_command produces for the GPU configs (TP 1/2/4/8, with the seed, port
+  and dist-init flags) parses with SGLang's own ServerArgs.add_cli_args + parse_args. That needs
+  sglang.srt.server_args to import, which on a CPU-only machine it does not (requirements/sglang-cpu.txt
+  says why); the test then skips, naming the import error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from areal_libra import launch
+from areal_libra.config import compose
+from areal_libra.rollout import launcher
+from areal_libra.rollout.launcher import ServerSpec, port_range, ports_in_range
+
+PINNED = "0.5.10.post1"
+ROOT = Path(__file__).resolve().parents[2]
+# Where the project talks to SGLang servers itself (AReaL's own calls are AReaL's, tested against the same pin).
+CALLERS = ("areal_libra/rollout", "areal_libra/live", "areal_libra/elastic_runtime")
+_PATH_RE = re.compile(r"""["'](/(?:generate|update_weights\w*|get_weight_version|weight_version|health\w*|flush_cache|"""
+                      r"""init_weights\w*|pause_generation|continue_generation|\w*model_info|\w*server_info|"""
+                      r"""abort_request|update_weight_version))["']""")
+
+
+def _sglang_dir() -> Path:
+    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang is not installed (make setup-sglang installs it --no-deps)")
+    return Path(spec.origin).parent
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")  # the installed distribution's metadata, without importing sglang
+
+
+def _routes(pkg: Path) -> dict[str, ast.AsyncFunctionDef | ast.FunctionDef]:
+    """path -> handler of every @app.get/post/put/api_route("...") in SGLang's HTTP server."""
+    tree = ast.parse((pkg / "srt" / "entrypoints" / "http_server.py").read_text())
+    out = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for dec in node.decorator_list:
+            if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+                    and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "app" and dec.args
+                    and isinstance(dec.args[0], ast.Constant) and isinstance(dec.args[0].value, str)):
+                out[dec.args[0].value] = node
+    return out
+
+
+def _always_404(fn) -> bool:
+    """A deprecated stub: its body only raises HTTPException(status_code=404, ...)."""
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or not isinstance(body[0].exc, ast.Call):
+        return False
+    return any(k.arg == "status_code" and isinstance(k.value, ast.Constant) and k.value.value == 404
+               for k in body[0].exc.keywords)
+
+
+def _called_paths() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for d in CALLERS:
+        for f in sorted((ROOT / d).rglob("*.py")):
+            for m in _PATH_RE.finditer(f.read_text()):
+                found.setdefault(m.group(1), []).append(str(f.relative_to(ROOT)))
+    return found
+
+
+def test_the_pinned_version_is_installed():
+    _sglang_dir()
+    assert _version() == PINNED
+    assert f"sglang[tracing]=={PINNED}" in (ROOT / "requirements" / "gpu.txt").read_text()
+    assert f"sglang=={PINNED}" in (ROOT / "requirements" / "sglang-cpu.txt").read_text()
+
+
+def test_the_routes_are_read():
+    routes = _routes(_sglang_dir())
+    assert {"/generate", "/health", "/update_weights_from_disk", "/flush_cache"} <= set(routes)
+    assert _always_404(routes["/get_weight_version"]) and not _always_404(routes["/generate"])
+
+
+def _endpoint_cases():
+    paths = _called_paths()
+    assert {"/health", "/update_weights_from_disk"} <= set(paths)  # the grep finds the fleet's calls
+    return [pytest.param(p, marks=pytest.mark.xfail(
+        strict=True, reason="SGLang 0.5.10.post1 answers /get_weight_version with 404 (deprecated; the weight "
+                            "version is in GET /model_info's 'weight_version'); rollout/fleet.py still reads it"))
+            if p == "/get_weight_version" else p for p in sorted(paths)]
+
+
+@pytest.mark.parametrize("path", _endpoint_cases())
+def test_every_path_we_call_exists_in_sglang(path):
+    routes = _routes(_sglang_dir())
+    assert path in routes, f"{path} (called in {_called_paths()[path]}) is not a route of sglang {PINNED}"
+    assert not _always_404(routes[path]), f"{path} is a deprecated stub in sglang {PINNED} (always 404)"
+
+
+# ---------------------------------------------------------------- the command lines
+
+def _server_args():
+    _sglang_dir()
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except Exception as e:  # noqa: BLE001 - any import failure: the module cannot load on this machine
+        pytest.skip(f"sglang.srt.server_args does not import here ({type(e).__name__}: {str(e).splitlines()[0]});"
+                    " see requirements/sglang-cpu.txt")
+    return ServerArgs
+
+
+def _gpu_command_lines(tmp_path) -> list[list[str]]:
+    """What launch_servers starts for the GPU configs: cluster=gpu's default and one group per TP 1/2/4/8."""
+    cmds = []
+    allocs = [None, "sglang:d1t1", "sglang:d1t2", "sglang:d1t4", "sglang:d1t8", "sglang:d2t1+d1t2+d1t4"]
+    for alloc in allocs:
+        args = ["cluster=gpu", f"cluster.fileroot={tmp_path}"] + ([f"rollout_alloc={alloc}"] if alloc else [])
+        specs = launch.server_specs(compose(args))
+        for i, spec in enumerate(specs):
+            port, dist = ports_in_range(2, *port_range(i, len(specs)))
+            cmds.append(launcher.build_command("sglang", "/models/Qwen3-8B", spec, "127.0.0.1", port,
+                                               dist_init_port=dist))
+    cmds.append(launcher.build_command("sglang", "Qwen/Qwen3-1.7B", ServerSpec(tp=2, max_total_tokens=65536,
+                                                                               seed=3), "127.0.0.1", 30000, 0, 30001))
+    return cmds
+
+
+def test_every_gpu_command_line_parses_with_sglangs_server_args(tmp_path):
+    server_args = _server_args()
+    cmds = _gpu_command_lines(tmp_path)
+    assert {c[c.index("--tp-size") + 1] for c in cmds} == {"1", "2", "4", "8"}
+    for cmd in cmds:
+        assert cmd[1:3] == ["-m", "sglang.launch_server"]
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        server_args.add_cli_args(parser)
+        ns = parser.parse_args(cmd[3:])
+        assert ns.tp_size == int(cmd[cmd.index("--tp-size") + 1])
+        assert ns.random_seed == int(cmd[cmd.index("--random-seed") + 1])
+        assert ns.dist_init_addr == cmd[cmd.index("--dist-init-addr") + 1]
+        assert ns.port == int(cmd[cmd.index("--port") + 1])
+
+
+def test_the_command_lines_carry_the_areal_flags(tmp_path):
+    """Runs without SGLang's modules: what the parse test checks, seen from our side."""
+    cmds = _gpu_command_lines(tmp_path)
+    for cmd in cmds:
+        for flag in ("--model-path", "--tp-size", "--random-seed", "--dist-init-addr", "--port", "--base-gpu-id"):
+            assert flag in cmd, (flag, cmd)
