@@ -141,6 +141,7 @@ class Simulation:
         self.finished: deque = deque(maxlen=4000)
         self.finished_trajs: deque = deque(maxlen=4000)
         self.reconfigurations = 0
+        self.elastic_moves = 0  # elastic pool joins/releases carried out (each moves >= 1 replica)
         self.staleness_seen: list[int] = []
         self.gen_tokens = 0
         self.migrated_tokens = 0
@@ -482,6 +483,7 @@ class Simulation:
             "train_busy_frac": min(1.0, self.train_gpu_s / max(1e-9, wall * (self.n_gpus if self.cfg.colocated
                                                                                 else self._mean_train_gpus()))),
             "reconfigurations": self.reconfigurations,
+            "elastic_moves": self.elastic_moves,
             "steps": len(self.records),
             "wall_s": wall,
             "max_staleness": max(self.staleness_seen) if self.staleness_seen else 0,
