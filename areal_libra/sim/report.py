@@ -164,7 +164,10 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         print(json.dumps({"systems": results, "workload": wname, "cluster": args.cluster, "model": args.model,
                           "steps": args.steps, "seed": args.seed,
                           "batch_prompts": env.workload.cfg.batch_prompts,
-                          "group_size": env.workload.cfg.group_size}, indent=1))
+                          "group_size": env.workload.cfg.group_size,
+                          # AReaL-Static-Optimal's sweep: every candidate layout with its measured tokens/s
+                          "baseline_candidates": results.get("areal_static_optimal", {}).get("baseline_candidates")},
+                         indent=1))
     else:
         print(f"workload={wname} cluster={args.cluster} ({env.n_gpus} GPUs) model={args.model} steps={args.steps} "
               f"seed={args.seed} batch={env.workload.cfg.batch_prompts}x{env.workload.cfg.group_size}")
