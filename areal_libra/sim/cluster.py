@@ -24,6 +24,11 @@ from areal_libra.sim.workloads import Workload
 CHUNK, TOOL, TRAIN_END, TRAIN_TRY, CALL = range(5)
 
 
+def workload_rng(seed: int) -> random.Random:
+    """The generator a Simulation of `seed` draws its workload's groups with (and nothing else)."""
+    return random.Random(seed * 7919 + 1)
+
+
 class SimError(ValueError):
     """Configuration the simulated cluster cannot run (e.g. no room for a model replica)."""
 
@@ -119,7 +124,7 @@ class Simulation:
         self.set_router(self.router)
         self.controller = controller or Controller()
         self.rng = random.Random(seed)
-        self.wl_rng = random.Random(seed * 7919 + 1)
+        self.wl_rng = workload_rng(seed)
         self.batch = workload.cfg.batch_prompts
         self.t = 0.0
         self.events: list = []

@@ -80,3 +80,18 @@ def test_sweep_is_cached_per_seed_and_reported(tmp_path, monkeypatch):
     assert S.sweep_cache_path(env1) != files[0]
     with pytest.raises(AssertionError, match="measured again"):
         S.static_sweep(env1, jobs=1)
+
+
+@pytest.mark.parametrize("n_groups", [3, 400])
+def test_recorded_replay_gives_the_same_measurement(n_groups):
+    """The sweep draws the replay's groups once for all candidates; a candidate measured on the recording
+    (all of it, or past its end, where it continues live) is the candidate measured on its own."""
+    import copy
+
+    env = make_env("r2e_gym", "a800x16", "qwen3-14b", seed=2, batch_prompts=2, group_size=2)
+    rec = S.RecordedReplay(S.StationaryReplay(copy.deepcopy(env.workload)), env.seed + S.SWEEP_SEED_OFFSET, n_groups)
+    alone = S.measure_candidate(env, 8, 2)
+    assert S.measure_candidate(env, 8, 2, rec) == alone
+    assert S.measure_candidate(env, 8, 2, rec) == alone  # a second reader starts from the beginning again
+    with pytest.raises(S.SimError, match="another seed"):
+        rec.fresh().sample_group(0, random.Random(0))
