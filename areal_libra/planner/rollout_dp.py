@@ -38,6 +38,7 @@ class Group:
     lo: int
     hi: int
     t_s: float
+    filler: bool = False  # added on GPUs the plan's TPs could not use (solve._fill_idle)
 
     @property
     def gpus(self) -> int:
