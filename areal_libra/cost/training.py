@@ -95,12 +95,15 @@ class TrainCost:
             return f"TP {par.tp} does not divide {m.n_heads} attention heads"
         if par.ep > 1 and (not m.is_moe or m.n_experts % par.ep or par.dp % par.ep):
             return f"EP {par.ep} needs an MoE model whose experts and DP {par.dp} it divides"
-        if st.n % (par.dp * par.micro_batch):
-            return f"global batch {st.n} is not divisible by DP {par.dp} x micro-batch {par.micro_batch}"
+        # AReaL's trainer balances tokens over DP ranks, so DP need not divide the batch; every rank needs
+        # at least one micro-batch of sequences.
+        if st.n < par.dp * par.micro_batch:
+            return f"global batch {st.n} is smaller than DP {par.dp} x micro-batch {par.micro_batch}"
         return None
 
     def n_micro(self, par: TrainParallel, st: BatchStats) -> int:
-        return st.n // (par.dp * par.micro_batch)
+        """Micro-batches per DP rank: the busiest rank's sequences (ceil) in micro-batches of `micro_batch`."""
+        return -(-st.n // (par.dp * par.micro_batch))
 
     # ---------------------------------------------------------------- time
     def _fwd_flops(self, tokens: float, sq_tokens: float) -> float:
@@ -122,7 +125,8 @@ class TrainCost:
             raise ValueError(why)
         hw, m = self.cluster.hardware, self.model
         n_mb = self.n_micro(par, st)
-        # Sequences are spread evenly over DP ranks and micro-batches (packed, balanced by length).
+        # Tokens are balanced over DP ranks (AReaL's dispatch) and spread over a rank's micro-batches; with a
+        # batch DP does not divide, a rank runs ceil(n / (dp * mb)) micro-batches of its tokens / dp share.
         mb_tokens = st.tokens / (par.dp * n_mb)
         mb_sq = st.sq_tokens / (par.dp * n_mb)
         rate = par.tp * par.pp * hw.flops * hw.train_mfu
@@ -174,7 +178,7 @@ class TrainCost:
         local = self._local_params(par)
         tokens = par.micro_batch * st.max_len  # the heaviest micro-batch
         layers = m.n_layers / par.pp
-        inflight = min(par.pp, max(1, st.n // (par.dp * par.micro_batch)))  # 1F1B: first stage holds pp
+        inflight = min(par.pp, max(1, self.n_micro(par, st)))  # 1F1B: first stage holds pp
         h = m.hidden
         # Korthikanti et al.: ~34*s*b*h bytes per layer without recompute (flash attention, TP-sharded).
         layer_full = 34.0 * tokens * h / par.tp

@@ -44,7 +44,7 @@ def price(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, histor
     t_train = tc.step_time_s(plan.train, st)
     p, o, w, _, _ = sample_history(hist, cfg.n_samples, cfg.global_batch)
     f = p + o
-    groups = sorted(plan.instances, key=lambda i: i.max_len)
+    groups = sorted((i for i in plan.instances if not i.filler), key=lambda i: i.max_len)  # fillers: capacity only
     edges = [g.max_len for g in groups[:-1]]
     which = np.searchsorted(np.asarray(edges, dtype=float), f, side="left")  # f <= max_len -> that group
     costs = []

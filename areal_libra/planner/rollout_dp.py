@@ -38,6 +38,7 @@ class Group:
     lo: int
     hi: int
     t_s: float
+    filler: bool = False  # added on GPUs the plan's TPs could not use (solve._fill_idle)
 
     @property
     def gpus(self) -> int:
@@ -63,6 +64,7 @@ class RolloutDP:
                  reprefill: bool = True) -> None:
         self.native = native
         self.window = window  # RolloutCost.group_makespan_s: > 1 prices asynchronous, staleness-bounded rollout
+        self.reprefill = reprefill
         self.costs = dict(sorted(costs.items()))
         self.p = np.asarray(prompts, dtype=float)
         self.o = np.asarray(outputs, dtype=float)
@@ -205,8 +207,12 @@ class RolloutDP:
         if self.max_f[j] > self._caps[tp]:
             return math.inf
         n_req = max(self.W[j] / k, min(1.0, self.W[j]))
-        return float(self.costs[tp].group_makespan_s(n_req, self.mean_p[j], self.mean_o[j], self.max_o[j],
-                                                     self.max_f[j]))
+        # Off the grid (above `dense` servers, or past its end when `fill` adds servers): the same objective
+        # as the table, window and re-prefill included, and never above the grid point below (the table's
+        # monotonicity guard).
+        c = float(self.costs[tp].group_makespan_s(n_req, self.mean_p[j], self.mean_o[j], self.max_o[j],
+                                                  self.max_f[j], window=self.window, reprefill=self.reprefill))
+        return min(c, float(tab[pos - 1, j])) if pos > 0 else c
 
     def solution(self, groups: list[tuple[int, int, int, int]]) -> RolloutSolution:
         gs = tuple(Group(tp, k, a, b, self.cost(tp, k, a, b)) for a, b, tp, k in groups)

@@ -20,7 +20,7 @@ import numpy as np
 from areal_libra.cost.presets import ClusterSpec, ModelSpec, load_cluster, load_model
 from areal_libra.cost.rollout import RolloutCost
 from areal_libra.cost.training import BatchStats, TrainCost, TrainParallel
-from areal_libra.planner.rollout_dp import RolloutDP, RolloutSolution, smallest_feasible
+from areal_libra.planner.rollout_dp import Group, RolloutDP, RolloutSolution, smallest_feasible
 from areal_libra.planner.train_tree import TreeConfig, TreeResult, search
 from areal_libra.planner.types import DEFAULT_TP, Interval, Plan, PlanError, PlannerConfig, RolloutInstance
 
@@ -130,8 +130,9 @@ def _train_frontier(tcost: TrainCost, st: BatchStats, n: int, cfg: PlannerConfig
     out: dict[int, TreeResult] = {}
     trees: list[TreeResult] = []
     for g in range(lo, hi + 1):
-        # Skip sizes no layout can use (DP must divide the global batch) before building a tree.
-        if not any(g % (tp * pp) == 0 and st.n % (g // (tp * pp)) == 0 for tp in tps for pp in pps):
+        # Skip sizes no layout can use (TP x PP must divide the GPUs, DP at most the batch) before building a
+        # tree. DP need not divide the batch: the trainer balances tokens over ranks.
+        if not any(g % (tp * pp) == 0 and g // (tp * pp) <= st.n for tp in tps for pp in pps):
             continue
         res = search(tcost, g, st, tree_cfg)
         trees.append(res)
@@ -140,8 +141,8 @@ def _train_frontier(tcost: TrainCost, st: BatchStats, n: int, cfg: PlannerConfig
     if out:
         return out
     if not trees:
-        raise PlanError(f"no training size in {lo}..{hi} GPUs admits a layout: DP must divide the global batch "
-                        f"{st.n} and TP x PP the GPU count")
+        raise PlanError(f"no training size in {lo}..{hi} GPUs admits a layout: TP x PP must divide the GPU count "
+                        f"and DP be at most the global batch {st.n}")
     hbm = c.hardware.hbm_bytes
     min_mem = min(t.min_memory for t in trees)
     kinds = Counter(r.kind for t in trees for r in t.log if r.kind != "bound")
@@ -246,7 +247,35 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
         mono, mono_left = dp.fill(mono, n - g)
         if (max(res.t_s, mono.t_s), mono_left) <= (max(res.t_s, sol.t_s), left):
             sol, left = mono, mono_left
+    if left and cfg.fill_tp:
+        sol, left = _fill_idle(cluster, model, cfg, sol, left, hi_len)
     return _build_plan(cluster, cfg, tcost, st, res, sol, left, lo_len, hi_len, weights, t0)
+
+
+def _fill_idle(cluster: ClusterSpec, model: ModelSpec, cfg: PlannerConfig, sol: RolloutSolution, left: int,
+               hi_len) -> tuple[RolloutSolution, int]:
+    """Spend GPUs the plan's own TPs cannot use (the rollout budget is not a multiple of them) on servers of
+    a smaller TP from cfg.fill_tp, added to the slowest group's interval (same bucket) that their KV holds.
+    The group's predicted time is kept (the extra servers only add capacity): the price stays conservative."""
+    groups = list(sol.groups)
+    for tp in sorted({t for t in cfg.fill_tp if t <= cluster.gpus_per_node}, reverse=True):
+        if tp > left:
+            continue
+        cap = RolloutCost(cluster.hardware, model, tp, cfg.max_running).kv_capacity_tokens()
+        fits = [i for i, g in enumerate(groups) if int(hi_len[g.hi - 1]) <= cap]
+        if not fits:
+            continue
+        i = max(fits, key=lambda j: (groups[j].t_s, groups[j].hi))
+        g = groups[i]
+        k = left // tp
+        same = next((j for j, h in enumerate(groups) if (h.tp, h.lo, h.hi) == (tp, g.lo, g.hi)), None)
+        if same is not None:  # the slowest group already has this TP: just more servers
+            h = groups[same]
+            groups[same] = Group(tp, h.count + k, h.lo, h.hi, h.t_s, filler=True)
+        else:
+            groups.append(Group(tp, k, g.lo, g.hi, g.t_s, filler=True))
+        left -= k * tp
+    return RolloutSolution(sol.t_s, sum(g.gpus for g in groups), tuple(groups)), left
 
 
 def _build_plan(cluster: ClusterSpec, cfg: PlannerConfig, tcost: TrainCost, st: BatchStats, res: TreeResult,
@@ -255,7 +284,7 @@ def _build_plan(cluster: ClusterSpec, cfg: PlannerConfig, tcost: TrainCost, st: 
     instances, intervals = [], []
     for grp in sol.groups:
         mn, mx = int(lo_len[grp.lo]), int(hi_len[grp.hi - 1])
-        instances.append(RolloutInstance(grp.tp, grp.count, mx, mn, grp.t_s))
+        instances.append(RolloutInstance(grp.tp, grp.count, mx, mn, grp.t_s, filler=grp.filler))
         intervals.append(Interval(grp.lo, grp.hi, mn, mx, float(weights[grp.lo:grp.hi].sum()), grp.tp, grp.count,
                                   grp.t_s))
     notes = []

@@ -92,13 +92,15 @@ def _lower_bound(cost: TrainCost, par: TrainParallel, st: BatchStats) -> float:
     from areal_libra.cost.rollout import allreduce_s
 
     hw = cost.cluster.hardware
-    per_seq = cost._fwd_flops(st.tokens / st.n, st.sq_tokens / st.n) / (par.tp * par.pp * hw.flops * hw.train_mfu)
-    slots = st.n / par.dp + par.pp - 1
+    # A rank's token share in the most micro-batches it can have (micro-batch 1: ceil(n / dp)) gives the
+    # smallest bubble; with a batch DP divides this is n/dp + pp - 1 slots of one sequence each.
+    per_rank = cost._fwd_flops(st.tokens / par.dp, st.sq_tokens / par.dp) / (par.tp * par.pp * hw.flops * hw.train_mfu)
+    m = -(-st.n // par.dp)
     passes = 3.0 + (1.0 if cost.recompute else 0.0) + cost.logprob_passes
     local = cost._local_params(par)
     ar = allreduce_s(hw, local * cost.model.dtype_bytes, par.dp, par.gpus) if par.dp > 1 else 0.0
     optim = 16.0 * local / par.dp / (hw.hbm_bw * hw.hbm_eff)
-    return passes * per_seq * slots + (1.0 - cost.dp_overlap) * ar + optim
+    return passes * per_rank * (m + par.pp - 1) / m + (1.0 - cost.dp_overlap) * ar + optim
 
 
 def search(cost: TrainCost, gpus: int, st: BatchStats, cfg: TreeConfig) -> TreeResult:
@@ -152,8 +154,8 @@ def search(cost: TrainCost, gpus: int, st: BatchStats, cfg: TreeConfig) -> TreeR
                 if dp % ep:
                     log.append(PruneRecord("PP", pbr, f"EP {ep} does not divide DP {dp}", "divisibility"))
                     continue
-                if st.n % dp:
-                    log.append(PruneRecord("PP", pbr, f"global batch {st.n} not divisible by DP {dp}",
+                if st.n < dp:  # token-balanced DP need not divide the batch, but every rank needs a sequence
+                    log.append(PruneRecord("PP", pbr, f"global batch {st.n} has fewer sequences than DP {dp}",
                                            "divisibility"))
                     continue
                 base = TrainParallel(tp, pp, dp, ep, 1)
@@ -163,7 +165,7 @@ def search(cost: TrainCost, gpus: int, st: BatchStats, cfg: TreeConfig) -> TreeR
                     log.append(PruneRecord("PP", pbr, f"out of memory at micro-batch 1: {mem1 / 1e9:.1f} GB > "
                                            f"{hbm / 1e9:.0f} GB", "memory"))
                     continue
-                m_max = st.n // dp
+                m_max = -(-st.n // dp)
                 bubble = (pp - 1) / (m_max + pp - 1)
                 if bubble > cfg.bubble_max:
                     log.append(PruneRecord("PP", pbr, f"pipeline bubble {bubble:.2f} > {cfg.bubble_max} even "

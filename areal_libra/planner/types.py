@@ -43,6 +43,9 @@ class PlannerConfig:
     # async mode: each weight update flushes the servers' KV and the resident requests prefill again
     # (RolloutCost.group_makespan_s `reprefill`)
     reprefill_on_sync: bool = True
+    # TPs that may take rollout GPUs the plan's own TPs leave idle (a budget that is not a multiple of them),
+    # as extra servers for the slowest group; () leaves them idle.
+    fill_tp: tuple[int, ...] = DEFAULT_TP
 
     @property
     def rollout_window(self) -> float:
@@ -58,6 +61,7 @@ class RolloutInstance:
     max_len: int
     min_len: int = 0
     t_s: float = 0.0  # predicted makespan of this group
+    filler: bool = False  # extra servers on GPUs the plan's TPs left idle (PlannerConfig.fill_tp); no bucket
 
     @property
     def gpus(self) -> int:
@@ -119,7 +123,7 @@ class Plan:
         and groups ending at the same length share one bucket (the larger TP names it), so a router never
         sees a duplicate threshold."""
         out: list[tuple[int, int]] = []
-        for inst in sorted(self.instances, key=lambda i: (i.max_len, i.tp)):
+        for inst in sorted((i for i in self.instances if not i.filler), key=lambda i: (i.max_len, i.tp)):
             if out and (out[-1][1] == inst.tp or out[-1][0] == inst.max_len):
                 out[-1] = (max(out[-1][0], inst.max_len), max(out[-1][1], inst.tp))
             else:

@@ -24,6 +24,11 @@ from areal_libra.sim.workloads import Workload
 CHUNK, TOOL, TRAIN_END, TRAIN_TRY, CALL = range(5)
 
 
+def workload_rng(seed: int) -> random.Random:
+    """The generator a Simulation of `seed` draws its workload's groups with (and nothing else)."""
+    return random.Random(seed * 7919 + 1)
+
+
 class SimError(ValueError):
     """Configuration the simulated cluster cannot run (e.g. no room for a model replica)."""
 
@@ -119,7 +124,7 @@ class Simulation:
         self.set_router(self.router)
         self.controller = controller or Controller()
         self.rng = random.Random(seed)
-        self.wl_rng = random.Random(seed * 7919 + 1)
+        self.wl_rng = workload_rng(seed)
         self.batch = workload.cfg.batch_prompts
         self.t = 0.0
         self.events: list = []
@@ -142,6 +147,7 @@ class Simulation:
         self.finished: deque = deque(maxlen=4000)
         self.finished_trajs: deque = deque(maxlen=4000)
         self.reconfigurations = 0
+        self.elastic_moves = 0  # elastic pool joins/releases carried out (each moves >= 1 replica)
         self.staleness_seen: list[int] = []
         self.gen_tokens = 0
         self.migrated_tokens = 0
@@ -496,6 +502,7 @@ class Simulation:
             "train_busy_frac": min(1.0, self.train_gpu_s / max(1e-9, wall * (self.n_gpus if self.cfg.colocated
                                                                                 else self._mean_train_gpus()))),
             "reconfigurations": self.reconfigurations,
+            "elastic_moves": self.elastic_moves,
             "steps": len(self.records),
             "wall_s": wall,
             "max_staleness": max(self.staleness_seen) if self.staleness_seen else 0,

@@ -329,12 +329,14 @@ class SimCluster:
         units = [u for u in self.units if not u.training][:n]
         for u in units:
             self._join(u)
+        self.sim.elastic_moves += bool(units)
         return len(units)
 
     def release(self, n: int, step: int) -> int:
         units = [u for u in self.units if u.training][:n]
         for u in units:
             self._release(u)
+        self.sim.elastic_moves += bool(units)
         return len(units)
 
     def _release(self, u: HybridUnit) -> None:

@@ -44,4 +44,5 @@ def run_system(name: str, env: Env, steps: int) -> tuple[dict, Simulation]:
     if attach is not None:
         attach(sim)
     res = sim.run(steps)
+    res.update(spec.extra)
     return res, sim

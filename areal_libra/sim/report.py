@@ -21,10 +21,24 @@ from areal_libra.utils import first_line
 _CLUSTER_RE = re.compile(r"^([a-z0-9_.-]+?)x(\d+)$")
 
 
+# --scale presets: (GRPO groups per step, samples per prompt, max context). "paper": the paper's global batch,
+# 2,048 trajectories a step (128 prompts x 16 samples) with a 40,960-token cap; "default": each workload's
+# scaled-down batch (docs/simulator.md). --batch-prompts / --group-size override a preset's numbers.
+SCALES = {"default": (None, None, None), "paper": (128, 16, 40960)}
+
+
 def make_env(workload: str, cluster: str, model: str, seed: int = 0, batch_prompts: int | None = None,
-             group_size: int | None = None, knobs: SimKnobs | None = None, truth: str = "default") -> Env:
+             group_size: int | None = None, knobs: SimKnobs | None = None, truth: str = "default",
+             scale: str = "default") -> Env:
     consts = truth_constants(truth)
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; choose from {', '.join(SCALES)}")
+    sb, sg, sl = SCALES[scale]
+    batch_prompts = sb if batch_prompts is None else batch_prompts
+    group_size = sg if group_size is None else group_size
     wl = make_workload(workload)
+    if sl is not None:
+        wl.cfg.max_len = sl
     if batch_prompts is not None:
         if batch_prompts < 1:
             raise ValueError("--batch-prompts must be >= 1")
@@ -157,6 +171,9 @@ def parse_common(argv, description: str, names: Sequence[str], default_ref: str)
     ap.add_argument("--batch-prompts", type=int, default=None,
                     help="GRPO groups per step (scale knob; defaults per workload, see README)")
     ap.add_argument("--group-size", type=int, default=None, help="samples per prompt")
+    ap.add_argument("--scale", default="default", choices=sorted(SCALES),
+                    help="batch preset: paper = 128 prompts x 16 samples (2,048 trajectories a step), 40,960-token "
+                         "cap; --batch-prompts/--group-size override it")
     ap.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE",
                     help="a simulator switch (areal_libra.sim.systems.SimKnobs), e.g. replan=false")
     ap.add_argument("--truth", default="default", choices=sorted(TRUTH_PROFILES),
@@ -174,7 +191,7 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         if args.steps < 1:
             raise ValueError("--steps must be >= 1")
         env = make_env(args.workload, args.cluster, args.model, args.seed, args.batch_prompts, args.group_size,
-                       parse_knobs(args.knob), truth=args.truth)
+                       parse_knobs(args.knob), truth=args.truth, scale=args.scale)
         from areal_libra.sim.systems import check_cluster
 
         check_cluster(env.truth, env.n_gpus)
@@ -189,7 +206,10 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         print(json.dumps({"systems": results, "workload": wname, "cluster": args.cluster, "model": args.model,
                           "steps": args.steps, "seed": args.seed,
                           "batch_prompts": env.workload.cfg.batch_prompts,
-                          "group_size": env.workload.cfg.group_size, "truth": args.truth}, indent=1))
+                          "group_size": env.workload.cfg.group_size, "truth": args.truth, "scale": args.scale,
+                          # AReaL-Static-Optimal's sweep: every candidate layout with its measured tokens/s
+                          "baseline_candidates": results.get("areal_static_optimal", {}).get("baseline_candidates")},
+                         indent=1))
     else:
         print(f"workload={wname} cluster={args.cluster} ({env.n_gpus} GPUs) model={args.model} steps={args.steps} "
               f"seed={args.seed} batch={env.workload.cfg.batch_prompts}x{env.workload.cfg.group_size} truth={args.truth}")

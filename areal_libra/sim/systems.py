@@ -9,9 +9,16 @@ policy (areal_libra.elastic). Nothing here re-implements those algorithms; it on
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import re
+import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
 from areal_libra.sim.hardware import HardwareTruth
@@ -90,6 +97,7 @@ class SystemSpec:
     run: RunConfig
     router_factory: Callable[[Layout], Router]
     controller: Controller = field(default_factory=Controller)
+    extra: dict = field(default_factory=dict)  # reported with the system's results (e.g. the sweep's candidates)
 
 
 # ------------------------------------------------------------------ routing adapters
@@ -272,35 +280,269 @@ def verl_greedy(env: Env) -> SystemSpec:
                       GreedyController(env, BASELINE_ROLLOUT_TP))
 
 
+# AReaL-Static-Optimal's sweep: every candidate runs a stationary replay of the initial workload (its first
+# SWEEP_REPLAY steps, drift frozen) and is measured over steps SWEEP_WARMUP..SWEEP_END, after warm-up (the
+# first steps fill the staleness window and are faster than the steady state).
+SWEEP_REPLAY = 5
+SWEEP_WARMUP = 5
+SWEEP_END = 20
+SWEEP_FORMAT = 1  # bump when what a cached sweep means changes
+SWEEP_SEED_OFFSET = 1000  # the sweep's own sample of the workload, not the measured run's
+# Source files whose behaviour a cached sweep depends on: a change to any of them starts a new cache entry.
+_SWEEP_SOURCES = ("sim/cluster.py", "sim/server.py", "sim/hardware.py", "sim/workloads.py", "sim/systems.py",
+                  "trace.py", "elastic/measure.py", "cmlfq/policy.py", "cmlfq/__init__.py")
+
+
+class StationaryReplay(Workload):
+    """The workload as it is on its first `steps` steps, without drift: every group is drawn at a policy
+    version chosen uniformly from 0..steps-1, whatever the run's version. A sweep on it never sees later
+    steps."""
+
+    def __init__(self, base: Workload, steps: int = SWEEP_REPLAY) -> None:
+        super().__init__(base.cfg)
+        self.base, self.steps = base, steps
+        self.name = getattr(base, "name", "workload")
+
+    def sample_group(self, version: int, rng):
+        return self.base.sample_group(rng.randrange(self.steps), rng)
+
+
+class RecordedReplay(Workload):
+    """The first groups a Simulation of a given seed would draw from `replay`, generated once and handed out
+    in order (the sweep's candidates all draw the same sequence: the workload generator is its own RNG, and
+    a StationaryReplay ignores the version). Past the recording it continues live from the generator's state
+    at the end of the recording, so a run sees exactly the groups it would have drawn itself."""
+
+    def __init__(self, replay: StationaryReplay, seed: int, n_groups: int) -> None:
+        import copy
+
+        from areal_libra.sim.cluster import workload_rng
+
+        super().__init__(replay.cfg)
+        self.name = replay.name
+        rng = workload_rng(seed)
+        self.state0 = rng.getstate()
+        self.groups = [replay.sample_group(0, rng) for _ in range(n_groups)]
+        self.state_end = rng.getstate()
+        self.live = copy.deepcopy(replay)  # its counters as they are after the recording
+        self._i = 0
+
+    def fresh(self) -> RecordedReplay:
+        """A reader from the start that shares the recording."""
+        import copy
+
+        new = copy.copy(self)
+        new.live, new._i = copy.deepcopy(self.live), 0
+        return new
+
+    def sample_group(self, version: int, rng):
+        i = self._i
+        self._i += 1
+        if i == 0 and rng.getstate() != self.state0:
+            raise SimError("a recorded replay was read with another seed's generator")
+        if i < len(self.groups):
+            return list(self.groups[i])
+        if i == len(self.groups):
+            rng.setstate(self.state_end)
+        return self.live.sample_group(version, rng)
+
+
 def static_search_space(n_gpus: int, gpn: int) -> list[int]:
-    """Rollout GPU counts tried by the static search: multiples of a node, at most ~8 candidates."""
-    nodes = n_gpus // gpn
-    step = max(1, nodes // 8)
-    return [k * gpn for k in range(step, nodes, step)] or [n_gpus // 2]
+    """Rollout GPU counts tried by the static sweep: multiples of 4 (of 4·ceil(n/48) on clusters larger than
+    48 GPUs, so about a dozen counts), leaving at least 4 GPUs for training."""
+    step = 4 * max(1, math.ceil(n_gpus / 48))
+    return list(range(step, n_gpus - 3, step)) or [n_gpus // 2]
 
 
-def areal_static_optimal(env: Env, search_steps: int = 3) -> SystemSpec:
-    """AReaL with the best static split and homogeneous TP, found by simulating the first steps of every
-    candidate on the initial workload (what a user's tuning sweep would measure)."""
-    best, best_tps = None, -1.0
-    gpn = env.truth.gpu.gpus_per_node
-    for roll in static_search_space(env.n_gpus, gpn):
+def sweep_candidates(env: Env) -> list[tuple[int, int]]:
+    """(rollout GPUs, TP) of every static layout the sweep measures: TP 1/2/4/8 dividing the rollout GPUs,
+    with KV room for the longest request."""
+    out = []
+    for roll in static_search_space(env.n_gpus, env.truth.gpu.gpus_per_node):
         for tp in (1, 2, 4, 8):
-            if roll % tp or env.truth.kv_capacity_tokens(tp) < env.workload.cfg.max_len:
+            if roll % tp or tp > env.truth.gpu.gpus_per_node:
                 continue
-            try:
-                lay = split_layout(env, roll, tp)
-            except SimError:
+            if env.truth.kv_capacity_tokens(tp) < env.workload.cfg.max_len:
                 continue
-            sim = Simulation(env.truth, env.workload, env.n_gpus, lay, RunConfig(max_staleness=env.staleness),
-                             policy_router("least_loaded")(lay), seed=env.seed + 1000)
-            res = sim.run(search_steps)
-            if res["tokens_per_s"] > best_tps:
-                best, best_tps = lay, res["tokens_per_s"]
-    if best is None:
+            out.append((roll, tp))
+    return out
+
+
+def steady_tokens_per_s(records: list[dict], warmup: int = SWEEP_WARMUP, end: int = SWEEP_END) -> float:
+    """Model tokens per second over steps warmup..end (inclusive) of a run's step records."""
+    recs = {r["step"]: r for r in records}
+    if end not in recs:
+        raise SimError(f"the run ended before step {end}")
+    t0 = recs[warmup - 1]["t_end"] if warmup > 0 else 0.0
+    toks = sum(recs[k]["tokens"] for k in range(warmup, end + 1))
+    return toks / max(1e-9, recs[end]["t_end"] - t0)
+
+
+def _train_desc(t: TrainLayout) -> dict:
+    return {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "dp": t.dp}
+
+
+def measure_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | None = None) -> dict | None:
+    """Simulate one static layout on the stationary replay and measure its steady throughput; None when the
+    layout does not fit (no training layout for the remaining GPUs). `recorded`: the replay's groups drawn
+    once for every candidate (same results, less time)."""
+    import copy
+
+    try:
+        lay = split_layout(env, roll, tp)
+    except SimError:
+        return None
+    # A private copy: the sweep must not advance the workload's own counters the measured runs use.
+    wl = recorded.fresh() if recorded is not None else StationaryReplay(copy.deepcopy(env.workload))
+    sim = Simulation(env.truth, wl, env.n_gpus, lay, RunConfig(max_staleness=env.staleness),
+                     policy_router("least_loaded")(lay), seed=env.seed + SWEEP_SEED_OFFSET)
+    sim.run(SWEEP_END + 1)
+    return {"rollout_gpus": roll, "tp": tp, "train": _train_desc(lay.train),
+            "tokens_per_s": steady_tokens_per_s(sim.records)}
+
+
+def default_cache_root() -> Path:
+    """$AREAL_LIBRA_CACHE, else ~/.cache/areal_libra (shared with the model cache)."""
+    env = os.environ.get("AREAL_LIBRA_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "areal_libra"
+
+
+def _workload_digest(wl: Workload) -> str:
+    """What the sweep sees of the workload: its config and a sample of its first steps (covers trace files)."""
+    import copy
+    import random as _random
+
+    w = copy.deepcopy(wl)
+    rows = []
+    for v in range(SWEEP_REPLAY):
+        for t in w.sample_group(v, _random.Random(v)):
+            rows.append((t.prompt_tokens, [(s.gen_tokens, s.tool.payload_tokens if s.tool else 0,
+                                            round(s.tool.latency_s, 6) if s.tool else 0) for s in t.segments]))
+    blob = json.dumps([type(wl).__name__, getattr(wl, "name", ""), asdict(wl.cfg), rows], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def sweep_key(env: Env) -> dict:
+    """Everything a cached sweep depends on: workload (config, initial sample), cluster and model (the
+    truth's spec sheets and constants), scale, staleness, seed, the sweep's window and the simulator's code."""
+    root = Path(__file__).resolve().parents[1]
+    code = hashlib.sha256()
+    for rel in _SWEEP_SOURCES:
+        f = root / rel
+        code.update(rel.encode() + (f.read_bytes() if f.is_file() else b""))
+    truth = env.truth
+    return {"format": SWEEP_FORMAT, "workload": getattr(env.workload, "name", "workload"),
+            "workload_digest": _workload_digest(env.workload), "n_gpus": env.n_gpus,
+            "batch_prompts": env.workload.cfg.batch_prompts, "group_size": env.workload.cfg.group_size,
+            "truth": repr((truth.gpu, truth.model, truth.c)), "staleness": env.staleness, "seed": env.seed,
+            "window": [SWEEP_REPLAY, SWEEP_WARMUP, SWEEP_END, SWEEP_SEED_OFFSET], "code": code.hexdigest()}
+
+
+def sweep_cache_path(env: Env, key: dict | None = None) -> Path:
+    key = key or sweep_key(env)
+    h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(key["workload"]))[:40]
+    return default_cache_root() / "static_sweep" / f"{name}-{env.n_gpus}gpus-seed{env.seed}-{h}.json"
+
+
+# The environment and recorded replay forked sweep workers measure with (inherited, not pickled).
+_SWEEP_ENV: tuple[Env, RecordedReplay] | None = None
+
+
+def _measure_indexed(args: tuple[int, int, int]) -> tuple[int, dict | None]:
+    i, roll, tp = args
+    assert _SWEEP_ENV is not None
+    return i, measure_candidate(_SWEEP_ENV[0], roll, tp, _SWEEP_ENV[1])
+
+
+def sweep_jobs() -> int:
+    """Parallel sweep processes: $AREAL_LIBRA_SWEEP_JOBS, else one per CPU (at most 8); 1 inside a worker
+    process (the regime map already runs points in parallel)."""
+    import multiprocessing as mp
+
+    if mp.parent_process() is not None:
+        return 1
+    raw = os.environ.get("AREAL_LIBRA_SWEEP_JOBS")
+    if raw:
+        try:
+            return max(1, int(raw))
+        except ValueError:
+            raise SimError(f"AREAL_LIBRA_SWEEP_JOBS must be an integer, got {raw!r}") from None
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def static_sweep(env: Env, jobs: int | None = None, log: Callable[[str], None] | None = None,
+                 use_cache: bool = True) -> list[dict]:
+    """Measure every candidate static layout (sweep_candidates) on the stationary replay of the initial
+    workload; cached per workload, cluster, scale and seed as an atomic JSON file under the cache root.
+    Progress goes to `log` (default: stderr) once the sweep has run for more than 10 s."""
+    global _SWEEP_ENV
+    key = sweep_key(env)
+    path = sweep_cache_path(env, key)
+    if use_cache and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                return data["candidates"]
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable entry: measure again and overwrite it
+    cands = sweep_candidates(env)
+    jobs = sweep_jobs() if jobs is None else max(1, jobs)
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    t0 = time.time()
+    results: dict[int, dict | None] = {}
+
+    def done(i: int, r: dict | None) -> None:
+        results[i] = r
+        if time.time() - t0 > 10:
+            what = f"{r['rollout_gpus']} rollout GPUs TP{r['tp']}: {r['tokens_per_s']:.0f} tokens/s" if r else "skipped"
+            log(f"AReaL-Static-Optimal sweep [{len(results)}/{len(cands)}] {what} ({time.time() - t0:.0f} s)")
+
+    import copy
+
+    # Every candidate draws the same groups: generate them once (a run takes about SWEEP_END + eta + 2 batches).
+    n_groups = (SWEEP_END + env.staleness + 3) * env.workload.cfg.batch_prompts
+    recorded = RecordedReplay(StationaryReplay(copy.deepcopy(env.workload)), env.seed + SWEEP_SEED_OFFSET, n_groups)
+    todo = [(i, roll, tp) for i, (roll, tp) in enumerate(cands)]
+    if jobs <= 1 or len(todo) <= 1:
+        for i, roll, tp in todo:
+            done(i, measure_candidate(env, roll, tp, recorded))
+    else:
+        import multiprocessing as mp
+
+        _SWEEP_ENV = (env, recorded)
+        try:
+            with mp.get_context("fork").Pool(min(jobs, len(todo))) as pool:
+                for i, r in pool.imap_unordered(_measure_indexed, todo):
+                    done(i, r)
+        finally:
+            _SWEEP_ENV = None
+    out = [results[i] for i in sorted(results) if results[i] is not None]
+    if not out:
         raise SimError("no static layout fits this cluster")
-    return SystemSpec("areal_static_optimal", best, RunConfig(max_staleness=env.staleness),
-                      policy_router("least_loaded"))
+    if use_cache:
+        from areal_libra.utils import atomic_write_text
+
+        try:
+            atomic_write_text(path, json.dumps({"key": key, "candidates": out}, indent=1))
+        except OSError as e:  # a read-only cache only costs the next run a sweep
+            log(f"warning: cannot cache the static sweep at {path}: {e}")
+    return out
+
+
+def areal_static_optimal(env: Env) -> SystemSpec:
+    """AReaL with the best static split and homogeneous TP, as a user's tuning sweep finds it on the initial
+    workload: every candidate of `sweep_candidates` measured after warm-up on a stationary replay of the
+    workload's first steps (static_sweep); the training layout for the remaining GPUs is the best measured
+    Megatron layout (best_train_layout, token-balanced: DP need not divide the batch)."""
+    cands = static_sweep(env)
+    best = max(cands, key=lambda c: c["tokens_per_s"])  # first of equals: candidate order
+    lay = split_layout(env, best["rollout_gpus"], best["tp"])
+    extra = {"baseline_candidates": cands,
+             "baseline_choice": {"rollout_gpus": best["rollout_gpus"], "tp": best["tp"], "train": best["train"],
+                                 "sweep_tokens_per_s": best["tokens_per_s"]}}
+    return SystemSpec("areal_static_optimal", lay, RunConfig(max_staleness=env.staleness),
+                      policy_router("least_loaded"), extra=extra)
 
 
 def static_uniform_async(env: Env) -> SystemSpec:

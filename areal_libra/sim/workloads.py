@@ -8,6 +8,7 @@ can be a workload too.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -182,6 +183,10 @@ class R2EGym(Workload):
         ("file_view", 0.25, 1500, 0.7, 0.3),
     )
 
+    _NAMES = [t[0] for t in TOOLS]
+    _CUM = list(itertools.accumulate(t[1] for t in TOOLS))
+    _SPEC = {t[0]: t for t in TOOLS}
+
     def __init__(self, cfg: WorkloadConfig, max_turns: int = 80):
         super().__init__(cfg)
         self.max_turns = max_turns
@@ -196,34 +201,38 @@ class R2EGym(Workload):
         p = self.progress(version)
         turns_mean = 3.5 * difficulty * (1.0 + self.cfg.drift * p)
         p_fail = 0.15 - 0.07 * p
-        names = [t[0] for t in self.TOOLS]
-        weights = [t[1] for t in self.TOOLS]
-        spec = {t[0]: t for t in self.TOOLS}
+        # The hot path of paper-scale runs: the same draws in the same order as the plain loop, with the
+        # constants hoisted (choices() with precomputed cumulative weights draws exactly as with weights).
+        names, cum, spec = self._NAMES, self._CUM, self._SPEC
+        lognorm, uniform, choices = rng.lognormvariate, rng.random, rng.choices
+        ls = self.cfg.length_scale
+        max_turns = self.max_turns
+        log180, log250 = math.log(180), math.log(250)
         out = []
         for _ in range(self.cfg.group_size):
-            n_turns = min(self.max_turns, 1 + int(rng.expovariate(1.0 / max(0.5, turns_mean - 1))))
+            n_turns = min(max_turns, 1 + int(rng.expovariate(1.0 / max(0.5, turns_mean - 1))))
             segs = []
             for k in range(n_turns):
-                gen = max(8, int(rng.lognormvariate(math.log(180), 0.7) * self.cfg.length_scale * slow))
+                gen = max(8, int(lognorm(log180, 0.7) * ls * slow))
                 if k == n_turns - 1:
                     segs.append(Segment(gen, None))
                     break
-                name = rng.choices(names, weights=weights)[0]
+                name = choices(names, cum_weights=cum)[0]
                 _, _, med, sig, lat = spec[name]
-                u = rng.random()
+                u = uniform()
                 if u < 0.02:
                     status, payload, latency = "timeout", 40, 30.0
                 elif u < 0.02 + p_fail:
-                    status, payload, latency = "failure", int(rng.lognormvariate(math.log(250), 0.6)), lat * 0.5
+                    status, payload, latency = "failure", int(lognorm(log250, 0.6)), lat * 0.5
                 else:
                     status = "success"
-                    payload = int(rng.lognormvariate(math.log(med), sig))
-                    latency = rng.lognormvariate(math.log(lat * slow), 0.6)
+                    payload = int(lognorm(math.log(med), sig))
+                    latency = lognorm(math.log(lat * slow), 0.6)
                 segs.append(Segment(gen, ToolReturn(name, payload, status, latency)))
-                if status != "success" and len(segs) < self.max_turns - 1:
+                if status != "success" and len(segs) < max_turns - 1:
                     # A failed call is retried: one more short turn that repeats the call.
-                    retry = ToolReturn(name, int(rng.lognormvariate(math.log(med), sig)), "success",
-                                       rng.lognormvariate(math.log(lat), 0.6))
+                    retry = ToolReturn(name, int(lognorm(math.log(med), sig)), "success",
+                                       lognorm(math.log(lat), 0.6))
                     segs.append(Segment(max(8, int(gen * 0.4)), retry))
             segs_c, fr = self._cap(prompt, segs)
             out.append(Trajectory(self._tid(version, pid), pid, version, prompt, segs_c, fr))

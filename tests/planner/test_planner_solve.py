@@ -1,6 +1,7 @@
 """Joint planner behaviour: exact budget, drift toward rollout, larger TP for a long tail, clear errors."""
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,11 +41,16 @@ def test_plan_uses_exactly_the_budget(cluster, seed):
 def test_idle_gpus_are_reported_when_the_budget_cannot_be_spent():
     # Training pinned to 3 GPUs (DP3) and only TP2 rollout servers: 5 rollout GPUs hold two servers, one idles.
     rng = random.Random(5)
+    # With fill_tp=() (no smaller TP may take it); by default a TP1 server fills it (issue 23 build 4).
     cfg = PlannerConfig(allowed_tp=(2,), global_batch=192, train_tp=(1,), max_pp=1, min_train_gpus=3,
-                        max_train_gpus=3)
-    plan = solve("a800x8", "qwen3-4b", _random_history(rng), cfg)
+                        max_train_gpus=3, fill_tp=())
+    h = _random_history(rng)
+    plan = solve("a800x8", "qwen3-4b", h, cfg)
     assert (plan.train_gpus, plan.rollout_gpus, plan.idle_gpus) == (3, 4, 1)
     assert "1 GPU(s) left idle" in plan.notes[0]
+    filled = solve("a800x8", "qwen3-4b", h, replace(cfg, fill_tp=(1, 2)))
+    assert (filled.train_gpus, filled.rollout_gpus, filled.idle_gpus) == (3, 5, 0)
+    assert dict(filled.tp_counts()) == {1: 1, 2: 2} and not filled.notes
 
 
 def test_plan_is_no_worse_than_any_other_split():

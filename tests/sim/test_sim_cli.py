@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = {"tokens_per_s", "mean_step_s", "rollout_busy_frac", "train_busy_frac", "reconfigurations"}
+KEYS = {"tokens_per_s", "mean_step_s", "rollout_busy_frac", "train_busy_frac", "reconfigurations",
+        "elastic_moves"}
 
 
 def _run(script, *args):

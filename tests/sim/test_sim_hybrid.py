@@ -16,3 +16,27 @@ def test_elastic_workers_never_take_half_the_trainer(dp, expect):
         assert u.training  # they start as training replicas
         assert sum(tp for tp, _ in u.specs) == 4  # one replica's GPUs (tp*pp) as rollout servers
         assert {b for _, b in u.specs} == {0}  # the bucket holding the most rollout GPUs
+
+
+def test_elastic_moves_are_counted_in_the_summary():
+    """Every join/release the elastic pool carries out counts once in `elastic_moves` (a request for a move
+    that finds no unit to move does not), next to `reconfigurations` (re-plans)."""
+    from areal_libra.sim.cluster import RunConfig, Simulation
+    from areal_libra.sim.libra import LibraOptions, SimCluster
+    from areal_libra.sim.report import make_env
+    from areal_libra.sim.systems import policy_router
+
+    env = make_env("search_r1", "a800x16", "qwen3-14b", 0, 2)
+    lay = Layout(TrainLayout(1, 1, 8), [(1, 0)] * 8, [env.workload.cfg.max_len])
+    core, units = hybrid_from_train(lay, max_units=2)
+    assert len(units) == 2
+    sim = Simulation(env.truth, env.workload, env.n_gpus, core, RunConfig(max_staleness=4),
+                     policy_router("least_loaded")(core), seed=0)
+    cl = SimCluster(env, LibraOptions(), units)
+    cl.attach(sim)
+    assert cl.release(2, 0) == 2 and sim.elastic_moves == 1  # one move of two replicas
+    assert cl.release(1, 0) == 0 and sim.elastic_moves == 1  # nothing left to release
+    assert cl.join(1, 0) == 1 and sim.elastic_moves == 2
+    res = sim.run(2)
+    assert res["elastic_moves"] == 2
+    assert res["reconfigurations"] == 0
