@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from areal_libra.cmlfq.policy import CMLFQConfig
 from areal_libra.control.controller import ControlConfig
 from areal_libra.elastic_runtime.settings import RuntimeConfig
+from areal_libra.utils import atomic_write_text
 from areal_libra.utils import first_line as _msg
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -377,7 +378,6 @@ def _override(cfg: DictConfig, key: str, val: str, ov: str) -> DictConfig:
 
 def save(composed: Composed, run_dir: Path) -> tuple[Path, Path]:
     """Write the AReaL config and the project's config where the trainer reads them (atomic)."""
-    from areal_libra.utils import atomic_write_text
 
     run_dir.mkdir(parents=True, exist_ok=True)
     a, b = run_dir / "areal_config.yaml", run_dir / "libra_config.yaml"

@@ -11,12 +11,11 @@ from areal_libra.cmlfq.policy import (
     MLFQPolicy,
     OraclePolicy,
     PredictorPolicy,
-    RequestInfo,
     RoundRobinPolicy,
     RoutingPolicy,
     make_policy,
 )
-from areal_libra.cmlfq.states import SizeClasses, ToolState, tool_state
+from areal_libra.cmlfq.states import RequestInfo, SizeClasses, ToolState, tool_state
 from areal_libra.cmlfq.tree import NodeStats, PrefixTree, TreeFileError, cpp_available, decision_contexts
 
 __all__ = [

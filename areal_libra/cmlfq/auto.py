@@ -27,12 +27,9 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING
 
+from areal_libra.cmlfq.replay import _Acc, decision_points, route_trajectory
 from areal_libra.trace import Trajectory
-
-if TYPE_CHECKING:  # replay imports policy, which imports this module
-    from areal_libra.cmlfq.replay import _Acc
 
 # The switches auto chooses; the grid is the product of these values (a pinned switch keeps its value).
 TREE_GRID: dict[str, tuple] = {"state_key": ("tool,size,status", ""), "drift": (False, True), "window": (200, 50)}
@@ -131,22 +128,18 @@ class _Fold:
     """One fold: the held-out decision points, and the candidate trees built from its training part."""
 
     def __init__(self, buckets: tuple[int, ...], base, train: list[Trajectory], held: list[Trajectory],
-                 pricer=None):
-        from areal_libra.cmlfq.replay import decision_points
-
-        self.buckets, self.base, self.train, self.pricer = buckets, base, train, pricer
+                 cmlfq_cls: type, pricer=None):
+        self.buckets, self.base, self.train, self.pricer, self.cmlfq_cls = buckets, base, train, pricer, cmlfq_cls
         self.cases = [(t, decision_points(t)) for t in held]
         self._trees: dict[tuple, object] = {}
 
     def policy(self, tree_sw: dict):
-        from areal_libra.cmlfq.policy import CMLFQPolicy
-
         key = tuple(sorted(tree_sw.items()))
         pol = self._trees.get(key)
         if pol is None:
             # growth > 0 while building so that the growth table exists; its exponent is set per rule.
             cfg = replace(self.base, auto=False, mlfq_at="", growth=0.5, tree_path=None, fallback=False, **tree_sw)
-            pol = CMLFQPolicy(self.buckets, cfg, pricer=self.pricer)
+            pol = self.cmlfq_cls(self.buckets, cfg, pricer=self.pricer)
             pol.fit(self.train)
             if pol.drift is not None:
                 pol.drift.past_ok = True  # a held-out step may lie before the training steps
@@ -168,8 +161,6 @@ def _set_rule(pol, rule_sw: dict, mlfq_at: str) -> None:
 def _score(pol, fold: _Fold, regions: dict | None = None) -> _Acc:
     """Replay the held-out step through `pol` (no learning); regions[(depth, overrun)] accumulates
     [policy right, MLFQ's decision from the same current bucket right, decisions]."""
-    from areal_libra.cmlfq.replay import _Acc, route_trajectory
-
     acc = _Acc()
     th = pol.buckets
     for traj, points in fold.cases:
@@ -207,25 +198,26 @@ def _grid(grid: dict[str, tuple], pinned: dict) -> list[dict]:
     return out
 
 
-def choose(history: dict[int, list[Trajectory]], buckets: Sequence[int], base, pinned: dict | None = None,
-           steps: int = 3, sample: int = 192, train_cap: int = 512, pricer=None) -> AutoChoice | None:
+def choose(history: dict[int, list[Trajectory]], buckets: Sequence[int], base, cmlfq_cls: type, mlfq_cls: type,
+           pinned: dict | None = None, steps: int = 3, sample: int = 192, train_cap: int = 512,
+           pricer=None) -> AutoChoice | None:
     """Pick the switches for the next step (module docstring). `base`: the policy's CMLFQConfig (its
-    untuned fields are kept); `pinned`: switches the caller fixed; `pricer`: the policy's migration price
-    (the candidates are validated with it). None when nothing can be validated.
+    untuned fields are kept); `cmlfq_cls`, `mlfq_cls`: the policy classes whose candidates are replayed
+    (policy.CMLFQPolicy, policy.MLFQPolicy: passed in, the policy module imports this one); `pinned`:
+    switches the caller fixed; `pricer`: the policy's migration price (the candidates are validated with
+    it). None when nothing can be validated.
 
     The grid is walked in two stages to stay cheap: every rule setting (RULE_GRID) on the first tree of
     TREE_GRID; then the TOP_RULES best rules on each other value of the tree switches (state_key, drift,
     window), one switch at a time from the best tree so far."""
-    from areal_libra.cmlfq.policy import MLFQPolicy
-
     pinned = pinned or {}
     pairs = folds(history, steps)
     if not pairs:
         return None
     th = tuple(buckets)
-    fs = [_Fold(th, base, subsample(tr, train_cap * max(1, len(pairs) - 1)), subsample(ho, sample), pricer)
+    fs = [_Fold(th, base, subsample(tr, train_cap * max(1, len(pairs) - 1)), subsample(ho, sample), cmlfq_cls, pricer)
           for tr, ho in pairs]
-    m_acc, m_mig = _metrics([_score(MLFQPolicy(th), f) for f in fs])
+    m_acc, m_mig = _metrics([_score(mlfq_cls(th), f) for f in fs])
     cap = MIGRATION_CAP * m_mig
     seen: dict[tuple, tuple[float, float]] = {}
 

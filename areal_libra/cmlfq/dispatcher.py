@@ -12,9 +12,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, replace
 
-from areal_libra.cmlfq.policy import LeastLoadedPolicy, RequestInfo
+from areal_libra.cmlfq.policy import LeastLoadedPolicy
 from areal_libra.cmlfq.spill import SpillConfig, spill
-from areal_libra.cmlfq.states import as_tool_return
+from areal_libra.cmlfq.states import RequestInfo, as_tool_return
 from areal_libra.trace import TraceError, Trajectory, parse_canonical
 
 

@@ -21,26 +21,11 @@ from typing import Protocol, runtime_checkable
 
 from areal_libra.cmlfq.auto import ALL_REGIONS, TREE_GRID, TUNED, AutoChoice, choose, parse_regions
 from areal_libra.cmlfq.drift import GrowthTable, LengthDrift
-from areal_libra.cmlfq.states import SizeClasses, ToolState
+from areal_libra.cmlfq.states import RequestInfo, SizeClasses, ToolState
 from areal_libra.cmlfq.tree import PrefixTree, decision_contexts
-from areal_libra.trace import ToolReturn, Trajectory
+from areal_libra.trace import Trajectory
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RequestInfo:
-    trajectory_id: str
-    prompt_id: str
-    prompt_tokens: int
-    context_tokens: int
-    model_tokens: int
-    tool_returns: tuple[ToolReturn, ...]
-    step: int = 0
-    final_length: int | None = None  # known only to the oracle's callers (replay, simulator)
-    # Context at the start and after each tool return so far (len(tool_returns) + 1 entries, the last one
-    # = context_tokens) when the caller tracked it; lets C-MLFQ read a shallower tree node correctly.
-    decision_contexts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -582,8 +567,10 @@ class CMLFQPolicy(_Base):
             return  # the previous step's validation is still running (background mode): next boundary
         self._auto_key = (keep[-1], n)
         cfg = self.config
-        args = ({k: list(v) for k, v in self._by_step.items()}, self.buckets, replace(cfg), dict(self._pinned),
-                cfg.auto_steps, cfg.auto_sample, cfg.auto_train, self.pricer)
+        # The policy classes are handed to auto (which replays candidates of them), so auto needs no import of
+        # this module.
+        args = ({k: list(v) for k, v in self._by_step.items()}, self.buckets, replace(cfg), CMLFQPolicy,
+                MLFQPolicy, dict(self._pinned), cfg.auto_steps, cfg.auto_sample, cfg.auto_train, self.pricer)
         if not cfg.auto_background:
             self._take_choice(choose(*args))
             return

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 
-from areal_libra.cmlfq.policy import RequestInfo
+from areal_libra.cmlfq.states import RequestInfo
 from areal_libra.trace import Trajectory
 
 

@@ -63,3 +63,18 @@ def as_tool_return(tool: ToolReturn | dict) -> ToolReturn:
         status=str(tool.get("status", "success")),
         latency_s=float(tool.get("latency_s", 0.0) or 0.0),
     )
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    trajectory_id: str
+    prompt_id: str
+    prompt_tokens: int
+    context_tokens: int
+    model_tokens: int
+    tool_returns: tuple[ToolReturn, ...]
+    step: int = 0
+    final_length: int | None = None  # known only to the oracle's callers (replay, simulator)
+    # Context at the start and after each tool return so far (len(tool_returns) + 1 entries, the last one
+    # = context_tokens) when the caller tracked it; lets C-MLFQ read a shallower tree node correctly.
+    decision_contexts: tuple[int, ...] = ()

@@ -18,7 +18,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from areal_libra.models.shape import TINY_QWEN2, Qwen2Shape
-from areal_libra.models.warmup import MATH_WARMUP, WarmupConfig
+from areal_libra.models.tokenizer import build_tokenizer
+from areal_libra.models.warmup import (
+    MATH_TASK,
+    MATH_WARMUP,
+    WarmupConfig,
+    fit_threads,
+    get_task,
+    sampled_success,
+    supervised_warmup,
+)
+from areal_libra.utils import pid_alive
 
 BUILD_INFO = "build_info.json"  # written last: its presence marks a complete build
 # Part of the cache directory's name (tiny-qwen2-math-v3-<digest>): bump it when the build recipe changes in a
@@ -39,7 +49,6 @@ class TinyModelConfig:
     @classmethod
     def for_task(cls, task: str) -> TinyModelConfig:
         """The default build for a warm-up task (math: the dapo_math policy; code: code_sandbox's)."""
-        from areal_libra.models.warmup import get_task
 
         get_task(task)  # an unknown task is a ValueError here
         return cls() if task == "math" else cls(name=f"tiny-qwen2-{task}", task=task, warmup=WarmupConfig(),
@@ -47,7 +56,6 @@ class TinyModelConfig:
 
     def digest(self, seed: int) -> str:
         """The cache key of a build: every field (shape, recipe, task settings) and the seed."""
-        from areal_libra.models.warmup import get_task
 
         cfg = asdict(self) | {"task_params": get_task(self.task).params}
         blob = json.dumps({"cfg": cfg, "seed": seed, "v": FORMAT_VERSION}, sort_keys=True)
@@ -71,7 +79,6 @@ def is_complete(path: Path) -> bool:
 
 def _tokenizer_corpus(n: int, task: str = "math") -> list[str]:
     """Whole episodes as the model sees them: the chat-rendered prompt, then a tool-using completion."""
-    from areal_libra.models.warmup import get_task
 
     return get_task(task).tokenizer_corpus(n)
 
@@ -80,7 +87,6 @@ def build_model(out_dir: Path, config: TinyModelConfig, seed: int = 0, quiet: bo
     """Build tokenizer + model, warm it up, probe it, and save everything into out_dir (fp32 safetensors)."""
     import torch
 
-    from areal_libra.models.warmup import fit_threads
 
     t0 = time.perf_counter()
     torch.manual_seed(seed)
@@ -96,8 +102,6 @@ def _build(out_dir: Path, config: TinyModelConfig, seed: int, quiet: bool, t0: f
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from areal_libra.models.tokenizer import build_tokenizer
-    from areal_libra.models.warmup import get_task, sampled_success
 
     task = get_task(config.task)
     tokenizer = build_tokenizer(_tokenizer_corpus(config.tokenizer_corpus_problems, config.task),
@@ -144,7 +148,6 @@ def _build(out_dir: Path, config: TinyModelConfig, seed: int, quiet: bool, t0: f
 
 
 def _warmup_with_progress(model, tokenizer, cfg: WarmupConfig, quiet: bool, task=None) -> list[float]:
-    from areal_libra.models.warmup import MATH_TASK, supervised_warmup
 
     task = task or MATH_TASK
     if quiet:
@@ -173,7 +176,6 @@ def _warmup_with_progress(model, tokenizer, cfg: WarmupConfig, quiet: bool, task
 
 def _remove_orphans(target: Path) -> None:
     """Temporary build dirs of builders that were killed (their pid is in the name) are removed."""
-    from areal_libra.utils import pid_alive
 
     for p in target.parent.glob(f".{target.name}.*"):
         parts = p.name[len(target.name) + 2 :].split(".")

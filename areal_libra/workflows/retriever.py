@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from areal_libra.utils import free_port
 from areal_libra.workflows.tools import ToolResult
 
 MAX_PASSAGE_CHARS = 200
@@ -90,7 +91,6 @@ class RetrieverProcess:
 
     def __init__(self, log_path: str | Path, port: int | None = None, corpus: str | None = None,
                  timeout_s: float = 60.0):
-        from areal_libra.utils import free_port
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"

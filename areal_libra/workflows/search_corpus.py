@@ -97,23 +97,3 @@ def question_messages(question: str) -> list[dict[str, str]]:
 def questions_to_rows(questions: list[SearchQuestion]) -> list[dict[str, Any]]:
     return [{"messages": question_messages(q.question), "answer": q.answer, "prompt_id": q.prompt_id,
              "data_source": GENERATED_SOURCE} for q in questions]
-
-
-def load_search_dataset(path: str | None = None, size: int = 4096, seed: int = 0, max_rows: int | None = None):
-    """The training set: Search-R1's NQ / HotpotQA parquet from `path` (every row unless `max_rows`;
-    search_data.py), or `size` generated questions about the generated corpus when `path` is None, '' or
-    'generated'."""
-    from datasets import Dataset
-
-    if path not in (None, "", "generated"):
-        from areal_libra.workflows.search_data import load_search_parquet
-
-        return load_search_parquet(path, max_rows=max_rows)
-    return Dataset.from_list(questions_to_rows(generate_questions(size, seed)))
-
-
-def check_file(path: str) -> None:
-    """The launch's schema check of a Search-R1 parquet (search_data.check_file)."""
-    from areal_libra.workflows.search_data import check_file as check
-
-    check(path)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_libra.workflows.math_data import DatasetError, _parquet_files
+from areal_libra.workflows.search_corpus import generate_questions, question_messages, questions_to_rows
 
 QUESTION = "question"
 ANSWER_COLUMNS = ("golden_answers", "reward_model")
@@ -74,8 +75,6 @@ def load_search_parquet(path: str | Path, max_rows: int | None = None):
     Raises DatasetError naming the file when it is missing, unreadable or lacks the columns."""
     from datasets import Dataset
 
-    from areal_libra.workflows.search_corpus import question_messages
-
     rows: list[dict[str, Any]] = []
     for f in _parquet_files(Path(path)):
         table = _read(f)
@@ -102,3 +101,14 @@ def load_search_parquet(path: str | Path, max_rows: int | None = None):
     if not rows:
         raise DatasetError(f"{path}: dataset holds no rows")
     return Dataset.from_list(rows)
+
+
+def load_search_dataset(path: str | None = None, size: int = 4096, seed: int = 0, max_rows: int | None = None):
+    """The training set (libra.dataset.builder of experiment=search_r1): Search-R1's NQ / HotpotQA parquet
+    from `path` (every row unless `max_rows`), or `size` generated questions about the generated corpus
+    (search_corpus.py) when `path` is None, '' or 'generated'."""
+    from datasets import Dataset
+
+    if path not in (None, "", "generated"):
+        return load_search_parquet(path, max_rows=max_rows)
+    return Dataset.from_list(questions_to_rows(generate_questions(size, seed)))

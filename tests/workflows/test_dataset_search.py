@@ -12,8 +12,7 @@ import pytest
 
 from areal_libra import launch
 from areal_libra.workflows.math_data import DatasetError
-from areal_libra.workflows.search_corpus import load_search_dataset
-from areal_libra.workflows.search_data import check_file, load_search_parquet
+from areal_libra.workflows.search_data import check_file, load_search_dataset, load_search_parquet
 from areal_libra.workflows.search_markup import SEARCH_INSTRUCTION, exact_match_reward
 
 QA = [("who wrote the novel dracula", ["Bram Stoker"], "nq"),

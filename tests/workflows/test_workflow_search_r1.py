@@ -15,7 +15,7 @@ from areal_libra.rollout.launcher import ServerSpec
 from areal_libra.trace import read_traces, write_traces
 from areal_libra.workflows import search_r1
 from areal_libra.workflows.retriever import RetrieverProcess
-from areal_libra.workflows.search_corpus import load_search_dataset
+from areal_libra.workflows.search_data import load_search_dataset
 from areal_libra.workflows.search_markup import INFO_CLOSE, INFO_OPEN, exact_match_reward
 from tests.workflows._episode import areal_engine, collected_trajectories, run_episodes, tiny_policy
 
