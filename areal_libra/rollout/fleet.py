@@ -406,12 +406,12 @@ class ServerFleet:
         """The server must report the engine's weight version before it takes requests."""
         want = str(version)
         try:
-            got = str(_get_json(s.addr, "/get_weight_version").get("weight_version"))
+            got = str(_get_json(s.addr, "/model_info").get("weight_version"))
             if got != want:
                 r = _post_json(s.addr, "/update_weights_from_disk", {"model_path": path, "weight_version": want})
                 if not r.get("success", False):
                     raise FleetError(f"reconfigure: server {s.addr} did not load {path}: {r.get('message')}")
-                got = str(_get_json(s.addr, "/get_weight_version").get("weight_version"))
+                got = str(_get_json(s.addr, "/model_info").get("weight_version"))
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise FleetError(f"reconfigure: new server {s.addr} ({s.group}) stopped answering: {first_line(e)}") from e
         if got != want:

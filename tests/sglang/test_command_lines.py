@@ -95,10 +95,8 @@ def test_the_routes_are_read():
 def _endpoint_cases():
     paths = _called_paths()
     assert {"/health", "/update_weights_from_disk"} <= set(paths)  # the grep finds the fleet's calls
-    return [pytest.param(p, marks=pytest.mark.xfail(
-        strict=True, reason="SGLang 0.5.10.post1 answers /get_weight_version with 404 (deprecated; the weight "
-                            "version is in GET /model_info's 'weight_version'); rollout/fleet.py still reads it"))
-            if p == "/get_weight_version" else p for p in sorted(paths)]
+    # (SGLang 0.5.10.post1 answers /get_weight_version with 404: the fleet reads GET /model_info's weight_version.)
+    return sorted(paths)
 
 
 @pytest.mark.parametrize("path", _endpoint_cases())
