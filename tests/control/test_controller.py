@@ -83,8 +83,9 @@ class PoolReplay:
 
 
 # Two simulated runs that between them make every kind of decision: R2E-Gym on 16 A800s re-plans at step
-# 16 (and keeps the plan at others); DAPO-Math on 48 releases hybrid replicas.
-RUNS = {"r2e_gym": ("r2e_gym", "a800x16", 20), "dapo_math": ("dapo_math", "a800x48", 20)}
+# 16 (and keeps the plan at others); Search-R1 on 16 releases hybrid replicas at step 2, joins them at 11 and
+# releases them at 22. (DAPO-Math on 48, used before issue 23's planner changes, now first moves at step 111.)
+RUNS = {"r2e_gym": ("r2e_gym", "a800x16", 20), "search_r1": ("search_r1", "a800x16", 25)}
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
@@ -113,7 +114,7 @@ def recorded(request):
 def test_sim_runs_exercise_every_decision(recorded):
     _, ctl, _ = recorded
     kinds = {e.kind for e in ctl.ctl.events}
-    assert kinds & {"replan", "release"}, kinds  # r2e_gym: kept + replan; dapo_math: release
+    assert kinds & {"replan", "release"}, kinds  # r2e_gym: kept + replan; search_r1: release, join, release
 
 
 def test_live_adapter_makes_the_same_decisions(recorded):
