@@ -165,54 +165,17 @@ def build_command(
     """The server's command line (written to SGLang 0.5's real CLI for the GPU path; every flag is parsed by
     sglang 0.5.10.post1's ServerArgs in tests/sglang). `dist_init_port`: SGLang's torch.distributed
     rendezvous (--dist-init-addr host:port), one per server as AReaL gives it; None: SGLang picks one."""
+    if backend not in ("embedded", "sglang"):
+        raise ValueError(f"backend must be embedded or sglang, got {backend!r}")
+    module = spec.entry if backend == "embedded" else "sglang.launch_server"
+    cmd = [sys.executable, "-m", module, "--model-path", model_path, "--host", host, "--port", str(port),
+           "--tp-size", str(spec.tp), "--max-running-requests", str(spec.max_running)]
     if backend == "embedded":
-        cmd = [
-            sys.executable,
-            "-m",
-            spec.entry,
-            "--model-path",
-            model_path,
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--tp-size",
-            str(spec.tp),
-            "--max-running-requests",
-            str(spec.max_running),
-            "--threads",
-            str(spec.n_threads),
-            "--seed",
-            str(spec.seed),
-            "--parent-pid",
-            str(os.getpid()),
-        ]
-    elif backend == "sglang":
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            model_path,
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--tp-size",
-            str(spec.tp),
-            "--base-gpu-id",
-            str(base_gpu_id),
-            "--max-running-requests",
-            str(spec.max_running),
-            "--random-seed",
-            str(spec.seed),
-            "--log-level",
-            "warning",
-        ]
+        cmd += ["--threads", str(spec.n_threads), "--seed", str(spec.seed), "--parent-pid", str(os.getpid())]
+    else:
+        cmd += ["--base-gpu-id", str(base_gpu_id), "--random-seed", str(spec.seed), "--log-level", "warning"]
         if dist_init_port is not None:
             cmd += ["--dist-init-addr", f"{host}:{dist_init_port}"]
-    else:
-        raise ValueError(f"backend must be embedded or sglang, got {backend!r}")
     if spec.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(spec.max_total_tokens)]
     return cmd + list(spec.extra_args)

@@ -5,6 +5,7 @@ MathToolWorkflow and the reward read."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,8 +147,7 @@ def load_dapo_parquet(path: str | Path, max_rows: int | None = None, tool_instru
     import pyarrow.parquet as pq
     from datasets import Dataset
 
-    rows: list[dict[str, Any]] = []
-    for f in _parquet_files(Path(path)):
+    def table_of(f: Path):
         try:
             table = pq.read_table(f)
         except (OSError, pa.ArrowException) as e:
@@ -155,15 +155,27 @@ def load_dapo_parquet(path: str | Path, max_rows: int | None = None, tool_instru
         missing = [c for c in ("prompt", "reward_model") if c not in table.column_names]
         if missing:
             raise DatasetError(f"{f}: missing DAPO column(s) {', '.join(missing)} (has {', '.join(table.column_names)})")
-        for i, rec in enumerate(table.to_pylist()):
-            rows.append(_row_from_dapo(rec, f"{f}: row {i}", len(rows), tool_instruction))
-            if max_rows is not None and len(rows) >= max_rows:
-                break
+        return table
+
+    return Dataset.from_list(parquet_rows(
+        path, table_of, lambda rec, where, n: _row_from_dapo(rec, where, n, tool_instruction), max_rows))
+
+
+def parquet_rows(path: str | Path, table_of: Callable[[Path], Any], row: Callable[[dict, str, int], dict],
+                 max_rows: int | None) -> list[dict[str, Any]]:
+    """Training rows of a parquet file or a directory of them, in file order: `table_of(file)` reads and checks
+    one file (raising DatasetError), `row(record, "FILE: row I", rows_so_far)` makes a row; at most `max_rows`."""
+    rows: list[dict[str, Any]] = []
+    for f in _parquet_files(Path(path)):
         if max_rows is not None and len(rows) >= max_rows:
             break
+        for i, rec in enumerate(table_of(f).to_pylist()):
+            rows.append(row(rec, f"{f}: row {i}", len(rows)))
+            if max_rows is not None and len(rows) >= max_rows:
+                break
     if not rows:
         raise DatasetError(f"{path}: dataset holds no rows")
-    return Dataset.from_list(rows)
+    return rows
 
 
 def check_file(path: str | Path) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from areal_libra.workflows.math_data import DatasetError, _parquet_files
+from areal_libra.workflows.math_data import DatasetError, _parquet_files, parquet_rows
 from areal_libra.workflows.search_corpus import generate_questions, question_messages, questions_to_rows
 
 QUESTION = "question"
@@ -75,32 +75,23 @@ def load_search_parquet(path: str | Path, max_rows: int | None = None):
     Raises DatasetError naming the file when it is missing, unreadable or lacks the columns."""
     from datasets import Dataset
 
-    rows: list[dict[str, Any]] = []
-    for f in _parquet_files(Path(path)):
+    def table_of(f: Path):
         table = _read(f)
         problem = _columns_problem(table.column_names)
         if problem:
             raise DatasetError(f"{f}: {problem}")
-        for i, rec in enumerate(table.to_pylist()):
-            where = f"{f}: row {i}"
-            q = rec.get(QUESTION)
-            if not isinstance(q, str) or not q.strip():
-                raise DatasetError(f"{where}: column 'question' must be a non-empty string")
-            source = str(rec.get("data_source") or "search_r1")
-            rid = rec.get("id")
-            rows.append({
-                "messages": question_messages(q.strip()),
-                "answer": _answers(rec, where),
-                "prompt_id": f"{source}-{rid if rid is not None else len(rows)}",
-                "data_source": source,
-            })
-            if max_rows is not None and len(rows) >= max_rows:
-                break
-        if max_rows is not None and len(rows) >= max_rows:
-            break
-    if not rows:
-        raise DatasetError(f"{path}: dataset holds no rows")
-    return Dataset.from_list(rows)
+        return table
+
+    def row(rec: dict, where: str, n: int) -> dict[str, Any]:
+        q = rec.get(QUESTION)
+        if not isinstance(q, str) or not q.strip():
+            raise DatasetError(f"{where}: column 'question' must be a non-empty string")
+        source = str(rec.get("data_source") or "search_r1")
+        rid = rec.get("id")
+        return {"messages": question_messages(q.strip()), "answer": _answers(rec, where),
+                "prompt_id": f"{source}-{rid if rid is not None else n}", "data_source": source}
+
+    return Dataset.from_list(parquet_rows(path, table_of, row, max_rows))
 
 
 def load_search_dataset(path: str | None = None, size: int = 4096, seed: int = 0, max_rows: int | None = None):
