@@ -73,7 +73,7 @@ def install_router(trainer, libra: LibraConfig, run_dir: Path, metrics, force: b
 def rollout_pressure(trainer, libra: LibraConfig):
     """The run's one rollout-pressure sampler (rollout/pressure.py) over AReaL's serving addresses, for the
     elastic pool and the controller; None when neither runs (static mode, no pool) or there is no engine."""
-    if int(os.environ.get("RANK", "0") or 0) != 0:
+    if not _rank0():
         return None
     if libra.mode != "libra" and not libra.elastic.enabled:
         return None
@@ -85,15 +85,20 @@ def rollout_pressure(trainer, libra: LibraConfig):
     return PressureSampler(lambda: list(inference.addresses))
 
 
+def _rank0() -> bool:
+    """This trainer process is rank 0 (the one that runs the controller, the fleet and the pool)."""
+    return int(os.environ.get("RANK", "0") or 0) == 0
+
+
 def _libra_rank0(libra: LibraConfig) -> bool:
-    return libra.mode == "libra" and int(os.environ.get("RANK", "0") or 0) == 0
+    return libra.mode == "libra" and _rank0()
 
 
 def install_fleet(trainer, libra: LibraConfig, run_dir: Path, metrics, router):
     """The rollout fleet (rollout/fleet.py), the one owner of rollout membership: in libra mode it switches
     layouts and replaces dead servers; elastic hybrids that serve attach and detach through it."""
 
-    if router is None or int(os.environ.get("RANK", "0") or 0) != 0:
+    if router is None or not _rank0():
         return None
     libra_mode = _libra_rank0(libra)  # libra mode always routes (C-MLFQ), so the fleet can switch layouts
     if not (libra_mode or hybrids_serve(libra)):
