@@ -673,6 +673,14 @@ def dry_run(c: Composed) -> dict:
                               "name, so a dry run cannot plan; pass actor.path=/a/local/copy")
         plan = plan_gpu_layout(c, model_path, model)
         checked.append(f"plan fits libra.control.cluster={c.libra.control.cluster}")
+    elif c.libra.mode == "libra" and model is not None:  # the CPU / emulated launch's worst-case check
+        from areal_libra.live.live_cluster import ControlError, launch_plan
+
+        try:
+            plan = launch_plan(libra_config(c.libra), c.areal, model_path, model=model)
+        except ControlError as e:
+            raise LaunchError(str(e)) from None
+        checked.append(f"plan fits libra.control.cluster={c.libra.control.cluster}")
     try:
         check_train_backend(c)
     except LaunchError as e:
@@ -705,6 +713,10 @@ def dry_run(c: Composed) -> dict:
         engine = "MegatronEngine" if str(c.areal.actor.backend).startswith("megatron") else "FSDPEngine"
         not_checked += [s.format(engine=engine, alloc=c.areal.actor.backend, attn=c.areal.actor.attn_impl)
                         for s in CUDA_CHECKS]
+    if nproc > 1:
+        not_checked.append(
+            f"a trainer of {nproc} ranks under torchrun has not run in this project: every data-parallel head rolls "
+            "out through its own router, and only rank 0 runs the controller and the fleet (docs/gpu.md)")
     out: dict[str, Any] = {
         "run_dir": str(c.log_dir),
         "servers": [{"argv": sl.argv, "env": sl.env, "addr": sl.addr, "gpus": list(sl.gpus), "group": sl.spec.group}
@@ -734,7 +746,8 @@ def sglang_parse(argvs: list[list[str]]) -> str:
         from sglang.srt.server_args import ServerArgs
     except Exception as e:  # noqa: BLE001 - any import failure: the module cannot load on this machine
         return (f"server command lines not parsed by SGLang's ServerArgs: sglang.srt.server_args does not import "
-                f"here ({type(e).__name__}); tests/sglang parses them where it does")
+                f"here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); tests/sglang parses them "
+                "where it does")
     for argv in argvs:
         parser = argparse.ArgumentParser(exit_on_error=False)
         ServerArgs.add_cli_args(parser)
