@@ -198,7 +198,7 @@ class LibraConfig:
     # The trainer's engine on cuda (AReaL's actor.backend, sized by the launch's plan): fsdp (fsdp:dXtY, no
     # pipeline) | megatron (AReaL's MegatronEngine, megatron:dXtYpZ) | auto: megatron when the plan's best layout
     # needs TP or PP > 1 and megatron-core imports, else fsdp (live/live_cluster.launch_plan). The CPU trainer is
-    # one FSDP process; the elastic pool supports fsdp only.
+    # one FSDP process; the elastic pool supports a single-rank fsdp:d1 trainer only.
     train_backend: str = "auto"
     trainer_threads: int = 1
     workflow: str = "areal_libra.workflows.math_tool.MathToolWorkflow"
@@ -226,8 +226,8 @@ class LibraConfig:
             raise ValueError("train_backend=megatron needs libra.device=cuda (cluster=gpu): megatron-core's engine "
                              "runs on CUDA only; the CPU trainer is one FSDP process")
         if self.train_backend == "megatron" and self.elastic.enabled:
-            raise ValueError("libra.elastic supports the fsdp trainer only (its replicas join an FSDP data-parallel "
-                             "domain); use train_backend=fsdp or auto, or libra.elastic.enabled=false")
+            raise ValueError("libra.elastic supports a single-rank fsdp trainer only (fsdp:d1, whose gradient domain "
+                             "its replicas join); use train_backend=fsdp or auto, or libra.elastic.enabled=false")
         if self.mode == "static" and self.elastic.enabled:
             raise ValueError("libra.elastic.enabled needs libra.mode=libra: the LibraController decides the "
                              "pool's joins and releases")

@@ -429,9 +429,10 @@ def launch_plan(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any 
                 train_gpus: int | None = None) -> Plan:
     """The plan a launch starts: solved once on a worst-case history before anything starts (a cluster the
     model cannot fit is a one-line ControlError). On cuda it picks the trainer's engine (`libra.train_backend`;
-    auto: megatron when the best layout needs TP or PP > 1 and megatron-core imports, else fsdp; fsdp with the
-    elastic pool) and sizes it; `train_gpus`: the training GPUs when the rollout side is given
-    (libra.rollout_alloc). The plan's train_alloc() is the trainer's actor.backend."""
+    auto: megatron when the best layout needs TP or PP > 1 and megatron-core imports, else fsdp; with the
+    elastic pool always fsdp:d1, the single-rank core its hook drives) and sizes it; `train_gpus`: the training
+    GPUs when the rollout side is given (libra.rollout_alloc). The plan's train_alloc() is the trainer's
+    actor.backend."""
 
     want = str(libra.train_backend)
     history = _worst_case(areal_cfg)
@@ -447,9 +448,15 @@ def launch_plan(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any 
 
     if str(libra.device) != "cuda" or libra.emulated.enabled:
         return solve_for(None)
+    if libra.elastic.enabled:  # the pool's hook drives a single-rank FSDP core (docs/elastic.md)
+        if train_gpus not in (None, 1):
+            raise ControlError(f"libra.elastic supports a single-rank fsdp:d1 trainer, but the rollout servers leave "
+                               f"it {train_gpus} GPUs; give libra.rollout_alloc one GPU less than the node")
+        train_gpus = 1
+        return solve_for("fsdp")
     if want == "auto":
         want = "fsdp"
-        if not libra.elastic.enabled and megatron_available():
+        if megatron_available():
             try:
                 plan = solve_for("megatron")
             except ControlError:

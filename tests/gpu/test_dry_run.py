@@ -113,7 +113,7 @@ def test_every_dry_run_server_argv_parses_with_sglangs_server_args(auto, megatro
 @pytest.mark.parametrize("args, needle", [
     (["model=qwen9"], "unknown model 'qwen9'"),
     (["libra.train_backend=deepspeed"], "train_backend must be one of auto, fsdp, megatron"),
-    (["libra.train_backend=megatron", "libra.elastic.enabled=true"], "libra.elastic supports the fsdp trainer only"),
+    (["libra.train_backend=megatron", "libra.elastic.enabled=true"], "libra.elastic supports a single-rank fsdp trainer only"),
     (["cluster=cpu", "libra.train_backend=megatron"], "train_backend=megatron needs libra.device=cuda"),
     (["libra.control.cluster=cpu"], "needs libra.control.cluster=<preset>"),
     (["actor.path=nobody/nomodel"], "no config.json here and no model preset"),
@@ -195,3 +195,16 @@ def test_a_cpu_dry_run_shows_the_embedded_cluster(tmp_path):
     assert d["servers"] and all(s["argv"][2] == "areal_libra.server.embedded_server" for s in d["servers"])
     assert "NCCL_CUMEM_ENABLE" not in d["trainer"]["env"] and d["trainer"]["env"]["RANK"] == "0"
     assert d["trainer"]["argv"][1:3] == ["-m", "areal_libra.live.train"]
+
+
+def test_the_elastic_pool_gets_its_single_rank_fsdp_core(tmp_path):
+    from tests.cost.test_detect_cluster import QWEN3_1_7B
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_7B))  # a local copy's config (no weights needed)
+    d = launch.dry_run(compose(["cluster=gpu", "model=qwen3_1_7b", "libra.control.cluster=h100x8",
+                                f"actor.path={tmp_path}",
+                                "libra.elastic.enabled=true", "libra.scheduler.policy=cmlfq",
+                                f"cluster.fileroot={tmp_path}"]))
+    assert d["trainer"]["actor_backend"] == "fsdp:d1t1p1" and d["plan"]["train"]["gpus"] == 1
+    assert d["trainer"]["argv"][1:3] == ["-m", "areal_libra.live.train"]
+    assert sum(len(s["gpus"]) for s in d["servers"]) == 7
