@@ -402,11 +402,9 @@ def run(argv: list[str]) -> int:
     check_dataset(c)
     resolve_control_cluster(c)
     model_path, plan = None, None
-    if gpu_planned(c):  # the plan sizes the trainer and the first servers before they are placed
-        path, spec = planning_model(c)
-        if spec is None:  # neither a local config.json nor a preset: fetch first
-            path = model_path = resolve_model(c)
-        plan = plan_gpu_layout(c, path, spec)
+    if gpu_planned(c):  # the plan sizes the trainer and the first servers before they are placed, from the
+        model_path = resolve_model(c)  # model's own config.json (the dry run may take a preset's shape)
+        plan = plan_gpu_layout(c, model_path)
     check_train_backend(c)
     gpus = placement(c)  # before anything starts: an allocation that does not fit is a one-line error
     check_sglang(c)

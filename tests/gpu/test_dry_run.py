@@ -208,3 +208,28 @@ def test_the_elastic_pool_gets_its_single_rank_fsdp_core(tmp_path):
     assert d["trainer"]["actor_backend"] == "fsdp:d1t1p1" and d["plan"]["train"]["gpus"] == 1
     assert d["trainer"]["argv"][1:3] == ["-m", "areal_libra.live.train"]
     assert sum(len(s["gpus"]) for s in d["servers"]) == 7
+
+
+def test_the_real_launch_plans_places_and_stops_before_starting_without_sglang(tmp_path, monkeypatch, capsys):
+    """launch.run on cluster=gpu goes through the same plan and placement as the dry run (8 visible devices named
+    here) and stops, one line, where the CPU machine lacks SGLang's GPU install or megatron-core."""
+    import importlib.util
+
+    from tests.cost.test_detect_cluster import QWEN3_1_7B
+
+    if importlib.util.find_spec("sgl_kernel") is not None:
+        pytest.skip("a GPU SGLang install is present")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN3_1_7B))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(8))))
+    args = ["cluster=gpu", "model=qwen3_1_7b", "libra.control.cluster=h100x8", f"actor.path={tmp_path / 'm'}",
+            f"cluster.fileroot={tmp_path / 'root'}"]
+    assert launch.main(args) == 2
+    assert "make setup-gpu" in capsys.readouterr().err
+    if not megatron_available():
+        assert launch.main([*args, "libra.train_backend=megatron"]) == 2
+        assert "needs megatron-core" in capsys.readouterr().err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # fewer devices than the plan
+    assert launch.main(args) == 2
+    assert "needs 8 GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "root").exists()
