@@ -24,6 +24,7 @@ from areal_libra.utils import first_line as _msg
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "experiments"
 GROUPS = ("experiment", "cluster", "model")
+TRAIN_BACKENDS = ("auto", "fsdp", "megatron")  # libra.train_backend
 
 
 class ConfigError(ValueError):
@@ -194,6 +195,11 @@ class LibraConfig:
 
     mode: str = "libra"  # libra: planner + re-plan + elastic + C-MLFQ drive the run; static: AReaL as is
     device: str = "cpu"  # cpu: embedded servers; cuda: SGLang
+    # The trainer's engine on cuda (AReaL's actor.backend, sized by the launch's plan): fsdp (fsdp:dXtY, no
+    # pipeline) | megatron (AReaL's MegatronEngine, megatron:dXtYpZ) | auto: megatron when the plan's best layout
+    # needs TP or PP > 1 and megatron-core imports, else fsdp (live/live_cluster.launch_plan). The CPU trainer is
+    # one FSDP process; the elastic pool supports a single-rank fsdp:d1 trainer only.
+    train_backend: str = "auto"
     trainer_threads: int = 1
     workflow: str = "areal_libra.workflows.math_tool.MathToolWorkflow"
     max_turns: int = 3
@@ -214,6 +220,14 @@ class LibraConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("libra", "static"):
             raise ValueError(f"mode must be libra or static, got {self.mode!r}")
+        if self.train_backend not in TRAIN_BACKENDS:
+            raise ValueError(f"train_backend must be one of {', '.join(TRAIN_BACKENDS)}, got {self.train_backend!r}")
+        if self.train_backend == "megatron" and self.device != "cuda":
+            raise ValueError("train_backend=megatron needs libra.device=cuda (cluster=gpu): megatron-core's engine "
+                             "runs on CUDA only; the CPU trainer is one FSDP process")
+        if self.train_backend == "megatron" and self.elastic.enabled:
+            raise ValueError("libra.elastic supports a single-rank fsdp trainer only (fsdp:d1, whose gradient domain "
+                             "its replicas join); use train_backend=fsdp or auto, or libra.elastic.enabled=false")
         if self.mode == "static" and self.elastic.enabled:
             raise ValueError("libra.elastic.enabled needs libra.mode=libra: the LibraController decides the "
                              "pool's joins and releases")

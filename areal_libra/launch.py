@@ -1,4 +1,8 @@
-"""Launch an experiment: python -m areal_libra.launch experiment=NAME [cluster=NAME] [key=value ...]
+"""Launch an experiment: python -m areal_libra.launch experiment=NAME [cluster=NAME] [key=value ...] [--dry-run]
+
+With --dry-run: prints as JSON what it would start (every server's and the trainer's command line and the
+environment the launcher adds, the plan that sized them, the checks only a GPU can make), starts nothing,
+writes nothing, needs no GPU (docs/gpu.md).
 
 Composes the hydra config (AReaL key names), prepares model and data, starts the rollout servers
 (embedded SGLang-API servers on CPU, SGLang on GPU), runs AReaL's GRPO trainer in SPMD mode in a child
@@ -15,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from areal_libra.config import Composed, ConfigError, compose, libra_config, save
 
@@ -204,35 +209,46 @@ def placement(c: Composed, env: dict[str, str] | None = None, gpu_count: int | N
 
     count = _cuda_count() if gpu_count is None else gpu_count
     try:
-        # One trainer process (RANK 0 of WORLD_SIZE 1, see trainer_env): one device.
-        return assign_gpus(visible_devices(os.environ if env is None else env, count), 1,
+        # One device per trainer process (actor.backend's world size, see trainer_command).
+        return assign_gpus(visible_devices(os.environ if env is None else env, count), trainer_gpus(c),
                            [s.tp for s in server_specs(c)])
     except PlacementError as e:
         raise LaunchError(f"cluster GPUs: {e}") from None
 
 
-def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
-                rollout_pool: tuple[str, ...] = ()) -> dict[str, str]:
-    """`gpus`: the trainer's devices (placement().trainer); LOCAL_RANK 0 is then the first of them.
-    `rollout_pool` (placement().pool): the devices servers the trainer starts later may take."""
+def trainer_gpus(c: Composed) -> int:
+    """The trainer's processes (one device each on cuda): actor.backend's world size (fsdp:d2t2 -> 4, megatron:
+    d1t1p3 -> 3; the launch sizes it from its plan); 1 on CPU, where the trainer is one process."""
+    if c.libra.device != "cuda":
+        return 1
+    from areal_libra.live.live_cluster import ControlError, train_layout
+
+    try:
+        return train_layout(str(c.areal.actor.backend))[1].gpus
+    except ControlError as e:
+        raise LaunchError(str(e)) from None
+
+
+def trainer_env_overlay(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
+                        rollout_pool: tuple[str, ...] = (), nproc: int = 1,
+                        base: dict[str, str] | None = None) -> dict[str, str]:
+    """What the launch sets in the trainer's environment on top of `base` (its own when None)."""
     from areal_libra.utils import free_port
 
-    env = dict(os.environ)
-    env.update(
+    base = dict(os.environ) if base is None else base
+    env = dict(
         AREAL_SPMD_MODE="1",
         AREAL_LLM_SERVER_ADDRS=",".join(addrs),
         # GPUs per server in address order: xccl weight-update ranks for mixed TP (patch 11)
         AREAL_LLM_SERVER_SIZES=",".join(str(g.tp) for g in _servers(c)),
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         TOKENIZERS_PARALLELISM="false",
         WANDB_SILENT="true",
         PYTHONUNBUFFERED="1",
     )
+    if nproc == 1:  # one process: its rank here; more: torchrun gives each its own (trainer_command)
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     if c.libra.device == "cuda":
         # AReaL's local launcher sets these for the NCCL weight-update group (areal/infra/launcher/local.py).
         env.update(NCCL_CUMEM_ENABLE="0", NCCL_NVLS_ENABLE="0")
@@ -246,9 +262,28 @@ def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
         threads = str(int(c.libra.trainer_threads))
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
         env["TORCHDYNAMO_DISABLE"] = "1"  # first-call torch.compile costs 25-55 s on CPU for a tiny model
-    if c.areal.stats_logger.wandb.mode == "online" and not env.get("WANDB_API_KEY"):
+    if c.areal.stats_logger.wandb.mode == "online" and not base.get("WANDB_API_KEY"):
         env["WANDB_MODE"] = "offline"
     return env
+
+
+def trainer_env(c: Composed, addrs: list[str], gpus: tuple[str, ...] = (),
+                rollout_pool: tuple[str, ...] = (), nproc: int = 1) -> dict[str, str]:
+    """`gpus`: the trainer's devices (placement().trainer); LOCAL_RANK 0 is then the first of them.
+    `rollout_pool` (placement().pool): the devices servers the trainer starts later may take."""
+    env = dict(os.environ)
+    env.update(trainer_env_overlay(c, addrs, gpus, rollout_pool, nproc, base=env))
+    return env
+
+
+def trainer_command(run_dir: Path, nproc: int, master_port: str) -> list[str]:
+    """The trainer's command line: one process, or `nproc` ranks under torchrun on this node, as AReaL's local
+    launcher starts its SPMD trainer (torchrun --nnodes 1 --nproc-per-node N; areal/infra/launcher/local.py)."""
+    train = ["-m", "areal_libra.live.train", "--run-dir", str(run_dir)]
+    if nproc == 1:
+        return [sys.executable, *train]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", master_port, *train]
 
 
 def _read_metrics(path: Path, seen: int) -> tuple[list[dict], int]:
@@ -366,10 +401,15 @@ def run(argv: list[str]) -> int:
     c = compose(argv, default_cluster="gpu" if _has_cuda() else "cpu")
     check_dataset(c)
     resolve_control_cluster(c)
+    model_path, plan = None, None
+    if gpu_planned(c):  # the plan sizes the trainer and the first servers before they are placed, from the
+        model_path = resolve_model(c)  # model's own config.json (the dry run may take a preset's shape)
+        plan = plan_gpu_layout(c, model_path)
+    check_train_backend(c)
     gpus = placement(c)  # before anything starts: an allocation that does not fit is a one-line error
     check_sglang(c)
     emu = emulation(c)  # an emulated layout that does not fit fails before anything starts
-    model_path = resolve_model(c)
+    model_path = model_path or resolve_model(c)
     c.areal.actor.path = model_path
     c.areal.tokenizer_path = model_path
     c.areal.rollout.tokenizer_path = model_path
@@ -377,10 +417,109 @@ def run(argv: list[str]) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     retriever = start_retriever(c, log_dir)  # before the config is saved: the trainer reads its URL there
     try:
-        return _run_in(c, log_dir, model_path, gpus, emu, [retriever] if retriever is not None else [])
+        return _run_in(c, log_dir, model_path, gpus, emu, [retriever] if retriever is not None else [], plan)
     finally:
         if retriever is not None:
             retriever.stop()
+
+
+def gpu_planned(c: Composed) -> bool:
+    """A cuda run in libra mode on real GPUs: its launch plan sizes the trainer and the first servers."""
+    return c.libra.device == "cuda" and c.libra.mode == "libra" and not c.libra.emulated.enabled
+
+
+def planning_model(c: Composed) -> tuple[str, Any]:
+    """(the model path the servers get, the planner's ModelSpec) without fetching or building anything: the
+    config.json of a local directory or of the Hugging Face cache's copy, else the model preset named like the
+    id (Qwen/Qwen3-8B -> qwen3-8b); the spec is None when neither is here."""
+    from areal_libra.cost.presets import PresetError, load_model
+    from areal_libra.live.live_cluster import model_spec_from_hf
+
+    path = str(c.areal.actor.path)
+    if path in ("auto", "", "???"):
+        from areal_libra.models.tiny import TinyModelConfig, model_dir
+
+        try:
+            config = TinyModelConfig.for_task(str(c.libra.model.task))
+        except ValueError as e:
+            raise LaunchError(f"libra.model.task: {e}") from None
+        path = str(model_dir(seed=int(c.libra.model.seed), config=config))
+    p = Path(path)
+    if not p.is_dir() and _HF_ID.match(path):
+        p = _hf_cached(path) or p
+    if (p / "config.json").is_file():
+        try:
+            return str(p), model_spec_from_hf(p)
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            raise LaunchError(f"actor.path={path}: its config.json is not a decoder model's ({e!r})") from None
+    try:
+        return path, load_model(path.rstrip("/").rpartition("/")[2].lower())
+    except PresetError:
+        return path, None
+
+
+def _hf_cached(repo_id: str) -> Path | None:
+    """The Hugging Face cache's snapshot directory of `repo_id` when its config.json is there (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - a malformed id or cache: not cached
+        return None
+    return Path(hit).parent if isinstance(hit, str) else None
+
+
+def _planned_gpus(c: Composed, model_path: str, model: Any) -> int:
+    from areal_libra.live.live_cluster import ControlError, plan_source
+
+    try:
+        return plan_source(libra_config(c.libra), c.areal, model_path, model=model, train_backend="fsdp").cluster.n_gpus
+    except ControlError as e:
+        raise LaunchError(str(e)) from None
+
+
+def plan_gpu_layout(c: Composed, model_path: str, model: Any = None):
+    """cuda, libra mode: solve the launch plan (live_cluster.launch_plan: the trainer's engine by
+    libra.train_backend and its layout), write its training layout into actor.backend (the trainer's
+    processes and AReaL's engine) and, unless libra.rollout_alloc fixes the servers (then the trainer takes the
+    GPUs they leave), its rollout mix into libra.rollout_alloc; the Plan (None when not gpu_planned)."""
+    if not gpu_planned(c):
+        return None
+    from areal_libra.live.live_cluster import ControlError, launch_plan
+
+    train_gpus = None
+    if c.libra.rollout_alloc:
+        n = _planned_gpus(c, model_path, model)
+        rollout = sum(g.tp * g.count for g in rollout_groups(c))
+        if rollout >= n:
+            raise LaunchError(f"libra.rollout_alloc={c.libra.rollout_alloc} takes {rollout} of the planned "
+                              f"{n} GPUs and leaves none to the trainer")
+        train_gpus = n - rollout
+    try:
+        plan = launch_plan(libra_config(c.libra), c.areal, model_path, model=model, train_gpus=train_gpus)
+    except ControlError as e:
+        raise LaunchError(str(e)) from None
+    c.areal.actor.backend = plan.train_alloc()
+    if not c.libra.rollout_alloc:
+        c.libra.rollout_alloc = plan.rollout_alloc()
+    return plan
+
+
+def check_train_backend(c: Composed) -> None:
+    """A megatron trainer needs megatron-core (requirements/gpu.txt); static mode runs actor.backend as given,
+    which must agree with an explicit libra.train_backend."""
+    from areal_libra.live.live_cluster import megatron_available
+
+    if c.libra.device != "cuda":
+        return
+    backend = str(c.areal.actor.backend).partition(":")[0]
+    want = str(c.libra.train_backend)
+    if c.libra.mode == "static" and want != "auto" and want != backend:
+        raise LaunchError(f"libra.mode=static runs actor.backend as given ({c.areal.actor.backend}), not "
+                          f"train_backend={want}: set actor.backend={want}:d..t..p..")
+    if backend == "megatron" and not megatron_available():
+        raise LaunchError("actor.backend=megatron needs megatron-core, which this environment lacks: run "
+                          "`make setup-gpu` (requirements/gpu.txt), or libra.train_backend=fsdp")
 
 
 def start_retriever(c: Composed, log_dir: Path):
@@ -410,7 +549,7 @@ def start_retriever(c: Composed, log_dir: Path):
     return proc
 
 
-def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers: list) -> int:
+def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers: list, plan=None) -> int:
     metrics_path = log_dir / "metrics.jsonl"
     from areal_libra.live.recover import clear_name_resolve, recovered_steps, reset_step_records
 
@@ -424,10 +563,12 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
         from areal_libra.live.live_cluster import ControlError, check_feasible
 
         try:
-            plan = check_feasible(libra_config(c.libra), c.areal, model_path)
+            summary = plan.summary() if plan is not None else check_feasible(libra_config(c.libra), c.areal,
+                                                                             model_path)
         except ControlError as e:
             raise LaunchError(str(e)) from None
-        print("areal_libra: libra mode; worst-case plan: " + plan.splitlines()[0].split(": ", 1)[-1], flush=True)
+        print("areal_libra: libra mode; worst-case plan: " + summary.splitlines()[0].split(": ", 1)[-1]
+              + (f"; trainer {c.areal.actor.backend}" if plan is not None else ""), flush=True)
     from areal_libra.rollout.backend import LocalProcessBackend
     from areal_libra.rollout.launcher import shutdown
 
@@ -450,9 +591,11 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
 
         write_registry(log_dir, servers)  # pids; the trainer keeps it current when it reconfigures
         with open(log_dir / "trainer.log", "w") as log:
+            nproc = trainer_gpus(c)
+            env = trainer_env(c, addrs, gpus.trainer if gpus else (), gpus.pool if gpus else (), nproc)
             proc = subprocess.Popen(
-                [sys.executable, "-m", "areal_libra.live.train", "--run-dir", str(log_dir)],
-                env=trainer_env(c, addrs, gpus.trainer if gpus else (), gpus.pool if gpus else ()),
+                trainer_command(log_dir, nproc, env["MASTER_PORT"]),
+                env=env,
                 stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
@@ -493,12 +636,138 @@ def _stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+# What a dry run cannot see without the GPUs (docs/gpu.md lists how each is checked on the node).
+CUDA_CHECKS = (
+    "the SGLang servers start with these command lines and answer /health (CUDA, sglang with sgl_kernel)",
+    "the trainer's engine (AReaL's {engine} at actor.backend={alloc}) initializes on its GPUs and its step fits "
+    "in their memory",
+    "the xccl weight-update group between the trainer and the servers (NCCL, patch 11's rank offsets)",
+    "actor.attn_impl={attn} loads (flash-attn wheels match the CUDA torch)",
+)
+
+
+def dry_run(c: Composed) -> dict:
+    """What `launch` would start for this config, started nothing, written nothing: every server's command line
+    and the environment the launcher adds (rollout/launcher.plan_servers, the code launch_servers runs), the
+    trainer's (trainer_command, trainer_env_overlay), the plan that sized them, and what only a GPU can check."""
+    check_dataset(c)
+    resolve_control_cluster(c)
+    checked = ["config composed and typed", "dataset file and columns" if c.areal.train_dataset.path not in
+               (None, "", "generated") else "dataset: generated"]
+    not_checked: list[str] = []
+    if c.libra.device == "cuda" and str(c.libra.control.cluster) == "cpu":
+        raise LaunchError("no GPU here to read the cluster from: a dry run of cluster=gpu needs "
+                          "libra.control.cluster=<preset> (e.g. h100x8)")
+    model_path, model = planning_model(c)
+    if model_path != str(c.areal.actor.path) and str(c.areal.actor.path) not in ("auto", "", "???"):
+        checked.append(f"model config.json from the Hugging Face cache ({model_path})")
+    elif not Path(model_path).is_dir():
+        not_checked.append(f"model weights: {model_path} is not here (not fetched or built by a dry run); the launch "
+                           "passes the local directory it fetches or builds as --model-path")
+    plan = None
+    if gpu_planned(c):
+        if model is None:
+            raise LaunchError(f"actor.path={c.areal.actor.path}: no config.json here and no model preset of that "
+                              "name, so a dry run cannot plan; pass actor.path=/a/local/copy")
+        plan = plan_gpu_layout(c, model_path, model)
+        checked.append(f"plan fits libra.control.cluster={c.libra.control.cluster}")
+    elif c.libra.mode == "libra" and model is not None:  # the CPU / emulated launch's worst-case check
+        from areal_libra.live.live_cluster import ControlError, launch_plan
+
+        try:
+            plan = launch_plan(libra_config(c.libra), c.areal, model_path, model=model)
+        except ControlError as e:
+            raise LaunchError(str(e)) from None
+        checked.append(f"plan fits libra.control.cluster={c.libra.control.cluster}")
+    try:
+        check_train_backend(c)
+    except LaunchError as e:
+        if "megatron-core" not in str(e):
+            raise
+        not_checked.append("megatron-core imports (not installed here; make setup-gpu installs it)")
+    from areal_libra.rollout.launcher import _cuda_count
+
+    count = _cuda_count()
+    if c.libra.device == "cuda" and count == 0 and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        count = _planned_gpus(c, model_path, model)
+        not_checked.append(f"devices: no CUDA here, the planned cluster's {count} devices 0..{count - 1} assumed")
+    gpus = placement(c, gpu_count=count)
+    emulation(c)
+    from areal_libra.rollout.backend import LocalProcessBackend
+    from areal_libra.rollout.launcher import plan_servers
+    from areal_libra.rollout.placement import Placement
+
+    # As _run_in starts them: backend.start -> launch_servers -> plan_servers, with the same placement.
+    backend = LocalProcessBackend.for_device(c.libra.device)
+    launches = plan_servers(model_path, server_specs(c), str(c.log_dir / "servers"), backend=backend.kind,
+                            host=backend.host,
+                            placement=None if gpus is None else Placement((), tuple(gpus.servers)))
+    nproc = trainer_gpus(c)
+    env = trainer_env_overlay(c, [sl.addr for sl in launches], gpus.trainer if gpus else (),
+                              gpus.pool if gpus else (), nproc)
+    if backend.kind == "sglang":
+        parsed = sglang_parse([sl.argv for sl in launches])
+        (checked if parsed.startswith("parsed") else not_checked).append(parsed)
+        engine = "MegatronEngine" if str(c.areal.actor.backend).startswith("megatron") else "FSDPEngine"
+        not_checked += [s.format(engine=engine, alloc=c.areal.actor.backend, attn=c.areal.actor.attn_impl)
+                        for s in CUDA_CHECKS]
+    if nproc > 1:
+        not_checked.append(
+            f"a trainer of {nproc} ranks under torchrun has not run in this project: every data-parallel head rolls "
+            "out through its own router, and only rank 0 runs the controller and the fleet (docs/gpu.md)")
+    out: dict[str, Any] = {
+        "run_dir": str(c.log_dir),
+        "servers": [{"argv": sl.argv, "env": sl.env, "addr": sl.addr, "gpus": list(sl.gpus), "group": sl.spec.group}
+                    for sl in launches],
+        "trainer": {"argv": trainer_command(c.log_dir, nproc, env["MASTER_PORT"]), "env": env,
+                    "gpus": list(gpus.trainer) if gpus else [], "actor_backend": str(c.areal.actor.backend)},
+        "plan": None,
+        "checked": checked,
+        "not_checked": not_checked,
+    }
+    if plan is not None:
+        out["plan"] = plan.to_json() | {"n_gpus": plan.n_gpus, "idle_gpus": plan.idle_gpus,
+                                        "actor_backend": plan.train_alloc(), "rollout_alloc": plan.rollout_alloc(),
+                                        "summary": plan.summary().splitlines()[:3]}
+    return out
+
+
+def sglang_parse(argvs: list[list[str]]) -> str:
+    """Every server command line through the installed SGLang's own ServerArgs.add_cli_args + parse_args:
+    'parsed ...' or why it could not be (sglang.srt.server_args needs triton and a CUDA torchvision to import)."""
+    import argparse
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return "server command lines not parsed by SGLang's ServerArgs: sglang is not installed here"
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except Exception as e:  # noqa: BLE001 - any import failure: the module cannot load on this machine
+        return (f"server command lines not parsed by SGLang's ServerArgs: sglang.srt.server_args does not import "
+                f"here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); tests/sglang parses them "
+                "where it does")
+    for argv in argvs:
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        ServerArgs.add_cli_args(parser)
+        try:
+            parser.parse_args(argv[3:])  # after `python -m sglang.launch_server`
+        except (argparse.ArgumentError, SystemExit) as e:
+            raise LaunchError(f"SGLang's ServerArgs refuses a server command line ({e}): {' '.join(argv)}") from None
+    from importlib.metadata import version
+
+    return f"parsed: every server command line by sglang {version('sglang')}'s ServerArgs"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0
     try:
+        if "--dry-run" in argv:
+            c = compose([a for a in argv if a != "--dry-run"], default_cluster="gpu" if _has_cuda() else "cpu")
+            print(json.dumps(dry_run(c), indent=1))
+            return 0
         return run(argv)
     except (ConfigError, LaunchError) as e:
         print(f"areal_libra: error: {e}", file=sys.stderr)

@@ -16,9 +16,11 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from areal.api.alloc_mode import ModelAllocation
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
 from areal_libra.control.controller import ControlEvent
@@ -30,9 +32,10 @@ from areal_libra.cost.presets import (
     load_model,
     resolve_cluster_name,
 )
+from areal_libra.cost.training import TrainParallel
 from areal_libra.elastic.measure import rollout_time
 from areal_libra.live.recover import plan_from_state
-from areal_libra.planner import PlanError, PlannerConfig, price, solve
+from areal_libra.planner import Plan, PlanError, PlannerConfig, price, solve
 from areal_libra.rollout.groups import RolloutGroup, groups_from_plan, resolve_groups
 from areal_libra.utils import append_jsonl
 
@@ -327,9 +330,45 @@ class LiveControl:
         return path
 
 
-def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlanSource:
+def megatron_available() -> bool:
+    """megatron-core imports here (what AReaL's MegatronEngine needs besides CUDA)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):  # no `megatron` package at all
+        return False
+
+
+def train_layout(alloc: str) -> tuple[str, TrainParallel]:
+    """(backend, layout) of an AReaL training allocation (actor.backend: fsdp:d4, fsdp:d2t2, megatron:d2t2p1),
+    parsed by AReaL's own parser; ControlError (one line) for a bad or MoE string."""
+    try:
+        a = ModelAllocation.from_str(str(alloc), name="actor")
+    except Exception as e:  # noqa: BLE001 - AReaL raises several error types for a bad string
+        raise ControlError(f"actor.backend={alloc}: not an AReaL training allocation ({_first_line(e)})") from None
+    if a.backend not in ("fsdp", "megatron"):
+        raise ControlError(f"actor.backend={alloc}: the live trainer runs fsdp or megatron, not {a.backend}")
+    par = a.parallel
+    if par.expert_parallel_size > 1 or par.context_parallel_size > 1:
+        raise ControlError(f"actor.backend={alloc}: expert or context parallelism is not planned live")
+    return a.backend, TrainParallel(tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size,
+                                    dp=par.data_parallel_size)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any = None,
+                train_backend: str | None = None, train_gpus: int | None = None) -> LivePlanSource:
     """The planner for this run: `libra.control.cluster` (cost preset, resized to `accelerators`), the run's
-    model from its config.json, one step's batch, AReaL's staleness bound."""
+    model (its config.json, or `model`: a ModelSpec), one step's batch, AReaL's staleness bound.
+
+    The training side on cuda: `train_backend` fsdp (TP, no PP: AReaL's FSDP engine) or megatron (TP x PP x DP)
+    on exactly `train_gpus` when given; None (the trainer's own view): the layout it runs (actor.backend, which
+    the launch sized from its plan), so a live plan's rollout side always fits the GPUs the trainer leaves.
+    The CPU trainer is one FSDP process: no TP, no PP. An emulated cluster plans freely (megatron)."""
 
     c = libra.control
     emulated = libra.emulated if libra.emulated.enabled else None
@@ -364,24 +403,71 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str) -> LivePlan
     cfg = PlannerConfig(allowed_tp=tuple(int(t) for t in c.allowed_tp), global_batch=batch, mode="async",
                         staleness=int(areal_cfg.rollout.max_head_offpolicyness), max_running=max_running,
                         rollout_backend="embedded" if str(libra.device) == "cpu" else "sglang")
-    if emulated is None:  # the CPU trainer is one FSDP process: no tensor or pipeline parallelism
-        from dataclasses import replace
-
-        cfg = replace(cfg, train_tp=(1,), max_pp=1, train_backend="fsdp")
     if emulated is not None:  # plan for the emulated model on the emulated accelerators
-
         return LivePlanSource(cluster, load_model(str(emulated.model)), cfg)
-    return LivePlanSource(cluster, model_spec_from_hf(model_path), cfg)
+    if str(libra.device) != "cuda":  # the CPU trainer is one FSDP process: no tensor or pipeline parallelism
+        cfg = replace(cfg, train_tp=(1,), max_pp=1, train_backend="fsdp")
+    elif train_backend is None:  # the running trainer's layout, exactly its GPUs
+        backend, par = train_layout(str(areal_cfg.actor.backend))
+        cfg = replace(cfg, train_backend=backend, train_tp=(par.tp,), max_pp=par.pp if backend == "megatron" else 1,
+                      min_train_gpus=par.gpus, max_train_gpus=par.gpus)
+    else:
+        if train_backend not in ("fsdp", "megatron"):
+            raise ControlError(f"train_backend must be fsdp or megatron here, got {train_backend!r}")
+        cfg = replace(cfg, train_backend=train_backend, max_pp=cfg.max_pp if train_backend == "megatron" else 1)
+        if train_gpus is not None:
+            cfg = replace(cfg, min_train_gpus=train_gpus, max_train_gpus=train_gpus)
+    return LivePlanSource(cluster, model if model is not None else model_spec_from_hf(model_path), cfg)
+
+
+# The launch plans for the worst case: every trajectory at gconfig.max_new_tokens.
+def _worst_case(areal_cfg: Any) -> list[tuple[int, int]]:
+    return [(64, 64 + int(areal_cfg.gconfig.max_new_tokens))] * 32
+
+
+def launch_plan(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any = None,
+                train_gpus: int | None = None) -> Plan:
+    """The plan a launch starts: solved once on a worst-case history before anything starts (a cluster the
+    model cannot fit is a one-line ControlError). On cuda it picks the trainer's engine (`libra.train_backend`;
+    auto: megatron when the best layout needs TP or PP > 1 and megatron-core imports, else fsdp; with the
+    elastic pool always fsdp:d1, the single-rank core its hook drives) and sizes it; `train_gpus`: the training
+    GPUs when the rollout side is given (libra.rollout_alloc). The plan's train_alloc() is the trainer's
+    actor.backend."""
+
+    want = str(libra.train_backend)
+    history = _worst_case(areal_cfg)
+    cluster = str(libra.control.cluster)
+
+    def solve_for(backend: str | None) -> Plan:
+        src = plan_source(libra, areal_cfg, model_path, model=model, train_backend=backend, train_gpus=train_gpus)
+        try:
+            return src.solve(history)
+        except PlanError as e:
+            how = f" with train_backend={backend}" if backend else ""
+            raise ControlError(f"no plan fits libra.control.cluster={cluster}{how}: {e}") from None
+
+    if str(libra.device) != "cuda" or libra.emulated.enabled:
+        return solve_for(None)
+    if libra.elastic.enabled:  # the pool's hook drives a single-rank FSDP core (docs/elastic.md)
+        if train_gpus not in (None, 1):
+            raise ControlError(f"libra.elastic supports a single-rank fsdp:d1 trainer, but the rollout servers leave "
+                               f"it {train_gpus} GPUs; give libra.rollout_alloc one GPU less than the node")
+        train_gpus = 1
+        return solve_for("fsdp")
+    if want == "auto":
+        want = "fsdp"
+        if megatron_available():
+            try:
+                plan = solve_for("megatron")
+            except ControlError:
+                plan = None
+            if plan is not None and (plan.train.tp > 1 or plan.train.pp > 1):
+                return plan
+    return solve_for(want)
 
 
 def check_feasible(libra: LibraConfig, areal_cfg: Any, model_path: str) -> str:
     """Solve once on a worst-case history (every trajectory at gconfig.max_new_tokens) before anything
     starts, so that a cluster the model cannot fit is a one-line error at launch; returns the plan summary."""
 
-    src = plan_source(libra, areal_cfg, model_path)
-    max_new = int(areal_cfg.gconfig.max_new_tokens)
-    try:
-        return src.solve([(64, 64 + max_new)] * 32).summary()
-    except PlanError as e:
-        raise ControlError(f"no plan fits libra.control.cluster={libra.control.cluster}: {e}") from None
-
+    return launch_plan(libra, areal_cfg, model_path).summary()

@@ -181,10 +181,13 @@ def build_command(
     return cmd + list(spec.extra_args)
 
 
-def _server_env(backend: str, spec: ServerSpec, base_env: dict[str, str] | None,
-                gpus: tuple[str, ...] = ()) -> dict[str, str]:
-    env = dict(os.environ if base_env is None else base_env)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+def server_env_overlay(backend: str, spec: ServerSpec, base_env: dict[str, str] | None,
+                       gpus: tuple[str, ...] = ()) -> dict[str, str]:
+    """What the launcher sets in a server's environment on top of `base_env` (the launcher's own when None)."""
+    base = os.environ if base_env is None else base_env
+    env: dict[str, str] = {}
+    if "TOKENIZERS_PARALLELISM" not in base:
+        env["TOKENIZERS_PARALLELISM"] = "false"
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = Placement.visible(gpus)  # its own GPUs only (base GPU id 0)
     if backend == "embedded":
@@ -193,8 +196,9 @@ def _server_env(backend: str, spec: ServerSpec, base_env: dict[str, str] | None,
             env[k] = str(spec.n_threads)
         # Idle OpenMP workers sleep instead of spinning: on a shared machine spinning workers of one
         # multi-threaded server starve everything else (measured 10x slower decode steps with 2 threads).
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        env.setdefault("TORCHDYNAMO_DISABLE", "1")
+        for k, v in (("OMP_WAIT_POLICY", "PASSIVE"), ("TORCHDYNAMO_DISABLE", "1")):
+            if k not in base:
+                env[k] = v
     return env
 
 
@@ -239,21 +243,31 @@ def wait_healthy(handles: Sequence[ServerHandle], timeout: float) -> None:
         time.sleep(0.25)
 
 
-def launch_servers(
+@dataclass(frozen=True)
+class ServerLaunch:
+    """One server exactly as launch_servers starts it: its command line, what the launcher adds to its
+    environment, its address, devices and log file (`python -m areal_libra.launch ... --dry-run` prints these)."""
+
+    argv: list[str]
+    env: dict[str, str]  # on top of the launcher's environment (server_env_overlay)
+    addr: str
+    gpus: tuple[str, ...]
+    log_path: str
+    spec: ServerSpec
+
+
+def plan_servers(
     model_path: str,
     specs: Sequence[ServerSpec],
     log_dir: str,
     backend: str = "auto",
     host: str = "127.0.0.1",
-    timeout: float = 600.0,
     env: dict[str, str] | None = None,
     placement: Placement | None = None,
-) -> list[ServerHandle]:
-    """Start one server per spec (all at once), wait until all are healthy, return their handles.
-
-    Server i runs on `placement.servers[i]` (sglang's default: the visible GPUs from the first on, no
-    trainer; PlacementError when they do not fit). On any failure every server started here is stopped
-    before ServerLaunchError is raised."""
+) -> list[ServerLaunch]:
+    """The command lines, environments, ports and devices of one server per spec; starts nothing, writes
+    nothing (ports were free a moment ago). Server i runs on `placement.servers[i]` (sglang's default: the
+    visible GPUs from the first on, no trainer; PlacementError when they do not fit)."""
     backend = resolve_backend(backend)
     if not specs:
         return []
@@ -265,29 +279,52 @@ def launch_servers(
         if [len(g) for g in placement.servers] != [s.tp for s in specs]:
             raise ValueError(f"placement {placement.servers} does not match the servers' TP sizes")
         gpus = list(placement.servers)
-    os.makedirs(log_dir, exist_ok=True)
     if backend == "sglang":  # AReaL's way: an HTTP and a dist-init port from each server's own range
         pairs = [ports_in_range(2, *port_range(i, len(specs)), host) for i in range(len(specs))]
         ports, dist_ports = [p[0] for p in pairs], [p[1] for p in pairs]
     else:
         ports, dist_ports = free_ports(len(specs), host), [None] * len(specs)
+    return [ServerLaunch(argv=build_command(backend, model_path, spec, host, port, base_gpu_id=0,
+                                            dist_init_port=dist_ports[i]),
+                         env=server_env_overlay(backend, spec, env, gpus[i]), addr=f"{host}:{port}", gpus=gpus[i],
+                         log_path=os.path.join(log_dir, f"server{i}_{spec.group}_{port}.log"), spec=spec)
+            for i, (spec, port) in enumerate(zip(specs, ports))]
+
+
+def launch_servers(
+    model_path: str,
+    specs: Sequence[ServerSpec],
+    log_dir: str,
+    backend: str = "auto",
+    host: str = "127.0.0.1",
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
+    placement: Placement | None = None,
+) -> list[ServerHandle]:
+    """Start one server per spec as plan_servers describes them (all at once), wait until all are healthy,
+    return their handles. On any failure every server started here is stopped before ServerLaunchError is
+    raised."""
+    backend = resolve_backend(backend)
+    launches = plan_servers(model_path, specs, log_dir, backend, host, env, placement)
+    if not launches:
+        return []
+    os.makedirs(log_dir, exist_ok=True)
+    base = dict(os.environ if env is None else env)
     handles: list[ServerHandle] = []
     try:
-        for i, (spec, port) in enumerate(zip(specs, ports)):
-            cmd = build_command(backend, model_path, spec, host, port, base_gpu_id=0, dist_init_port=dist_ports[i])
-            log_path = os.path.join(log_dir, f"server{i}_{spec.group}_{port}.log")
-            with open(log_path, "ab") as log:
-                log.write(f"$ {' '.join(cmd)}\n".encode())
+        for sl in launches:
+            with open(sl.log_path, "ab") as log:
+                log.write(f"$ {' '.join(sl.argv)}\n".encode())
                 log.flush()
                 proc = subprocess.Popen(
-                    cmd,
+                    sl.argv,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env=_server_env(backend, spec, env, gpus[i]),
+                    env={**base, **sl.env},
                     start_new_session=True,
                 )
-            handles.append(ServerHandle(f"{host}:{port}", proc, spec, log_path, backend, gpus[i]))
+            handles.append(ServerHandle(sl.addr, proc, sl.spec, sl.log_path, backend, sl.gpus))
         wait_healthy(handles, timeout)
     except BaseException:
         shutdown(handles)

@@ -65,8 +65,8 @@ def test_h100x8_preset():
     assert (hw.flops, hw.hbm_bw, hw.hbm_bytes, hw.intra_bw) == (989e12, 3.35e12, 80e9, 900e9)
 
 
-# Qwen3-1.7B's public config.json (the fields the planner reads). Qwen3-8B does not fit the live trainer
-# today: it is one FSDP process on one GPU (plan_source forces train TP 1, PP 1; issue 26's Megatron build).
+# Qwen3-1.7B's public config.json (the fields the planner reads). The trainer's planner keeps actor.backend's
+# layout (here fsdp:d1); the launch plan that sizes it for Qwen3-8B is tested in tests/gpu/test_dry_run.py.
 QWEN3_1_7B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2048,
               "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
               "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
