@@ -252,35 +252,35 @@ def length_growth(per_step: list[list[Trajectory]], window: int = GROWTH_WINDOW)
 def drift_for_growth(cfg: SynthConfig, steps: int, seed: int, target: float
                      ) -> tuple[float, float, list[list[Trajectory]]]:
     """Smallest drift d on the GROWTH_RESOLUTION grid with length_growth >= target when gen_drift =
-    calls_drift = d (the defaults drift both alike), found by bisection (growth rises with the drift; the
-    bisection assumes it, docs/simulator.md checks it on the grid for --steps 60 --seed 0). Returns (d, its growth, its traces);
-    ValueError when even GROWTH_MAX_DRIFT falls short (e.g. too few steps)."""
+    calls_drift = d (the defaults drift both alike), found by bisection: it assumes growth rises with the
+    drift (docs/simulator.md checks it point by point for --steps 60 --seed 0). Returns (d, its growth, its
+    traces); ValueError when even GROWTH_MAX_DRIFT falls short (e.g. too few steps)."""
     if target <= 1.0:
         raise ValueError(f"--growth must be > 1, got {target}")
     if steps < 2 * GROWTH_WINDOW:
         raise ValueError(f"--growth needs --steps >= {2 * GROWTH_WINDOW} (it compares the first and last "
                          f"{GROWTH_WINDOW} steps)")
-    cache: dict[int, tuple[float, list[list[Trajectory]]]] = {}
+    best: list = []  # traces of the smallest passing drift so far (one run's traces kept, not every probe's)
 
-    def at(k: int) -> float:
-        if k not in cache:
-            d = round(k * GROWTH_RESOLUTION, 6)
-            c = replace(cfg, gen_drift=d, calls_drift=d)
-            per_step = generate(c, steps, seed)
-            cache[k] = (length_growth(per_step), per_step)
-        return cache[k][0]
+    def passes(k: int) -> bool:
+        d = round(k * GROWTH_RESOLUTION, 6)
+        per_step = generate(replace(cfg, gen_drift=d, calls_drift=d), steps, seed)
+        g = length_growth(per_step)
+        if g >= target:
+            best[:] = [k, g, per_step]
+        return g >= target
 
-    lo, hi = 0, round(GROWTH_MAX_DRIFT / GROWTH_RESOLUTION)  # at(lo) < target <= at(hi)
-    if at(hi) < target:
-        raise ValueError(f"--growth {target}: even drift {GROWTH_MAX_DRIFT} gives only {at(hi):.2f}x over "
-                         f"{steps} steps")
+    lo, hi = 0, round(GROWTH_MAX_DRIFT / GROWTH_RESOLUTION)  # invariant: lo fails (drift 0: no growth), hi passes
+    if not passes(hi):
+        raise ValueError(f"--growth {target}: even drift {GROWTH_MAX_DRIFT} does not reach it over {steps} steps")
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if at(mid) >= target:
+        if passes(mid):
             hi = mid
         else:
             lo = mid
-    return round(hi * GROWTH_RESOLUTION, 6), cache[hi][0], cache[hi][1]
+    _, g, per_step = best  # the last passing probe is hi
+    return round(hi * GROWTH_RESOLUTION, 6), g, per_step
 
 
 def _set(cfg: SynthConfig, item: str) -> None:
