@@ -1,8 +1,11 @@
 """Synthetic agentic trajectory traces in the canonical format (docs/trace-format.md).
 
-    python evaluation/synth_trace.py --out DIR [--steps 10] [--seed 0] [--set key=value ...]
+    python evaluation/synth_trace.py --out DIR [--steps 10] [--seed 0] [--set key=value ...] [--growth G]
 
 writes DIR/step_{i}.jsonl.gz (`--measure FILE...` instead prints the persistence() statistic of traces).
+`--growth G` sets gen_drift = calls_drift to the smallest multiple of GROWTH_RESOLUTION whose traces grow
+by at least G (length_growth(): mean generated tokens per trajectory, last GROWTH_WINDOW steps over the
+first GROWTH_WINDOW), every other field at its default; it prints the drift it chose and the growth.
 The generative model (every knob is a SynthConfig field, settable with --set) is a task model of a
 tool-using agent, written without reference to any routing policy:
 
@@ -38,7 +41,7 @@ import argparse
 import math
 import random
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from areal_libra.trace import Segment, ToolReturn, Trajectory, write_traces
@@ -225,6 +228,61 @@ def persistence(trajs: list[Trajectory]) -> dict:
             "payload_pairs": len(p1)}
 
 
+GROWTH_WINDOW = 5  # steps averaged at each end of the run by length_growth()
+GROWTH_RESOLUTION = 0.001  # the drift grid --growth searches
+GROWTH_MAX_DRIFT = 0.1  # the largest per-step drift --growth tries
+
+
+def length_growth(per_step: list[list[Trajectory]], window: int = GROWTH_WINDOW) -> float:
+    """How much the trajectories grew over the run: mean generated (model) tokens per trajectory over the
+    last `window` steps divided by the same mean over the first `window` steps (whole steps, so one noisy
+    step does not decide). Final lengths grow less: the context cap (max_context) cuts the longest."""
+    if not per_step:
+        return 1.0
+    w = max(1, min(window, len(per_step) // 2 or 1))
+
+    def mean(steps: list[list[Trajectory]]) -> float:
+        trajs = [t for s in steps for t in s]
+        return sum(t.model_tokens for t in trajs) / max(1, len(trajs))
+
+    first = mean(per_step[:w])
+    return mean(per_step[-w:]) / first if first > 0 else 1.0
+
+
+def drift_for_growth(cfg: SynthConfig, steps: int, seed: int, target: float
+                     ) -> tuple[float, float, list[list[Trajectory]]]:
+    """Smallest drift d on the GROWTH_RESOLUTION grid with length_growth >= target when gen_drift =
+    calls_drift = d (the defaults drift both alike), found by bisection: it assumes growth rises with the
+    drift (docs/simulator.md checks it point by point for --steps 60 --seed 0). Returns (d, its growth, its
+    traces); ValueError when even GROWTH_MAX_DRIFT falls short (e.g. too few steps)."""
+    if target <= 1.0:
+        raise ValueError(f"--growth must be > 1, got {target}")
+    if steps < 2 * GROWTH_WINDOW:
+        raise ValueError(f"--growth needs --steps >= {2 * GROWTH_WINDOW} (it compares the first and last "
+                         f"{GROWTH_WINDOW} steps)")
+    best: list = []  # traces of the smallest passing drift so far (one run's traces kept, not every probe's)
+
+    def passes(k: int) -> bool:
+        d = round(k * GROWTH_RESOLUTION, 6)
+        per_step = generate(replace(cfg, gen_drift=d, calls_drift=d), steps, seed)
+        g = length_growth(per_step)
+        if g >= target:
+            best[:] = [k, g, per_step]
+        return g >= target
+
+    lo, hi = 0, round(GROWTH_MAX_DRIFT / GROWTH_RESOLUTION)  # invariant: lo fails (drift 0: no growth), hi passes
+    if not passes(hi):
+        raise ValueError(f"--growth {target}: even drift {GROWTH_MAX_DRIFT} does not reach it over {steps} steps")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            hi = mid
+        else:
+            lo = mid
+    _, g, per_step = best  # the last passing probe is hi
+    return round(hi * GROWTH_RESOLUTION, 6), g, per_step
+
+
 def _set(cfg: SynthConfig, item: str) -> None:
     key, eq, val = item.partition("=")
     names = {f.name: f for f in fields(SynthConfig)}
@@ -243,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="SynthConfig field=value")
+    ap.add_argument("--growth", type=float, default=None, metavar="G",
+                    help="length growth over the run: picks the smallest gen_drift = calls_drift giving G x "
+                         "(mean generated tokens per trajectory, last 5 steps over first 5)")
     ap.add_argument("--measure", nargs="+", metavar="FILE",
                     help="print the per-sample persistence statistic of these trace files and exit")
     args = ap.parse_args(argv)
@@ -264,7 +325,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--steps must be >= 1")
         for item in args.set:
             _set(cfg, item)
-        per_step = generate(cfg, args.steps, args.seed)
+        if args.growth is not None:
+            fixed = [i for i in args.set if i.partition("=")[0] in ("gen_drift", "calls_drift")]
+            if fixed:
+                raise ValueError(f"--growth picks the drift itself; drop --set {fixed[0]}")
+            d, g, per_step = drift_for_growth(cfg, args.steps, args.seed, args.growth)
+            print(f"--growth {args.growth:g}: gen_drift = calls_drift = {d:g} gives {g:.2f}x generated tokens "
+                  f"per trajectory (steps {args.steps - GROWTH_WINDOW}-{args.steps - 1} over 0-{GROWTH_WINDOW - 1})")
+        else:
+            per_step = generate(cfg, args.steps, args.seed)
         out = Path(args.out)
         for i, trajs in enumerate(per_step):
             write_traces(out / f"step_{i}.jsonl.gz", trajs)

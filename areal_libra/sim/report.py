@@ -84,6 +84,24 @@ def add_paper_unit(res: dict, records: Sequence[dict]) -> None:
     res["paper_tokens_per_s_step_mean"] = sum(rates) / len(rates) if rates else 0.0
 
 
+def add_version_lag(res: dict, sim) -> None:
+    """The version lag of the trajectories the system trained on: the trainer's version when a step trained
+    a trajectory minus the policy version the trajectory started generating with (a trajectory whose
+    generation spanned weight updates counts with the version it started with, AReaL's head version).
+    0 is on-policy. `version_lag_eta` is the system's staleness bound (AReaL max_head_offpolicyness; 0 for
+    synchronous verl), `version_lag_over_eta` the share of trained trajectories above it: AReaL's rule bounds
+    how far admission runs ahead of training, not the age of a straggler trained later."""
+    lags = sim.staleness_seen  # one per trained GRPO group, whose trajectories all start with its version
+    eta = sim.cfg.max_staleness
+    n = len(lags)
+    # Every group holds the workload's group_size trajectories, so the mean over groups is the mean over
+    # trajectories.
+    res["version_lag_mean"] = sum(lags) / n if n else 0.0
+    res["version_lag_max"] = max(lags) if n else 0
+    res["version_lag_eta"] = eta
+    res["version_lag_over_eta"] = sum(1 for x in lags if x > eta) / n if n else 0.0
+
+
 def run_many(names: Sequence[str], env: Env, steps: int, log=None) -> tuple[dict, dict]:
     out, sims = {}, {}
     for n in names:
@@ -92,6 +110,7 @@ def run_many(names: Sequence[str], env: Env, steps: int, log=None) -> tuple[dict
         res["sim_wall_s"] = round(time.time() - t0, 2)
         add_roofline(res, sim)
         add_paper_unit(res, sim.records)
+        add_version_lag(res, sim)
         out[n] = res
         sims[n] = sim
         if log:
@@ -108,8 +127,8 @@ def _frac(x: float | None) -> str:
 
 def table(results: dict, ref: str | None) -> str:
     lines = [f"{'system':24s} {'tokens/s':>10s} {'paper t/s':>10s} {'vs ' + (ref or '-'):>18s} {'of roof':>7s} "
-             f"{'step s':>8s} {'roll busy':>9s} {'train busy':>10s} {'reconf':>6s} {'stale':>5s} {'migr':>5s} "
-             f"{'fallbk':>6s}"]
+             f"{'step s':>8s} {'roll busy':>9s} {'train busy':>10s} {'reconf':>6s} {'lag':>5s} {'stale':>5s} "
+             f"{'migr':>5s} {'fallbk':>6s}"]
     base = results.get(ref, {}).get("tokens_per_s") if ref else None
     for n, r in results.items():
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
@@ -117,7 +136,8 @@ def table(results: dict, ref: str | None) -> str:
         paper = f"{r['paper_tokens_per_s']:.0f}" if "paper_tokens_per_s" in r else "-"
         lines.append(f"{n:24s} {r['tokens_per_s']:10.0f} {paper:>10s} {rel:>18s} {roof:>7s} {r['mean_step_s']:8.1f} "
                      f"{r['rollout_busy_frac']:9.2f} {r['train_busy_frac']:10.2f} {r['reconfigurations']:6d} "
-                     f"{r['max_staleness']:5d} {r.get('migrated_token_ratio', 0.0):5.2f} {_frac(r.get('fallback_fraction')):>6s}")
+                     f"{r.get('version_lag_mean', 0.0):5.2f} {r['max_staleness']:5d} "
+                     f"{r.get('migrated_token_ratio', 0.0):5.2f} {_frac(r.get('fallback_fraction')):>6s}")
     return "\n".join(lines)
 
 
@@ -218,6 +238,8 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
               "paper's unit, input + output tokens of the trained trajectories per second, whole cluster")
         print("of roof: tokens/s as a fraction of the run's roofline bound (every GPU at the hardware truth's "
               "limit, perfect balance; areal_libra/sim/roofline.py)")
+        print("lag / stale: mean / maximum version lag of the trained trajectories (trainer version minus the "
+              "version a trajectory started with; --json: version_lag_*)")
         print("migr: migrated token ratio (re-prefilled context / final tokens); fallbk: share of C-MLFQ's routing "
               "decisions made by its least-loaded fallback (-: no C-MLFQ routing)")
     if args.plot:
