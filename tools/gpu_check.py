@@ -60,7 +60,14 @@ STUB_RAY = {
     "ray/__init__.py": '''"""Stand-in written by tools/gpu_check.py: ray is not installed on this machine."""
 
 
-class _Absent:
+class _AbsentType(type):
+    def __getattr__(cls, name):  # ray.actor.ActorHandle in an annotation: the placeholder again
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls
+
+
+class _Absent(metaclass=_AbsentType):
     def __init__(self, *args, **kwargs):
         raise RuntimeError("ray is not installed on this machine (tools/gpu_check.py stand-in)")
 
@@ -282,8 +289,58 @@ def part_b(chk: Check) -> None:
 
 
 def bundle_wheels(bundle: Path) -> tuple[list[Path], int]:
+    """The bundle's wheels and its size in bytes (wheels and the model cache: what the device tool carries)."""
     wheels = sorted((bundle / "wheels").glob("*.whl"))
-    return wheels, sum(w.stat().st_size for w in wheels)
+    size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) if bundle.is_dir() else 0
+    return wheels, size
+
+
+def installable(wheels: list[Path]) -> tuple[list[Path], list[str]]:
+    """The wheels this interpreter can install, and the names of the others (a Python 3.12 bundle's compiled
+    wheels on another Python: in the simulation here their packages come from tools/bare_env's allow list)."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+
+    ours = set(sys_tags())
+    ok, other = [], []
+    for w in wheels:
+        (ok if parse_wheel_filename(w.name)[3] & ours else other).append(w)
+    return ok, [w.name for w in other]
+
+
+def make_bundle(bundle: Path, requirements: Path) -> int:
+    """`make gpu-bundle`: Python 3.12 x86-64 wheels of `requirements` (--no-deps) into bundle/wheels and the tiny
+    model of experiments/model/tiny_qwen2.yaml into bundle/cache/models; refused when over 64 MiB."""
+    import shutil
+
+    import yaml
+
+    from areal_libra.models.tiny import TinyModelConfig, ensure_model
+
+    tmp = bundle / "wheels.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    argv = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+            "3.12", "--implementation", "cp", "-d", str(tmp), "-r", str(requirements)]
+    for plat in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                 "manylinux1_x86_64"):
+        argv += ["--platform", plat]
+    if subprocess.run(argv).returncode != 0:
+        print(f"error: pip could not download {requirements} for Python 3.12", file=sys.stderr)
+        return 2
+    shutil.rmtree(bundle / "wheels", ignore_errors=True)
+    tmp.rename(bundle / "wheels")
+    # The model part c's launch resolves (actor.path=auto): dapo_math's task with tiny_qwen2.yaml's seed.
+    seed = int(yaml.safe_load((REPO / "experiments/model/tiny_qwen2.yaml").read_text())["libra"]["model"]["seed"])
+    src = ensure_model(seed=seed, config=TinyModelConfig.for_task("math"))
+    dst = bundle / "cache" / "models" / src.name
+    shutil.rmtree(bundle / "cache", ignore_errors=True)
+    shutil.copytree(src, dst)
+    wheels, size = bundle_wheels(bundle)
+    print(f"{bundle}: {len(wheels)} wheels + model {src.name}, {size / 2**20:.1f} MiB")
+    if size > BUNDLE_LIMIT:
+        print(f"error: the bundle is {size / 2**20:.1f} MiB, over the 64 MiB the device tool carries", file=sys.stderr)
+        return 2
+    return 0
 
 
 def part_c(chk: Check, bundle: Path, steps: int) -> None:
@@ -308,10 +365,12 @@ def part_c(chk: Check, bundle: Path, steps: int) -> None:
         chk.record("c_trainer", base | {"status": status, "note": note, "wall_s": round(time.monotonic() - t, 2),
                                         "stages": stages} | more)
 
+    wheels, foreign = installable(wheels)
     res = chk.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                    "--no-cache-dir", "--disable-pip-version-check", "--target", str(site), *map(str, wheels)],
                   min(60.0, chk.left()), chk.env())
-    stages["install"] = {"rc": res["rc"], "wall_s": res["wall_s"]}
+    stages["install"] = {"rc": res["rc"], "wall_s": res["wall_s"], "installed": len(wheels),
+                         "not_for_this_python": foreign}
     if res["rc"] != 0:
         return done(_status(res, False), "pip could not install the bundle", log_tail=_tail(res["output"]))
     env = chk.env((str(site),))
@@ -379,6 +438,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     "0 on cpu: install, patch and import only)")
     ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole script's time limit")
     ap.add_argument("--bundle", default=str(BUNDLE), help="the folder `make gpu-bundle` wrote (wheels/, cache/)")
+    ap.add_argument("--make-bundle", metavar="REQUIREMENTS", default=None,
+                    help="build the bundle here from this requirements file instead of checking (make gpu-bundle)")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.device = "cpu"
@@ -395,6 +456,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.make_bundle:
+        if not Path(args.make_bundle).is_file():
+            print(f"error: --make-bundle {args.make_bundle}: no such file", file=sys.stderr)
+            return 2
+        return make_bundle(Path(args.bundle), Path(args.make_bundle))
     chk = Check(Path(args.out), args.budget_s, args.device)
     chk.log(f"gpu_check: device {args.device}, parts {','.join(args.parts)}, budget {args.budget_s:.0f} s, "
             f"python {sys.version.split()[0]}, out {args.out}")

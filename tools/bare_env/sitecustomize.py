@@ -1,20 +1,22 @@
-"""The bare GPU machine of tools/gpu_check.py, simulated in this venv: put this folder first on PYTHONPATH
-and every import of a third-party package that the device image does not hold raises ModuleNotFoundError,
-unless it comes from outside this venv's site-packages (the repository, the wheel bundle's --target folder).
+"""The bare GPU machine of tools/gpu_check.py, simulated in this venv: put this folder first on PYTHONPATH and
+this venv's site-packages is replaced on sys.path by a folder of links to the distributions the device image
+holds (their modules and their metadata, so `importlib.util.find_spec` and `importlib.metadata` agree that
+the others are absent). The repository and a wheel bundle's --target folder stay importable.
 
-The image's packages are /work/.library/device/KINDS.md's list for nvidia-h200 (as import names); their
-versions here are this venv's, not the image's (e.g. transformers 5.3 here, 5.17 there).
+The image's packages are /work/.library/device/KINDS.md's list for nvidia-h200 (as import names); versions
+here are this venv's, not the image's (e.g. transformers 5.3 here, 5.17 there). BARE_ENV_ALLOW=a,b adds
+import names (for the bundle's compiled wheels, which are built for the image's Python 3.12, not this one).
 """
 
 from __future__ import annotations
 
-import importlib.machinery
+import hashlib
 import os
 import site
 import sys
+import tempfile
 
-# Import names of the image's packages (KINDS.md "Python packages already there"), plus the modules that
-# those distributions install under other names.
+# Import names of the image's packages (KINDS.md "Python packages already there").
 GPU_IMAGE = frozenset("""
 absl accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated_doc anyio attr attrs botorch build certifi
 charset_normalizer chex click cloudpickle cmake colorama contourpy coverage cuda cupy cycler Cython cython
@@ -35,25 +37,65 @@ transformers treescope triton typer typing_extensions typing_inspect urllib3 uvl
 wrapt xarray xxhash yarl zipp
 """.split())
 
-_ROOTS = tuple(os.path.realpath(p) + os.sep for p in site.getsitepackages())
+
+def _tops(site_dir: str, dist_info: str) -> set[str]:
+    """The top-level names a distribution installed (top_level.txt, else its RECORD's first components)."""
+    base = os.path.join(site_dir, dist_info)
+    try:
+        with open(os.path.join(base, "top_level.txt"), encoding="utf-8") as f:
+            return {line.strip() for line in f if line.strip()}
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(base, "RECORD"), encoding="utf-8") as f:
+            first = {line.split(",", 1)[0].split("/", 1)[0] for line in f if line.strip()}
+    except OSError:
+        return set()
+    return {n.split(".", 1)[0] for n in first if not n.endswith((".dist-info", ".data")) and n != ".."}
 
 
-class BareImage:
-    """A meta-path finder that refuses top-level packages of this venv that the GPU image lacks."""
-
-    def find_spec(self, name, path=None, target=None):
-        if path is not None or "." in name or name.startswith("_") or name in sys.stdlib_module_names:
-            return None
-        if name in GPU_IMAGE or name in os.environ.get("BARE_ENV_ALLOW", "").split(","):
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name)
-        if spec is None:
-            return None
-        where = spec.origin if spec.origin not in (None, "namespace") else next(
-            iter(spec.submodule_search_locations or []), "")
-        if os.path.realpath(where).startswith(_ROOTS):
-            raise ModuleNotFoundError(f"No module named {name!r} (not on the bare GPU image)", name=name)
-        return None
+def _entry_name(entry: str) -> str:
+    return entry.split(".", 1)[0] if not entry.endswith((".dist-info", ".egg-info")) else entry
 
 
-sys.meta_path.insert(0, BareImage())
+def bare_site(site_dir: str, allow: frozenset[str]) -> str:
+    """A folder of links to the entries of `site_dir` whose distribution provides an allowed name."""
+    entries = sorted(os.listdir(site_dir))
+    keep: set[str] = set(allow)
+    for e in entries:
+        if e.endswith(".dist-info"):
+            tops = _tops(site_dir, e)
+            if tops & allow:
+                keep |= tops | {e}
+    key = hashlib.sha256(("\n".join([site_dir, *sorted(keep), *entries])).encode()).hexdigest()[:16]
+    out = os.path.join(tempfile.gettempdir(), f"bare_env_site_{key}")
+    if os.path.isdir(out):
+        return out
+    tmp = tempfile.mkdtemp(prefix="bare_env_site_", dir=tempfile.gettempdir())
+    for e in entries:
+        if e.endswith(".pth") or e.startswith("__editable__") or e == "__pycache__":
+            continue
+        if e in keep or _entry_name(e) in keep:
+            os.symlink(os.path.join(site_dir, e), os.path.join(tmp, e))
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process made it first
+        pass
+    return out if os.path.isdir(out) else tmp
+
+
+def _install() -> None:
+    allow = GPU_IMAGE | frozenset(n for n in os.environ.get("BARE_ENV_ALLOW", "").split(",") if n)
+    real = {os.path.realpath(p) for p in site.getsitepackages()}
+    new_path = []
+    for p in sys.path:
+        if os.path.realpath(p) in real:
+            new_path.append(bare_site(p, allow))
+        else:
+            new_path.append(p)
+    sys.path[:] = new_path
+    # An editable install's finder (from a .pth) would still find this venv's own copy of a package.
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()]
+
+
+_install()
