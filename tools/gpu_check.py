@@ -47,6 +47,7 @@ DEFAULT_BUDGET_S = 235.0  # the whole script; the issue's limit is 4 minutes
 # Per part, at most (cuda, cpu) seconds; a part never gets more than what is left of the budget.
 CAPS = {"a": (100.0, 90.0), "b": (75.0, 120.0), "c": (200.0, 900.0)}
 MIN_PART_S = 20.0  # below this a part is skipped as out of time
+LAUNCH_GRACE_S = 15.0  # a launch stopped at its time box: time to stop its servers and trainer
 TAIL = 4000  # characters of a command's output kept in its JSON
 
 sys.path.insert(0, str(REPO))
@@ -145,8 +146,10 @@ class Check:
             f.write(text + "\n")
 
     def run(self, argv: list[str], timeout: float, env: dict[str, str] | None = None,
-            cwd: Path = REPO) -> dict:
-        """Run argv; its process group is killed at `timeout`. Returns rc, wall_s, timed_out, stdout, output."""
+            cwd: Path = REPO, grace: float = 0.0) -> dict:
+        """Run argv; at `timeout` its process group gets SIGINT, and SIGKILL `grace` seconds later (the launch
+        stops its servers and trainer, which run in sessions of their own, on SIGINT). Returns rc, wall_s,
+        timed_out, stdout, output."""
         shown = [a.splitlines()[0] + " ..." if "\n" in a else a for a in argv]  # a -c program: its first line
         self.log(f"$ {' '.join(shown)}  (timeout {timeout:.0f} s)")
         t = time.monotonic()
@@ -157,9 +160,16 @@ class Check:
                 stdout, _ = proc.communicate(timeout=max(1.0, timeout))
                 timed_out = False
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                stdout, _ = proc.communicate()
                 timed_out = True
+                try:
+                    if grace > 0:
+                        os.killpg(proc.pid, signal.SIGINT)
+                        stdout, _ = proc.communicate(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    pass
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    stdout, _ = proc.communicate()
             err.seek(0)
             stderr = err.read()
         try:  # children a command left behind (servers, bed processes): never outlive their part
@@ -199,6 +209,17 @@ def _tail(text: str) -> str:
     return text[-TAIL:]
 
 
+def _last_json(text: str):
+    """The last line of a command's stdout that parses as JSON (None if none does)."""
+    for line in reversed(text.splitlines()):
+        if line.startswith(("{", "[")):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
 def _status(res: dict, ok: bool) -> str:
     return "timeout" if res["timed_out"] else ("ok" if ok else "failed")
 
@@ -233,11 +254,7 @@ def part_a(chk: Check) -> None:
     argv += ["--device", "cuda"] if chk.device == "cuda" else ["--layer", "--quick", "--shape", "128,4,2,32,512"]
     res = chk.run(argv, timeout, chk.env())
     table = json.loads(table_path.read_text()) if table_path.exists() else None
-    fit = None
-    for line in reversed(res["stdout"].splitlines()):
-        if line.startswith("{"):
-            fit = json.loads(line)
-            break
+    fit = _last_json(res["stdout"])
     reference = json.loads(REFERENCE.read_text())
     rows = compare_layer(table, reference) if table else []
     ratios = [r["ratio"] for r in rows]
@@ -269,13 +286,9 @@ def part_b(chk: Check) -> None:
     probe = chk.run([sys.executable, "-c", "import json, torch; print(json.dumps({'torch': torch.__version__, "
                      "'cuda_available': torch.cuda.is_available(), 'device_count': torch.cuda.device_count()}))"],
                     30.0, chk.env())
-    cuda = json.loads(probe["stdout"].strip().splitlines()[-1]) if probe["rc"] == 0 else None
+    cuda = _last_json(probe["stdout"]) if probe["rc"] == 0 else None
     res = chk.run(argv, timeout, chk.env())
-    figures = None
-    for line in reversed(res["stdout"].splitlines()):
-        if line.startswith("{"):
-            figures = json.loads(line)
-            break
+    figures = _last_json(res["stdout"])
     result = {"status": _status(res, res["rc"] == 0 and figures is not None), "wall_s": res["wall_s"],
               "rc": res["rc"], "command": " ".join(argv[1:]), "torch": cuda, "figures": figures}
     if figures:
@@ -383,7 +396,8 @@ def part_c(chk: Check, bundle: Path, steps: int) -> None:
              "        importlib.import_module(name)\n    except ImportError:\n        missing.append(name)\n"
              "print(json.dumps(missing))\n")
     res = chk.run([sys.executable, "-c", probe, *sorted(STUBS)], remaining(), env)
-    missing = json.loads(res["stdout"].strip().splitlines()[-1]) if res["rc"] == 0 else sorted(STUBS)
+    missing = _last_json(res["stdout"]) if res["rc"] == 0 else None
+    missing = sorted(STUBS) if missing is None else missing
     for name in missing:
         for rel, text in STUBS[name].items():
             atomic_write_text(site / rel, text)
@@ -393,16 +407,16 @@ def part_c(chk: Check, bundle: Path, steps: int) -> None:
     stages["patches"] = {"rc": res["rc"], "wall_s": res["wall_s"]}
     if res["rc"] != 0:
         return done(_status(res, False), "the AReaL patches did not apply", log_tail=_tail(res["output"]))
-    res = chk.run([sys.executable, "-c", "from areal import PPOTrainer\nfrom areal.api.cli_args import GRPOConfig\n"
-                   "import areal_libra.live.train, areal_libra.launch, areal_libra.server.embedded_server\n"
-                   "import areal, torch\nprint(areal.__version__, torch.__version__, torch.cuda.is_available())"],
-                  remaining(), env)
-    stages["imports"] = {"rc": res["rc"], "wall_s": res["wall_s"], "stdout": res["stdout"].strip()[-200:]}
-    if res["rc"] != 0:
-        return done(_status(res, False), "the trainer's imports failed", log_tail=_tail(res["output"]))
-    if steps <= 0:
+    if steps <= 0:  # the dry run: the trainer's imports stand in for the run (a run shows an import error too)
+        res = chk.run([sys.executable, "-c", "from areal import PPOTrainer\nfrom areal.api.cli_args import "
+                       "GRPOConfig\nimport areal_libra.live.train, areal_libra.launch, areal_libra.server.embedded_server"
+                       "\nimport areal, torch\nprint(areal.__version__, torch.__version__, torch.cuda.is_available())"],
+                      remaining(), env)
+        stages["imports"] = {"rc": res["rc"], "wall_s": res["wall_s"], "stdout": res["stdout"].strip()[-200:]}
+        if res["rc"] != 0:
+            return done(_status(res, False), "the trainer's imports failed", log_tail=_tail(res["output"]))
         return done("ok", "bundle installed, patched and imported; no training steps asked (--train-steps)")
-    left = remaining()
+    left = remaining() - LAUNCH_GRACE_S
     if left < MIN_PART_S:
         return done("skipped", "out of time before the training run")
     runs = chk.work / "runs"
@@ -412,7 +426,7 @@ def part_c(chk: Check, bundle: Path, steps: int) -> None:
     if chk.device == "cuda":
         argv.append("actor.dtype=bfloat16")
     env = env | {"AREAL_LIBRA_CACHE": str(model_root)} if (model_root / "models").is_dir() else env
-    res = chk.run(argv, left, env)
+    res = chk.run(argv, left, env, grace=LAUNCH_GRACE_S)
     metrics = next(runs.rglob("metrics.jsonl"), None) if runs.exists() else None
     recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics else []
     trainer_log = next(runs.rglob("trainer.log"), None) if runs.exists() else None
