@@ -132,9 +132,9 @@ def test_dry_run_writes_every_part_in_the_bare_environment(tmp_path):
 @pytest.mark.skipif(not (gpu_check.BUNDLE / "wheels").is_dir(), reason="no .gpu_bundle here (make gpu-bundle)")
 def test_part_c_installs_patches_and_imports_the_trainer_from_the_bundle(tmp_path):
     """Part c up to the training run, from the bundle, in the bare environment (the bundle's compiled wheels
-    are for Python 3.12: their packages come from this venv)."""
+    are for Python 3.12, multiprocess's pure one too: their packages come from this venv)."""
     out = tmp_path / "out"
-    env = _bare_env(BARE_ENV_ALLOW="pydantic_core,rpds,orjson,jiter,zstandard,pybase64")
+    env = _bare_env(BARE_ENV_ALLOW="pydantic_core,rpds,orjson,jiter,zstandard,pybase64,multiprocess")
     r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--parts", "c", "--out", str(out)],
                        capture_output=True, text=True, timeout=600, env=env)
     c = json.loads((out / "c_trainer.json").read_text())
