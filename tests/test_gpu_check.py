@@ -142,3 +142,17 @@ def test_part_c_installs_patches_and_imports_the_trainer_from_the_bundle(tmp_pat
     assert c["bundle_mib"] <= 64 and c["stages"]["patches"]["rc"] == 0
     assert set(c["stages"]["stand_ins"]) == {"ray", "wandb", "swanlab", "trackio"}
     assert c["stages"]["imports"]["stdout"].startswith("1.0.4 ")
+
+
+def test_a_command_past_its_time_box_is_stopped(tmp_path):
+    chk = gpu_check.Check(tmp_path / "out", budget_s=60, device="cpu")
+    # SIGINT first when there is a grace period: a program that cleans up on it ends on its own ...
+    polite = "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    print('cleaned up')\n    raise SystemExit(130)"
+    res = chk.run([sys.executable, "-c", polite], timeout=2, grace=10)
+    assert res["timed_out"] and res["rc"] == 130 and "cleaned up" in res["stdout"] and res["wall_s"] < 10
+    # ... one that ignores it is killed when the grace period ends.
+    stubborn = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(30)"
+    res = chk.run([sys.executable, "-c", stubborn], timeout=2, grace=1)
+    assert res["timed_out"] and res["rc"] == -9 and res["stdout"].strip() == "up" and res["wall_s"] < 10
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert log.count("timed out]") == 2

@@ -160,22 +160,19 @@ class Check:
                 stdout, _ = proc.communicate(timeout=max(1.0, timeout))
                 timed_out = False
             except subprocess.TimeoutExpired:
-                timed_out = True
-                try:
-                    if grace > 0:
-                        os.killpg(proc.pid, signal.SIGINT)
+                timed_out, stdout = True, None
+                if grace > 0:
+                    _signal_group(proc.pid, signal.SIGINT)
+                    try:
                         stdout, _ = proc.communicate(timeout=grace)
-                except subprocess.TimeoutExpired:
-                    pass
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    except subprocess.TimeoutExpired:
+                        pass
+                if stdout is None:
+                    _signal_group(proc.pid, signal.SIGKILL)
                     stdout, _ = proc.communicate()
             err.seek(0)
             stderr = err.read()
-        try:  # children a command left behind (servers, bed processes): never outlive their part
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal_group(proc.pid, signal.SIGKILL)  # what a command left behind (bed processes) never outlives it
         res = {"rc": proc.returncode, "wall_s": round(time.monotonic() - t, 2), "timed_out": timed_out,
                "stdout": stdout or "", "output": (stdout or "") + (stderr or "")}
         with open(self.log_path, "a", encoding="utf-8") as f:
@@ -203,6 +200,13 @@ class Check:
         cap = CAPS[part][0 if self.device == "cuda" else 1]
         left = self.left()
         return min(cap, left) if left >= MIN_PART_S else None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _tail(text: str) -> str:
