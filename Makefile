@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip --disable-pip-version-check -q
 ARGS ?=
 
-.PHONY: run test setup setup-sglang setup-gpu lint bench clean
+.PHONY: run test setup setup-sglang setup-gpu gpu-bundle lint bench clean
 setup: $(VENV)/.stamp-patches
 
 $(VENV)/.stamp-venv:
@@ -54,6 +54,14 @@ setup-sglang: $(VENV)/.stamp-sglang
 $(VENV)/.stamp-sglang: $(VENV)/.stamp-patches requirements/sglang-cpu.txt
 	@echo ">> installing sglang 0.5.10.post1 (--no-deps) for tests/sglang"
 	$(PIP) install --no-deps -r requirements/sglang-cpu.txt
+	touch $@
+
+# tools/gpu_check.py's bundle for a bare GPU machine (docs/gpu.md, "GPU check script"): Python 3.12 x86-64 wheels of
+# requirements/gpu-check.txt (--no-deps) and the tiny model in .gpu_bundle/ (ignored), at most 64 MiB: what the
+# device tool carries (carry .gpu_bundle).
+gpu-bundle: .gpu_bundle/.stamp
+.gpu_bundle/.stamp: requirements/gpu-check.txt tools/gpu_check.py | $(VENV)/.stamp-patches
+	$(BIN)/python tools/gpu_check.py --make-bundle requirements/gpu-check.txt --bundle .gpu_bundle
 	touch $@
 
 test: setup setup-sglang
