@@ -8,10 +8,12 @@ set, the group must be formed again over the new set, in the engine's address or
     group = WeightGroup(trainer.actor, trainer.rollout, trainer.weight_update_meta)
     group.recreate(["h:1", "h:2"], [1, 2])   # one TP1 and one TP2 server: ranks 1 and 2-3, world 4
 
-`recreate` gives the new group a fresh name (``update_weight_group_r<n>``), has every server join it through
-AReaL's own `init_weights_update_group` (the payloads of patch 11) while rank 0 joins here, and only then
-switches the train engine to it and destroys the old one (here and, best effort, on the servers that held
-it: /destroy_weights_update_group). A failure leaves the old group in place (FleetError, one line).
+`recreate` gives the new group a fresh name (``update_weight_group_r<n>``), has every server join it
+(/init_weights_update_group with the payloads of AReaL's own request builder, patch 11's offsets) while rank 0
+joins here, and only then switches the train engine to it and destroys the old one (here and, best effort,
+on the servers that held it: /destroy_weights_update_group). A failure - the first server that refuses, or
+the rendezvous timing out - leaves the old group in place (WeightGroupError, one line). (An SGLang server
+that had joined the failed rendezvous is busy until its own timeout; the old group is still its.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import copy
 import datetime
 import json
 import logging
+import queue
 import threading
 import urllib.error
 import urllib.request
@@ -106,20 +109,18 @@ class WeightGroup:
                 joined.append(e)
 
         t = threading.Thread(target=join, name="xccl-group-join", daemon=True)
-        self.inner.addresses = addrs  # AReaL's init request goes to every address, server index = position
         try:
             t.start()
-            self.inner.init_weights_update_group(meta).result(timeout=self.timeout_s + 10)
+            self._init_on_servers(addrs, meta)
             t.join(timeout=self.timeout_s + 10)
             if not joined or isinstance(joined[0], BaseException):
                 raise WeightGroupError(first_line(joined[0]) if joined else "rank 0 did not join in time")
             pg = joined[0]
         except Exception as e:  # noqa: BLE001 - any failure: one line, the old group stays
-            self.inner.addresses = saved
-            # A rank 0 that still joins later (it cannot: the group is incomplete) would be destroyed here.
             raise WeightGroupError(f"the weight-update group over {', '.join(addrs)} could not be formed: "
                                    f"{first_line(e)}") from e
         self.generation += 1
+        self.inner.addresses = addrs  # the updates go to the members, in rank order
         eng = self.engine
         eng.weight_update_group = pg
         eng.weight_update_groups = [pg]
@@ -138,6 +139,38 @@ class WeightGroup:
                 with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
                     _post(a, "/destroy_weights_update_group", {"group_name": old}, timeout=10)
         log.info("xccl: weight-update group %s over %s (sizes %s, world %d)", name, addrs, sizes, world)
+
+
+    def _init_on_servers(self, addrs: list[str], meta: Any) -> None:
+        """Every server joins (AReaL's request builder: patch 11's offsets by position). The first refusal
+        fails the formation at once - the others would only wait for the rendezvous to time out (AReaL's own
+        init_weights_update_group gathers them all first)."""
+        backend = self.inner.backend
+        reqs = [backend.build_init_weights_group_request(a, i, meta) for i, a in enumerate(addrs)]
+        results: queue.Queue[tuple[str, str | None]] = queue.Queue()
+
+        def call(addr: str, req: Any) -> None:
+            try:
+                r = _post(addr, req.endpoint, req.payload, timeout=self.timeout_s)
+                results.put((addr, None if r.get("success", True) else str(r.get("message"))))
+            except urllib.error.HTTPError as e:
+                try:
+                    msg = str(json.loads(e.read() or b"{}").get("message") or e)
+                except ValueError:
+                    msg = str(e)
+                results.put((addr, msg))
+            except Exception as e:  # noqa: BLE001 - reported as this server's answer
+                results.put((addr, first_line(e)))
+
+        for a, req in zip(addrs, reqs):
+            threading.Thread(target=call, args=(a, req), name="xccl-group-init", daemon=True).start()
+        for _ in addrs:
+            try:
+                addr, err = results.get(timeout=self.timeout_s + 10)
+            except queue.Empty:
+                raise WeightGroupError("a server did not answer /init_weights_update_group in time") from None
+            if err is not None:
+                raise WeightGroupError(f"server {addr}: {err}")
 
 
 def _post(addr: str, path: str, body: dict, timeout: float) -> dict:

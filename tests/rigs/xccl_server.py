@@ -25,11 +25,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 # One TP rank: joins the group, then per line on stdin receives one bucket (names/dtypes/shapes) and prints the
 # sum of every received tensor; "destroy" leaves.
 _RANK = r"""
-import datetime, json, sys, torch, torch.distributed as dist
-from areal.engine.core.distributed import init_custom_process_group
+import datetime, importlib.util, json, os, sys, torch, torch.distributed as dist
+# AReaL's init_custom_process_group from its file (torch only), without importing all of areal (slow)
+_spec = importlib.util.spec_from_file_location("areal_distributed", os.path.join(
+    importlib.util.find_spec("areal").submodule_search_locations[0], "engine", "core", "distributed.py"))
+_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_mod)
+init_custom_process_group = _mod.init_custom_process_group
 addr, port, rank, world, name = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 pg = init_custom_process_group(backend="gloo", init_method=f"tcp://{addr}:{port}", world_size=world, rank=rank,
-                               group_name=name, timeout=datetime.timedelta(seconds=60))
+                               group_name=name, timeout=datetime.timedelta(seconds=180))
 print("JOINED", flush=True)
 for line in sys.stdin:
     cmd = json.loads(line)
