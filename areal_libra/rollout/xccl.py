@@ -92,7 +92,8 @@ class WeightGroup:
         host = self.master_address or gethostip()
         meta = self._meta(sizes, host, free_port(host), name)
         old_pg = getattr(self.engine, "weight_update_group", None)
-        old_names = list(getattr(self.engine, "weight_update_group_names", None) or [GROUP_PREFIX])
+        old_names = list(getattr(self.engine, "weight_update_group_names", None)
+                         or [getattr(self.engine, "weight_update_group_name", GROUP_PREFIX)])
         old_members = self.members
         saved = list(self.inner.addresses)
         # Rank 0 joins in a thread of its own while the servers do (each request blocks until the whole group
@@ -124,7 +125,9 @@ class WeightGroup:
         eng = self.engine
         eng.weight_update_group = pg
         eng.weight_update_groups = [pg]
-        eng.weight_update_group_names = [name]
+        eng.weight_update_group_names = [name]  # FSDPEngine's
+        if hasattr(eng, "weight_update_group_name"):  # MegatronEngine's (PP 1: its rank 0 broadcasts)
+            eng.weight_update_group_name = name
         eng.weight_update_master_addr, eng.weight_update_master_port = host, meta.nccl_master_port
         self.meta.gen_server_sizes = list(sizes)  # the trainer's meta follows the servers
         self.members = tuple(zip(addrs, sizes))
