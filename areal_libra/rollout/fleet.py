@@ -617,6 +617,7 @@ class ServerFleet:
         servers wait for the next weight update); raises FleetError (one line) with the old layout still
         serving, and records it in fleet.jsonl."""
         t0 = time.monotonic()
+        before = list(self.groups)
         try:
             with self._reconf:
                 if self.xccl:
@@ -627,7 +628,7 @@ class ServerFleet:
             self._log_event({"step": step, "failed": first_line(e), "transient": e.transient,
                              "groups": self._describe(groups)})
             raise
-        if out.get("started") or out.get("stopped"):
+        if out.get("started") or out.get("stopped") or self.groups != before:
             log.info("fleet: step %d reconfigured to %s in %.1fs (started %s, stopped %s%s)", step, out["groups"],
                      out["reconfig_s"], out["started"], out["stopped"],
                      "; they serve from the next weight update" if out.get("pending") else "")
