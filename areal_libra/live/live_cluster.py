@@ -94,6 +94,17 @@ class LiveCluster:
         self.reconfigs = 0
         self.groups: list[RolloutGroup] = list(groups or getattr(fleet, "groups", []) or [])
 
+    def sync(self) -> None:
+        """Take the fleet's layout when it differs from the last one applied: under xccl a change lands at the
+        next weight update, and one whose servers could not join is dropped there (the old layout serves)."""
+        f = self.fleet
+        if f is None or getattr(f, "pending", True) or not getattr(f, "groups", None):
+            return
+        if [(g.tp, g.count) for g in f.groups] != [(g.tp, g.count) for g in self.groups]:
+            log.warning("rollout groups: the fleet serves %s, not the last plan's layout (a dropped change)",
+                        ", ".join(f"{g.count}xTP{g.tp}" for g in f.groups))
+            self.groups = list(f.groups)
+
     def on_trajectory(self, traj: Any) -> None:
         prompt, final = int(traj.prompt_tokens), int(traj.final_length)
         if self.emulation is not None:  # emulated lengths: each generated or tool token counts m times
@@ -211,6 +222,7 @@ class LiveControl:
     def on_step(self, step: int, rec: dict) -> dict[str, float]:
         """Called once per committed step with that step's flat record; returns plan/* metrics."""
         self.cluster.version = step
+        self.cluster.sync()
         pressure = self.pressure_fn() if self.pressure_fn is not None else (0.0, 0.0)
         elastic = self.cluster.elastic
         measured = elastic.observation() if elastic is not None and hasattr(elastic, "observation") else None

@@ -82,3 +82,27 @@ def test_any_failure_of_a_control_step_is_recorded_and_the_run_goes_on(tmp_path:
     control.on_step(2, _rec(2))  # the next step plans again, and succeeds
     assert control.ctl is not None and control.failures == 1
     assert [e["event"] for e in _events(tmp_path)] == ["control_failed", "initial_plan"]
+
+
+class DroppingFleet:
+    """An xccl fleet whose change was dropped at the weight update: the old layout still serves."""
+
+    def __init__(self) -> None:
+        self.groups, self.pending = [LAUNCH], False
+
+    def reconfigure(self, groups, step):
+        self.pending = True  # the new servers wait for the next update
+        return {"started": ["h:1"], "stopped": [], "pending": True}
+
+
+def test_a_change_dropped_at_the_weight_update_leaves_the_controller_on_the_serving_layout(tmp_path) -> None:
+    fleet = DroppingFleet()
+    control = _control(tmp_path, fleet, [_plan(tp=2, count=1)])
+    control.on_step(1, _rec(1))
+    assert [(g.tp, g.count) for g in control.cluster.groups] == [(2, 1)]  # applied: waits for the update
+    control.on_step(2, _rec(2))  # still waiting: nothing to take back
+    assert [(g.tp, g.count) for g in control.cluster.groups] == [(2, 1)]
+    fleet.pending = False  # the update came; the new servers did not join; fleet.groups is still the launch's
+    control.on_step(3, _rec(3))
+    assert [(g.tp, g.count) for g in control.cluster.groups] == [(1, 2)]
+    assert not control.cluster.same_layout(control.ctl.plan, _plan(tp=2, count=1))  # a re-plan may try again
