@@ -21,10 +21,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import itertools
 import json
 import logging
 import queue
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -36,6 +38,9 @@ from areal_libra.utils import first_line, free_port
 log = logging.getLogger(__name__)
 
 GROUP_PREFIX = "update_weight_group"  # AReaL's name for the first group
+# Group names are never reused in a process (torch refuses a name a live group holds, e.g. one whose
+# formation failed on the other side and is still waiting).
+_GENERATIONS = itertools.count(1)
 
 
 class WeightGroupError(RuntimeError):
@@ -67,7 +72,7 @@ class WeightGroup:
 
     def payloads(self, addrs: Sequence[str], sizes: Sequence[int]) -> list[dict]:
         """What each server is sent (AReaL's SGLang request builder with patch 11's sizes)."""
-        meta = self._meta(sizes, "127.0.0.1", 0, f"{GROUP_PREFIX}_r{self.generation + 1}")
+        meta = self._meta(sizes, "127.0.0.1", 0, f"{GROUP_PREFIX}_r<n>")
         backend = self.inner.backend
         return [backend.build_init_weights_group_request(a, i, meta).payload for i, a in enumerate(addrs)]
 
@@ -88,7 +93,7 @@ class WeightGroup:
         if len(addrs) != len(sizes) or not addrs:
             raise WeightGroupError(f"weight-update group: {len(addrs)} servers but {len(sizes)} sizes")
         _, world = xccl_rank_offsets(sizes)
-        name = f"{GROUP_PREFIX}_r{self.generation + 1}"
+        name = f"{GROUP_PREFIX}_r{next(_GENERATIONS)}"
         host = self.master_address or gethostip()
         meta = self._meta(sizes, host, free_port(host), name)
         old_pg = getattr(self.engine, "weight_update_group", None)
@@ -112,7 +117,7 @@ class WeightGroup:
         t = threading.Thread(target=join, name="xccl-group-join", daemon=True)
         try:
             t.start()
-            self._init_on_servers(addrs, meta)
+            self._init_on_servers(addrs, meta, joined)
             t.join(timeout=self.timeout_s + 10)
             if not joined or isinstance(joined[0], BaseException):
                 raise WeightGroupError(first_line(joined[0]) if joined else "rank 0 did not join in time")
@@ -144,7 +149,7 @@ class WeightGroup:
         log.info("xccl: weight-update group %s over %s (sizes %s, world %d)", name, addrs, sizes, world)
 
 
-    def _init_on_servers(self, addrs: list[str], meta: Any) -> None:
+    def _init_on_servers(self, addrs: list[str], meta: Any, joined: list) -> None:
         """Every server joins (AReaL's request builder: patch 11's offsets by position). The first refusal
         fails the formation at once - the others would only wait for the rendezvous to time out (AReaL's own
         init_weights_update_group gathers them all first)."""
@@ -167,11 +172,17 @@ class WeightGroup:
 
         for a, req in zip(addrs, reqs):
             threading.Thread(target=call, args=(a, req), name="xccl-group-init", daemon=True).start()
+        deadline = time.monotonic() + self.timeout_s + 10
         for _ in addrs:
-            try:
-                addr, err = results.get(timeout=self.timeout_s + 10)
-            except queue.Empty:
-                raise WeightGroupError("a server did not answer /init_weights_update_group in time") from None
+            while True:
+                if joined and isinstance(joined[0], BaseException):  # rank 0 failed: nobody can finish
+                    raise WeightGroupError(f"rank 0: {first_line(joined[0])}")
+                try:
+                    addr, err = results.get(timeout=0.5)
+                    break
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        raise WeightGroupError("a server did not answer /init_weights_update_group in time") from None
             if err is not None:
                 raise WeightGroupError(f"server {addr}: {err}")
 

@@ -143,7 +143,9 @@ def _wait_down(router, addr: str) -> None:
 def test_new_servers_join_the_group_at_the_next_update_then_serve(tmp_path) -> None:
     a, eng, router, rank0, meta, group, fleet = _setup(tmp_path, RigBackend(), "xccl-grow")
     try:
-        assert state(a.addr) == {"update_weight_group_r1": {"ranks": [1], "world": 2, "received": []}}
+        first = rank0.weight_update_group_names[0]
+        assert first.startswith("update_weight_group_r")
+        assert state(a.addr) == {first: {"ranks": [1], "world": 2, "received": []}}
         out = fleet.reconfigure([TP1, TP2], step=1)
         (b,) = out["started"]
         assert out["pending"] and fleet.pending and registry(tmp_path)[b] == "starting"
@@ -157,14 +159,16 @@ def test_new_servers_join_the_group_at_the_next_update_then_serve(tmp_path) -> N
         # One group over the new set, rank offsets by the real sizes (patch 11): a TP1 then a TP2 server.
         offsets, world = xccl_rank_offsets([1, 2])
         assert (offsets, world) == ([1, 2], 4)
-        assert state(a.addr) == {"update_weight_group_r2": {"ranks": [1], "world": 4, "received": [sums(1)]}}
-        assert state(b) == {"update_weight_group_r2": {"ranks": [2, 3], "world": 4, "received": [sums(1)]}}
+        second = rank0.weight_update_group_names[0]
+        assert second != first and group.generation == 2  # a new group; the old one is gone on a
+        assert state(a.addr) == {second: {"ranks": [1], "world": 4, "received": [sums(1)]}}
+        assert state(b) == {second: {"ranks": [2, 3], "world": 4, "received": [sums(1)]}}
         assert meta.gen_server_sizes == [1, 2]  # the trainer's meta follows the servers
         assert router.all_addresses == [a.addr, b] and eng._engine.addresses == [a.addr, b]
         assert not fleet.pending and fleet.reconfigurations == 1 and registry(tmp_path) == {a.addr: "serving",
                                                                                           b: "serving"}
         rank0.update_weights(meta.with_version(2))  # same set: the same group
-        assert state(b)["update_weight_group_r2"]["received"] == [sums(1), sums(2)]
+        assert state(b)[second]["received"] == [sums(1), sums(2)] and group.generation == 2
 
         # The TP1 server dies: the reviver starts a replacement, which joins at the next update; the update
         # goes to the servers that are alive, never waiting for the dead one.
@@ -176,9 +180,10 @@ def test_new_servers_join_the_group_at_the_next_update_then_serve(tmp_path) -> N
         assert rec["dead"] == [a.addr] and reviver.revived == 1 and fleet.pending
         assert reviver.check_once() is None  # a change waits: nothing more to do
         rank0.update_weights(meta.with_version(3))
-        assert state(c) == {"update_weight_group_r3": {"ranks": [1], "world": 4, "received": [sums(3)]}}
-        assert state(b)["update_weight_group_r3"] == {"ranks": [2, 3], "world": 4, "received": [sums(3)]}
-        assert "update_weight_group_r2" not in state(b)  # the old group was destroyed on the servers
+        third = rank0.weight_update_group_names[0]
+        assert state(c) == {third: {"ranks": [1], "world": 4, "received": [sums(3)]}}
+        assert state(b)[third] == {"ranks": [2, 3], "world": 4, "received": [sums(3)]}
+        assert second not in state(b)  # the old group was destroyed on the servers
         assert router.all_addresses == [c, b] and eng._engine.addresses == [c, b]
         log = fleet_log(tmp_path)
         assert [("pending" in r, "landed" in r) for r in log] == [(True, False), (False, False), (False, True),
@@ -196,10 +201,12 @@ def test_servers_that_cannot_join_are_dropped_and_the_update_reaches_the_old_lay
     a, eng, router, rank0, meta, group, fleet = _setup(tmp_path, RigBackend(extra=("--refuse-groups",)),
                                                       "xccl-refuse")
     try:
+        first = rank0.weight_update_group_names[0]
         (b,) = fleet.reconfigure([TP1, TP2], step=4)["started"]
         handle = next(s for s in fleet.servers if s.addr == b)
         rank0.update_weights(meta.with_version(5))  # must not raise: the trainer goes on
-        assert state(a.addr)["update_weight_group_r1"]["received"] == [sums(5)]  # over the old group
+        assert state(a.addr)[first]["received"] == [sums(5)]  # over the old group
+        assert rank0.weight_update_group_names == [first] and group.generation == 1
         assert not fleet.pending and not handle.alive() and fleet.groups == [TP1]
         assert router.all_addresses == [a.addr] and eng._engine.addresses == [a.addr]
         assert registry(tmp_path) == {a.addr: "serving"}
@@ -234,7 +241,7 @@ def test_the_reviver_gives_up_on_a_replacement_that_keeps_failing_and_says_so_on
         (c,) = reviver.check_once()["started"]
         assert reviver.gave_up is None and fleet.pending
         rank0.update_weights(meta.with_version(1))
-        assert state(c)["update_weight_group_r2"] == {"ranks": [1], "world": 2, "received": [sums(1)]}
+        assert state(c)[rank0.weight_update_group_names[0]] == {"ranks": [1], "world": 2, "received": [sums(1)]}
     finally:
         fleet.close(stop_servers=True)
         router.close()
