@@ -37,7 +37,7 @@ from areal_libra.elastic.measure import rollout_time
 from areal_libra.live.recover import plan_from_state
 from areal_libra.planner import Plan, PlanError, PlannerConfig, price, solve
 from areal_libra.rollout.groups import RolloutGroup, groups_from_plan, resolve_groups
-from areal_libra.utils import append_jsonl
+from areal_libra.utils import append_jsonl, first_line
 
 if TYPE_CHECKING:
     from areal_libra.config import LibraConfig
@@ -97,6 +97,17 @@ class LiveCluster:
         self.reconfigs = 0
         self.groups: list[RolloutGroup] = list(groups or getattr(fleet, "groups", []) or [])
 
+    def sync(self) -> None:
+        """Take the fleet's layout when it differs from the last one applied: under xccl a change lands at the
+        next weight update, and one whose servers could not join is dropped there (the old layout serves)."""
+        f = self.fleet
+        if f is None or getattr(f, "pending", True) or not getattr(f, "groups", None):
+            return
+        if [(g.tp, g.count) for g in f.groups] != [(g.tp, g.count) for g in self.groups]:
+            log.warning("rollout groups: the fleet serves %s, not the last plan's layout (a dropped change)",
+                        ", ".join(f"{g.count}xTP{g.tp}" for g in f.groups))
+            self.groups = list(f.groups)
+
     def on_trajectory(self, traj: Any) -> None:
         prompt, final = int(traj.prompt_tokens), int(traj.final_length)
         if self.emulation is not None:  # emulated lengths: each generated or tool token counts m times
@@ -116,7 +127,10 @@ class LiveCluster:
                 (t.tp, t.pp, t.dp, t.micro_batch))
 
     def same_layout(self, a: Any, b: Any) -> bool:
-        return self.signature(a) == self.signature(b)
+        """`b` changes nothing: same layout as `a`, and `a`'s rollout groups are the ones serving (a plan
+        whose reconfiguration failed is not: moving to it again is a change)."""
+        serving = tuple((g.tp, g.count, g.max_len) for g in self.groups)
+        return self.signature(a) == self.signature(b) and (not serving or self.signature(a)[0] == serving)
 
     def groups_for(self, plan: Any) -> list[RolloutGroup]:
         """The plan's rollout mix as server groups; the last bucket takes everything up to max_tokens."""
@@ -206,16 +220,36 @@ class LiveControl:
         self.timeline: list[dict] = []  # per step: allocation and throughput, for the end-of-run figure
         self._metrics: dict[str, float] = {}
         self.resume: dict | None = None  # a saved snapshot (live.recover) to continue from
+        self.failures = 0  # steps whose control decision raised (recorded; the run goes on)
 
     def on_step(self, step: int, rec: dict) -> dict[str, float]:
         """Called once per committed step with that step's flat record; returns plan/* metrics."""
         self.cluster.version = step
+        self.cluster.sync()
         pressure = self.pressure_fn() if self.pressure_fn is not None else (0.0, 0.0)
         elastic = self.cluster.elastic
         measured = elastic.observation() if elastic is not None and hasattr(elastic, "observation") else None
         inputs = elastic.rollout_inputs() if measured is not None and hasattr(elastic, "rollout_inputs") else None
         obs = observation(step, rec, pressure, measured, inputs)
         out: dict[str, float] = {}
+        try:
+            self._decide(step, obs, out)
+        except Exception as e:  # noqa: BLE001 - runs in AReaL's stats hook: a failure here must not end the run
+            self.failures += 1
+            self._record({"step": step, "event": "control_failed", "detail": (
+                f"{type(e).__name__}: {first_line(e)}; the layout in force keeps serving")})
+        if self.ctl is not None:
+            out.update(self.ctl.metrics())
+        out["plan/reconfig_s"] = self.cluster.reconfig_s
+        out["plan/reconfigurations"] = float(self.cluster.reconfigs)
+        self.cluster.reconfig_s = 0.0
+        self.timeline.append({"step": step, "rollout_gpus": sum(g.gpus for g in self.cluster.groups),
+                              "tokens_per_s": float(rec.get("throughput_tokens_per_s", 0.0)),
+                              "alloc": self.allocation()})
+        self._metrics = out
+        return out
+
+    def _decide(self, step: int, obs: StepObservation, out: dict[str, float]) -> None:
         if self.ctl is None and self.resume is not None:
             self._resume(step)
         if self.ctl is None:
@@ -230,16 +264,6 @@ class LiveControl:
             # What the elastic policy read this step (T_train/T_rollout as the controller saw them).
             out["plan/obs_train_s"], out["plan/obs_rollout_s"] = obs.train_s, obs.rollout_s
             out["plan/events"] = float(len(events))
-        if self.ctl is not None:
-            out.update(self.ctl.metrics())
-        out["plan/reconfig_s"] = self.cluster.reconfig_s
-        out["plan/reconfigurations"] = float(self.cluster.reconfigs)
-        self.cluster.reconfig_s = 0.0
-        self.timeline.append({"step": step, "rollout_gpus": sum(g.gpus for g in self.cluster.groups),
-                              "tokens_per_s": float(rec.get("throughput_tokens_per_s", 0.0)),
-                              "alloc": self.allocation()})
-        self._metrics = out
-        return out
 
     def _start(self, step: int) -> None:
         """The first plan, from the profile steps' lengths; applied when it differs from the start layout."""
@@ -252,7 +276,14 @@ class LiveControl:
         self._record({"step": step, "event": "initial_plan", "detail": plan.summary()})
         if [(g.tp, g.count, g.max_len) for g in self.cluster.groups_for(plan)] != [
                 (g.tp, g.count, g.max_len) for g in self.cluster.groups]:
-            self.cluster.apply_plan(plan, step)
+            try:
+                self.cluster.apply_plan(plan, step)
+            except (RuntimeError, ValueError) as e:  # FleetError: the launch layout keeps serving
+                # The controller still starts (elastic decisions, re-plans); LiveCluster.same_layout compares
+                # with the layout that serves, so a later re-plan to this plan is tried again.
+                self._record({"step": step, "event": "reconfig_failed", "detail": (
+                    f"first plan {plan.rollout_alloc()} not applied: {first_line(e)}; the launch layout "
+                    f"{self.allocation()} keeps serving")})
         self.ctl = LibraController(self.cfg, self.source, plan, self.elastic_policy)
 
     def _resume(self, step: int) -> None:

@@ -153,10 +153,16 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
             resume_pool(control, elastic, snap)
 
     def hook(step: int, rec: dict) -> dict:
-        out = control.on_step(step, rec)
-        if recover_enabled(config):
-            state_file.save(step, cluster, control)
-        publish_metrics(out)  # W&B, next to AReaL's own stats
+        # AReaL's stats hook: nothing raised here may end the run (on_step records its own failures; the
+        # state file and W&B are the rest). The layout in force keeps serving either way.
+        try:
+            out = control.on_step(step, rec)
+            if recover_enabled(config):
+                state_file.save(step, cluster, control)
+            publish_metrics(out)  # W&B, next to AReaL's own stats
+        except Exception as e:  # noqa: BLE001
+            control._record({"step": step, "event": "control_failed", "detail": f"{type(e).__name__}: {e}"})
+            out = {}
         return out | {"plan/allocation": control.allocation()}
 
     metrics.add_step_hook(hook)

@@ -10,18 +10,29 @@ revive) and the launcher's first launch never ask where or how a server runs.
 A backend starts servers of TP ``spec.tp`` on the given devices serving the given weights (a model path or
 a checkpoint), all at once, and returns once every one is healthy (ServerLaunchError otherwise, with none of
 them left running). ``LocalProcessBackend`` is the launcher's subprocesses on this machine (rollout/launcher.py:
-the embedded CPU server, or SGLang). Other backends (an emulated host, a Ray actor, an SGLang command line on
+the embedded CPU server, or SGLang, as the launch starts them); ``SGLangBackend`` starts SGLang servers after
+the launch (the fleet's), each with a seed, port range and dist-init address of its own. Other backends (an emulated host, a Ray actor, an SGLang command line on
 another node) implement the same protocol and are handed to the fleet; the fleet is not edited for them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from areal_libra.rollout.launcher import BACKENDS, ServerHandle, ServerSpec, launch_servers
-from areal_libra.rollout.placement import Placement
+from areal_libra.rollout.launcher import (
+    BACKENDS,
+    ServerHandle,
+    ServerSpec,
+    _cuda_count,
+    build_command,
+    launch_servers,
+    port_range,
+    ports_in_range,
+)
+from areal_libra.rollout.placement import Placement, assign_gpus, visible_devices
 
 
 class RunningServer(Protocol):
@@ -92,3 +103,74 @@ class LocalProcessBackend:
 
     def stop(self, server: ServerHandle, timeout: float = 10.0) -> None:
         server.terminate(timeout)
+
+
+@dataclass
+class SGLangBackend:
+    """SGLang servers as subprocesses of this process, started after the launch (the fleet's new servers):
+    each one AReaL's way (its sglang_server.py) with a seed, a port range and a dist-init address of its own.
+
+    Server k of the run (k counts on from `first_index`, the servers the launch started: their seeds are
+    `seed + 0 .. first_index - 1`) gets `--random-seed seed + k`. Its HTTP and dist-init ports come from the
+    slice of AReaL's port range (launcher.port_range) that belongs to its first device on the node
+    (`node_devices`, default the visible GPUs): servers alive together hold disjoint devices, so their
+    slices are disjoint too, and the ports are checked free when taken (the launch's servers hold theirs)."""
+
+    seed: int = 0
+    first_index: int = 0
+    host: str = "127.0.0.1"
+    node_devices: tuple[str, ...] | None = None  # None: the visible GPUs (CUDA_VISIBLE_DEVICES or all)
+    started: int = 0  # servers this backend has started
+
+    name = "sglang"
+    places_devices = True
+
+    def _devices(self) -> list[str]:
+        if self.node_devices is not None:
+            return list(self.node_devices)
+        return visible_devices(os.environ, _cuda_count())
+
+    def plan(self, specs: Sequence[ServerSpec], devices: Sequence[tuple[str, ...]] | None = None,
+             ) -> tuple[list[ServerSpec], list[tuple[str, ...]], list[tuple[int, int]]]:
+        """The next servers' specs (their seeds), devices and (HTTP, dist-init) ports; advances the count."""
+        node = self._devices()
+        if devices is None:
+            devices = assign_gpus(node, 0, [s.tp for s in specs]).servers
+        if len(devices) != len(specs):
+            raise ValueError(f"{len(devices)} device sets for {len(specs)} servers")
+        k0 = self.first_index + self.started
+        out_specs = [replace(s, seed=self.seed + k0 + i) for i, s in enumerate(specs)]
+        slots = max(len(node), 1)
+        ports = []
+        for i, devs in enumerate(devices):
+            slot = node.index(devs[0]) if devs and devs[0] in node else (k0 + i) % slots
+            http, dist = ports_in_range(2, *port_range(slot, slots), self.host)
+            ports.append((http, dist))
+        self.started += len(specs)
+        return out_specs, [tuple(d) for d in devices], ports
+
+    def commands(self, weights: str, specs: Sequence[ServerSpec],
+                 devices: Sequence[tuple[str, ...]] | None = None) -> list[list[str]]:
+        """The argv of the next servers, as start() would run them (for checks; advances the count)."""
+        specs, _, ports = self.plan(specs, devices)
+        return [build_command("sglang", weights, s, self.host, http, base_gpu_id=0, dist_init_port=dist)
+                for s, (http, dist) in zip(specs, ports)]
+
+    def start(self, weights: str, specs: Sequence[ServerSpec], log_dir: str,
+              devices: Sequence[tuple[str, ...]] | None = None, weight_version: int | None = None,
+              timeout: float = 600.0) -> list[ServerHandle]:
+        # SGLang takes the weight version from the weight update, not from its command line.
+        specs, devs, ports = self.plan(specs, devices)
+        return launch_servers(weights, specs, log_dir, backend="sglang", host=self.host, timeout=timeout,
+                              placement=Placement(trainer=(), servers=tuple(devs)), ports=ports)
+
+    def stop(self, server: ServerHandle, timeout: float = 10.0) -> None:
+        server.terminate(timeout)
+
+
+def backend_for_device(device: str, seed: int = 0, first_index: int = 0) -> ServerBackend:
+    """The backend of servers started after the launch: SGLang on cuda (seeds and ports of their own, after
+    the launch's `first_index` servers), else the embedded CPU server."""
+    if device == "cuda":
+        return SGLangBackend(seed=seed, first_index=first_index)
+    return LocalProcessBackend("embedded")

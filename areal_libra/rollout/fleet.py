@@ -19,8 +19,17 @@ and go through it too: `attach_hybrid(addr)` puts a hybrid's server into the nex
 routes to it once that update has landed; `detach_hybrid(addr)` takes it out of the router and the
 address list. A reconfiguration keeps the attached hybrids.
 
+Weight updates over xccl (actor.weight_update_mode=xccl, the GPU configuration): there is no checkpoint of
+the current weights, so new servers start on the base model and are not routed; the next weight update (the
+fleet wraps the train engine's update_weights on rank 0) first forms the weight-update group again over the
+servers that should get it (rollout/xccl.py: patch 11's rank offsets, in address order), broadcasts to all
+of them, and then switches router and engine to the new layout and drains the leaving servers. The same
+step leaves dead servers out of the group, so an update never waits for a server that is gone. If the new
+servers cannot join, the change is dropped (they are stopped, fleet.jsonl says why) and the update goes to
+the old layout. Elastic hybrids need disk weight updates.
+
 A server that cannot start (or dies before the switch) fails the reconfiguration with a FleetError (one
-line) and leaves the old layout serving; a server that dies after the switch is the router's business
+line) and leaves the old layout serving; every failure is also a line in fleet.jsonl (`failed`: the reason); a server that dies after the switch is the router's business
 (failover), as in a run without reconfiguration.
 
 Devices (cluster=gpu, or any fleet given a device pool): new servers take free devices of the rollout pool.
@@ -44,11 +53,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from areal_libra.config import load_run_config
-from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, ServerBackend
+from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, ServerBackend, backend_for_device
 from areal_libra.rollout.emulation import active
 from areal_libra.rollout.futures import then_record
 from areal_libra.rollout.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
@@ -60,6 +69,7 @@ from areal_libra.rollout.placement import (
     servers_to_retire,
 )
 from areal_libra.rollout.router import GROUPS_FILE, read_groups_file, write_groups_file
+from areal_libra.rollout.xccl import WeightGroup, WeightGroupError
 from areal_libra.utils import append_jsonl, atomic_write_text, first_line, pid_alive
 
 log = logging.getLogger(__name__)
@@ -69,7 +79,12 @@ FLEET_LOG = "fleet.jsonl"
 
 
 class FleetError(RuntimeError):
-    """A reconfiguration that could not be done; the message is one line, the old layout still serves."""
+    """A reconfiguration that could not be done; the message is one line, the old layout still serves.
+    `transient`: the reason passes by itself (a weight update in progress); trying again later may work."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 @dataclass
@@ -114,7 +129,7 @@ class FleetServer:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
 
-    def record(self, state: str) -> dict:
+    def record(self, state: str) -> dict:  # serving | draining | starting (xccl: joins at the next update)
         return {"addr": self.addr, "group": self.group, "tp": self.tp, "pid": self.pid, "owner": self.owner,
                 "state": state, "log": self.log_path, "gpus": list(self.gpus)}
 
@@ -124,6 +139,20 @@ class _Weights:
     path: str
     version: int | None  # None: whatever the engine's version is when they are used
     owned: bool  # the fleet keeps this checkpoint alive for new servers; it deletes it when superseded
+
+
+@dataclass(eq=False)
+class _Pending:
+    """xccl: a reconfiguration whose new servers are up but serve the base weights until the next weight
+    update reaches them (the group is formed over them first); then the router switches to `rows`."""
+
+    step: int
+    target: list[RolloutGroup]
+    rows: list[list[FleetServer]]
+    new: list[FleetServer]
+    leaving: list[FleetServer]  # still serving until the switch
+    t0: float
+    retired: list[FleetServer] = field(default_factory=list)  # stopped first to make room (break-before-make)
 
 
 @dataclass(frozen=True, eq=False)
@@ -161,6 +190,7 @@ class ServerFleet:
         drain_timeout_s: float = 60.0,
         evict_timeout_s: float = 10.0,  # evicted requests give up within the watch interval
         rollout_devices: Sequence[str] = (),  # the devices new servers may take (placement.py)
+        weight_group: WeightGroup | None = None,  # xccl weight updates: the group to re-form (None: disk)
     ) -> None:
         if router is None or not hasattr(router, "set_layout"):
             raise FleetError("live reconfiguration needs the project's request router "
@@ -203,7 +233,25 @@ class ServerFleet:
         self._orig_update = None
         self._hook_weight_updates()
         self.reconfigurations = 0
+        self.weight_group = weight_group
+        self._pending: _Pending | None = None
+        self._orig_train_update = None
+        if weight_group is not None:
+            if weight_group.members is None:  # AReaL formed the first group over the launch servers
+                size = {s.addr: s.tp for s in self.servers}
+                weight_group.members = tuple((a, size.get(a, 1)) for a in self._inner.addresses)
+            self._hook_xccl_updates()
         self._write_files()
+
+    @property
+    def xccl(self) -> bool:
+        """Weight updates broadcast over the xccl group (new servers join it at the next update)."""
+        return self.weight_group is not None
+
+    @property
+    def pending(self) -> bool:
+        """xccl: a reconfiguration waits for the next weight update."""
+        return self._pending is not None
 
     def _as_server(self, s: FleetServer | RunningServer) -> FleetServer:
         if isinstance(s, FleetServer):
@@ -271,7 +319,7 @@ class ServerFleet:
             w, updating = self._weights, self._updating
         now = int(self._inner.get_version())
         if updating:
-            raise FleetError("a weight update is in progress; reconfigure between training steps")
+            raise FleetError("a weight update is in progress; reconfigure between training steps", transient=True)
         if w.version is not None and w.version != now:
             raise FleetError(
                 f"the current weights (version {now}) are not on disk (the last disk weight update was version "
@@ -289,6 +337,9 @@ class ServerFleet:
         update has landed there it is routed to (`group` by name; None: the router's last group) and
         `on_ready(addr, True)` is called; `on_ready(addr, False)` if the update failed there (it stays out).
         Both happen before the update's future resolves (the trainer's wait)."""
+        if self.xccl:
+            raise FleetError("elastic hybrids join through disk weight updates; this run uses "
+                             "actor.weight_update_mode=xccl")
         with self._lock:
             self._hybrid_pending[addr] = _Hybrid(group, on_ready)
 
@@ -367,7 +418,9 @@ class ServerFleet:
         return slots, [s for s in self.servers if id(s) not in kept]
 
     def _start(self, target: list[RolloutGroup], slots: list[list[FleetServer | None]], path: str,
-               version: int) -> list[FleetServer]:
+               version: int | None) -> list[FleetServer]:
+        """Start the empty slots' servers on `path`; they must report `version` (None: xccl, they get the
+        current weights at the next update)."""
         specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name)
                  for g, row in zip(target, slots) for s in row if s is None]
         if not specs:
@@ -393,6 +446,8 @@ class ServerFleet:
             what = ", ".join(f"TP{s.tp} ({s.group})" for s in specs)
             raise FleetError(f"reconfigure: cannot start {what}: {first_line(e)}") from e
         new = [self._as_server(h) for h in handles]
+        if version is None:
+            return new
         try:
             for s in new:
                 self._ensure_version(s, path, version)
@@ -447,7 +502,7 @@ class ServerFleet:
                     self._ensure_version(s, path, version)
                 continue
             if time.monotonic() > deadline:
-                raise FleetError("reconfigure: a weight update did not finish within 120 s")
+                raise FleetError("reconfigure: a weight update did not finish within 120 s", transient=True)
             time.sleep(0.2)
 
     def _drain(self, leaving: list[FleetServer]) -> int:
@@ -558,57 +613,220 @@ class ServerFleet:
     def reconfigure(self, groups: Sequence[RolloutGroup] | None, step: int) -> dict:
         """Switch the rollout servers to `groups` (see the module doc); None: the layout in force when this
         call gets its turn (replace dead servers, without undoing a re-plan that ran meanwhile). Returns
-        {"reconfig_s", "started", "stopped", "moved", "groups"}; raises FleetError (one line) with the old
-        layout still serving."""
+        {"reconfig_s", "started", "stopped", "moved", "groups"} (xccl: also "pending": True while the new
+        servers wait for the next weight update); raises FleetError (one line) with the old layout still
+        serving, and records it in fleet.jsonl."""
         t0 = time.monotonic()
-        with self._reconf:
-            target = self._validate(self.groups if groups is None else groups)
-            slots, leaving = self._plan(target)
-            if not leaving and all(s is not None for row in slots for s in row) and target == self.groups:
-                return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [], "stopped": [], "moved": 0,
-                        "groups": format_allocation(self.backend.name, target)}
-            path, version = self.current_weights()
-            retired, moved = self._make_room(target, slots, leaving)
-            try:
-                rows, new = self._start_and_switch(target, slots, path, version)
-            except BaseException as e:
-                if retired and isinstance(e, Exception):
-                    self._restore(retired, path, version, e)
-                raise
-            self.servers = [s for row in rows for s in row] + leaving
-            self._write_files(draining=leaving)
-            moved += self._drain(leaving)
-            self.router.forget([s.addr for s in leaving])  # first: a stopped server is no health event
-            for s in leaving:
-                s.stop()
-            self.servers = [s for row in rows for s in row]
-            self._write_files()
-            self.reconfigurations += 1
-        out = {
-            "reconfig_s": round(time.monotonic() - t0, 3),
-            "started": [s.addr for s in new],
-            "stopped": [s.addr for s in leaving],
-            "moved": moved,
-            "groups": format_allocation(self.backend.name, target),
-        }
-        log.info("fleet: step %d reconfigured to %s in %.1fs (started %s, stopped %s)", step, out["groups"],
-                 out["reconfig_s"], out["started"], out["stopped"])
-        if self.run_dir is not None:
-            with contextlib.suppress(OSError):
-                append_jsonl(self.run_dir / FLEET_LOG, {"step": step, "t": round(time.time(), 3), **out})
+        before = list(self.groups)
+        try:
+            with self._reconf:
+                if self.xccl:
+                    out = self._reconfigure_xccl(groups, step, t0)
+                else:
+                    out = self._reconfigure_disk(groups, step, t0)
+        except FleetError as e:
+            self._log_event({"step": step, "failed": first_line(e), "transient": e.transient,
+                             "groups": self._describe(groups)})
+            raise
+        if out.get("started") or out.get("stopped") or self.groups != before:
+            log.info("fleet: step %d reconfigured to %s in %.1fs (started %s, stopped %s%s)", step, out["groups"],
+                     out["reconfig_s"], out["started"], out["stopped"],
+                     "; they serve from the next weight update" if out.get("pending") else "")
+            self._log_event({"step": step, **out})
         return out
 
+    def _describe(self, groups: Sequence[RolloutGroup] | None) -> str:
+        try:
+            return format_allocation(self.backend.name, list(self.groups if groups is None else groups))
+        except (GroupConfigError, ValueError, AttributeError, TypeError):
+            return repr(groups)
+
+    def _log_event(self, rec: dict) -> None:
+        if self.run_dir is not None:
+            with contextlib.suppress(OSError):
+                append_jsonl(self.run_dir / FLEET_LOG, {"step": rec.pop("step"), "t": round(time.time(), 3), **rec})
+
+    def _noop(self, target: list[RolloutGroup], t0: float) -> dict:
+        return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [], "stopped": [], "moved": 0,
+                "groups": format_allocation(self.backend.name, target)}
+
+    def _reconfigure_disk(self, groups: Sequence[RolloutGroup] | None, step: int, t0: float) -> dict:
+        target = self._validate(self.groups if groups is None else groups)
+        slots, leaving = self._plan(target)
+        if not leaving and all(s is not None for row in slots for s in row) and target == self.groups:
+            return self._noop(target, t0)
+        path, version = self.current_weights()
+        retired, moved = self._make_room(target, slots, leaving)
+        try:
+            rows, new = self._start_and_switch(target, slots, path, version)
+        except BaseException as e:
+            if retired and isinstance(e, Exception):
+                self._restore(retired, path, version, e)
+            raise
+        self.servers = [s for row in rows for s in row] + leaving
+        self._write_files(draining=leaving)
+        moved += self._drain(leaving)
+        self.router.forget([s.addr for s in leaving])  # first: a stopped server is no health event
+        for s in leaving:
+            s.stop()
+        self.servers = [s for row in rows for s in row]
+        self._write_files()
+        self.reconfigurations += 1
+        return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [s.addr for s in new],
+                "stopped": [s.addr for s in leaving], "moved": moved,
+                "groups": format_allocation(self.backend.name, target)}
+
+    # --- xccl: new servers join the weight-update group at the next update, then serve ------------------
+    def _reconfigure_xccl(self, groups: Sequence[RolloutGroup] | None, step: int, t0: float) -> dict:
+        """Start the new servers on the base model now; the next weight update forms the group over the
+        new set (patch 11's rank offsets), broadcasts the current weights to every member, and only then
+        switches router and engine (_after_xccl_update). The old layout serves until then."""
+        if self._pending is not None:
+            if groups is None:  # a revive while a change waits: that change replaces what is dead
+                out = self._noop(self._pending.target, t0)
+                return out | {"pending": True}
+            raise FleetError("reconfigure: the last change still waits for the next weight update (xccl)",
+                             transient=True)
+        target = self._validate(self.groups if groups is None else groups)
+        slots, leaving = self._plan(target)
+        if not leaving and all(s is not None for row in slots for s in row) and target == self.groups:
+            return self._noop(target, t0)
+        retired, moved = self._make_room(target, slots, leaving)
+        try:
+            new = self._start(target, slots, self.model_path, None)
+        except FleetError as e:
+            if retired:  # the stopped servers' slots of the old layout: started again, joining the same way
+                try:
+                    old_slots, _ = self._plan(self.groups)
+                    back = self._start(self.groups, old_slots, self.model_path, None)
+                except FleetError as e2:
+                    raise FleetError(f"{first_line(e)}; the servers stopped to make room could not be replaced "
+                                     f"either: {first_line(e2)}") from e
+                it = iter(back)
+                self._pending = _Pending(step, list(self.groups), [[s if s is not None else next(it) for s in row]
+                                                                   for row in old_slots], back, [], t0)
+                self.servers = self.servers + back
+                self._write_files(starting=back)
+                raise FleetError(f"{first_line(e)}; servers of the old layout replace those stopped to make room "
+                                 "from the next weight update") from e
+            raise
+        it = iter(new)
+        rows = [[s if s is not None else next(it) for s in row] for row in slots]
+        staying = [s for s in leaving if s not in retired]
+        self._pending = _Pending(step, target, rows, new, staying, t0, retired)
+        self.servers = self.servers + new
+        self._write_files(draining=retired, starting=new)
+        return {"reconfig_s": round(time.monotonic() - t0, 3), "started": [s.addr for s in new],
+                "stopped": [s.addr for s in retired], "moved": moved,
+                "groups": format_allocation(self.backend.name, target), "pending": True}
+
+    def _hook_xccl_updates(self) -> None:
+        """Every xccl weight update of the train engine (rank 0) first brings the group in line with the
+        servers that should get it, and lands a waiting reconfiguration right after."""
+        eng = self.weight_group.engine
+        orig = eng.update_weights
+        self._orig_train_update = orig
+
+        def update_weights(meta):
+            if getattr(meta, "type", None) != "xccl":
+                return orig(meta)
+            with self._reconf:  # no reconfiguration or revive in the middle of an update
+                self._before_xccl_update()
+                out = orig(meta)
+                self._after_xccl_update(meta)
+            return out
+
+        eng.update_weights = update_weights
+
+    def _members(self) -> list[FleetServer]:
+        """Who gets this update: the serving servers (dead or down ones left out), then a waiting change's
+        new servers; a waiting change's leaving servers still serve, so they get it too."""
+        down = self.router.down_addresses()
+        p = self._pending
+        if p is None:
+            by_addr = {s.addr: s for s in self.servers}
+            order = [by_addr[a] for a in self._inner.addresses if a in by_addr]
+            order += [s for s in self.servers if s not in order]
+        else:
+            order = [s for row in p.rows for s in row] + p.leaving
+        return [s for s in order if s.alive() and s.addr not in down]
+
+    def _form_group(self) -> None:
+        members = self._members()
+        want = tuple((s.addr, s.tp) for s in members)
+        if want and want != self.weight_group.members:
+            self.weight_group.recreate([a for a, _ in want], [t for _, t in want])
+        with self._inner.lock:
+            self._inner.addresses = [a for a, _ in want] if want else self._inner.addresses
+
+    def _before_xccl_update(self) -> None:
+        try:
+            self._form_group()
+            return
+        except WeightGroupError as e:
+            p = self._pending
+            if p is None:  # nothing to give up: the update goes to the old group (AReaL's own failure if broken)
+                log.error("fleet: %s", first_line(e))
+                self._log_event({"step": -1, "failed": first_line(e), "transient": False,
+                                 "groups": self._describe(None)})
+                return
+            self._pending = None
+            for s in p.new:
+                s.stop()
+            self.servers = [s for s in self.servers if s not in p.new]
+            self._write_files()
+            reason = f"the new servers did not join the weight-update group: {first_line(e)}"
+            log.error("fleet: step %d change to %s abandoned, the old layout keeps serving: %s", p.step,
+                      self._describe(p.target), reason)
+            self._log_event({"step": p.step, "failed": reason, "transient": False,
+                             "groups": self._describe(p.target)})
+        try:
+            self._form_group()  # without them (e.g. a server died meanwhile)
+        except WeightGroupError as e:
+            log.error("fleet: %s", first_line(e))
+
+    def _after_xccl_update(self, meta) -> None:
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        addrs = [[s.addr for s in row] for row in p.rows]
+        with self._inner.lock:
+            self.router.set_layout(p.target, addrs)
+            self._inner.addresses = [a for row in addrs for a in row]
+        for g, row in zip(p.target, p.rows):
+            for s in row:
+                s.group = g.name
+        self.groups = p.target
+        serving = [s for row in p.rows for s in row]
+        self.servers = serving + p.leaving
+        self._write_files(draining=p.leaving)
+        moved = self._drain(p.leaving)
+        self.router.forget([s.addr for s in p.leaving + p.retired])
+        for s in p.leaving:
+            s.stop()
+        self.servers = serving
+        self._write_files()
+        self.reconfigurations += 1
+        self._log_event({"step": p.step, "landed": getattr(meta, "version", None), "started": [s.addr for s in p.new],
+                         "stopped": [s.addr for s in p.leaving], "moved": moved,
+                         "reconfig_s": round(time.monotonic() - p.t0, 3),
+                         "groups": format_allocation(self.backend.name, p.target)})
+        log.info("fleet: the change of step %d landed with weight version %s: %s", p.step,
+                 getattr(meta, "version", None), format_allocation(self.backend.name, p.target))
+
     # --- files -----------------------------------------------------------------------------------------
-    def _write_files(self, draining: Sequence[FleetServer] = ()) -> None:
+    def _write_files(self, draining: Sequence[FleetServer] = (), starting: Sequence[FleetServer] = ()) -> None:
         if self.run_dir is None:
             return
 
         gone = {id(s) for s in draining}
-        body = {"servers": [s.record("draining" if id(s) in gone else "serving") for s in self.servers]}
+        early = {id(s) for s in starting}
+        body = {"servers": [s.record("draining" if id(s) in gone else "starting" if id(s) in early else "serving")
+                            for s in self.servers]}
         atomic_write_text(self.run_dir / REGISTRY_FILE, json.dumps(body, indent=1) + "\n")
         by_group: dict[str, list[str]] = {}
         for s in self.servers:
-            if id(s) not in gone:
+            if id(s) not in gone and id(s) not in early:
                 by_group.setdefault(s.group, []).append(s.addr)
         groups = [replace(g, count=len(by_group.get(g.name, []))) for g in self.groups]
         write_groups_file(self.run_dir, groups, [a for g in groups for a in by_group.get(g.name, [])])
@@ -620,6 +838,10 @@ class ServerFleet:
             with contextlib.suppress(AttributeError):
                 del self._inner.update_weights_from_disk
             self._orig_update = None
+        if self._orig_train_update is not None:
+            with contextlib.suppress(AttributeError):
+                del self.weight_group.engine.update_weights
+            self._orig_train_update = None
         with self._lock:
             w = self._weights
         if w.owned:
@@ -660,8 +882,14 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     if backend is None:
 
         device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
-        backend = LocalProcessBackend.for_device(device)
+        backend = backend_for_device(device, seed=int(getattr(trainer.config, "seed", 0) or 0),
+                                     first_index=len(servers))
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
     kwargs.setdefault("rollout_devices", pool)
+    if str(getattr(trainer.config.actor, "weight_update_mode", "disk")) == "xccl" and "weight_group" not in kwargs:
+        try:  # the group AReaL formed at connect_engine, re-formed when the server set changes
+            kwargs["weight_group"] = WeightGroup(trainer.actor, trainer.rollout, trainer.weight_update_meta)
+        except ValueError as e:
+            raise FleetError(f"live reconfiguration under xccl: {e}") from None
     return ServerFleet(trainer.rollout, router, str(trainer.config.actor.path), run_dir / "servers", backend,
                        servers, groups, run_dir, **kwargs)

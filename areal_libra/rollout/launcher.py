@@ -264,10 +264,13 @@ def plan_servers(
     host: str = "127.0.0.1",
     env: dict[str, str] | None = None,
     placement: Placement | None = None,
+    ports: Sequence[tuple[int, int | None]] | None = None,
 ) -> list[ServerLaunch]:
     """The command lines, environments, ports and devices of one server per spec; starts nothing, writes
     nothing (ports were free a moment ago). Server i runs on `placement.servers[i]` (sglang's default: the
-    visible GPUs from the first on, no trainer; PlacementError when they do not fit)."""
+    visible GPUs from the first on, no trainer; PlacementError when they do not fit). `ports`: (HTTP port,
+    dist-init port) per server, chosen by the caller (a backend that starts servers later,
+    rollout/backend.SGLangBackend); None: chosen here."""
     backend = resolve_backend(backend)
     if not specs:
         return []
@@ -279,7 +282,11 @@ def plan_servers(
         if [len(g) for g in placement.servers] != [s.tp for s in specs]:
             raise ValueError(f"placement {placement.servers} does not match the servers' TP sizes")
         gpus = list(placement.servers)
-    if backend == "sglang":  # AReaL's way: an HTTP and a dist-init port from each server's own range
+    if ports is not None:
+        if len(ports) != len(specs):
+            raise ValueError(f"{len(ports)} port pairs for {len(specs)} servers")
+        ports, dist_ports = [p[0] for p in ports], [p[1] for p in ports]
+    elif backend == "sglang":  # AReaL's way: an HTTP and a dist-init port from each server's own range
         pairs = [ports_in_range(2, *port_range(i, len(specs)), host) for i in range(len(specs))]
         ports, dist_ports = [p[0] for p in pairs], [p[1] for p in pairs]
     else:
@@ -300,12 +307,13 @@ def launch_servers(
     timeout: float = 600.0,
     env: dict[str, str] | None = None,
     placement: Placement | None = None,
+    ports: Sequence[tuple[int, int | None]] | None = None,
 ) -> list[ServerHandle]:
     """Start one server per spec as plan_servers describes them (all at once), wait until all are healthy,
     return their handles. On any failure every server started here is stopped before ServerLaunchError is
     raised."""
     backend = resolve_backend(backend)
-    launches = plan_servers(model_path, specs, log_dir, backend, host, env, placement)
+    launches = plan_servers(model_path, specs, log_dir, backend, host, env, placement, ports)
     if not launches:
         return []
     os.makedirs(log_dir, exist_ok=True)

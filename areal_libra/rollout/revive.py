@@ -7,6 +7,12 @@ that are down or whose process is gone and asks the fleet for the same layout ag
 healthy servers, starts a new one with the current weights (the last disk weight update) and switches the
 router to it, so the waiting requests resume there with their tokens so far.
 
+A replacement that fails for a passing reason (a weight update in progress: FleetError.transient) is retried
+every round. One that fails for any other reason (the server cannot start, the weight-update group cannot be
+formed) is tried `max_tries` times in a row; then the reviver gives up, says so once (the log and one
+revive.jsonl line with the reason) and tries again only once the fleet's layout has changed (a re-plan
+succeeded) - not the same error forever.
+
 Every replacement is one line in <run_dir>/revive.jsonl; `rollout_counters` adds AReaL's own rollout
 counters (submitted, accepted, rejected) to the step metrics so a run can show that nothing was lost.
 """
@@ -31,13 +37,20 @@ REVIVE_LOG = "revive.jsonl"
 class ServerReviver:
     """A daemon thread that replaces dead rollout servers through `fleet.reconfigure(None)` (the layout in force)."""
 
-    def __init__(self, fleet: Any, router: Any, run_dir: str | Path | None = None, interval_s: float = 1.0) -> None:
+    def __init__(self, fleet: Any, router: Any, run_dir: str | Path | None = None, interval_s: float = 1.0,
+                 max_tries: int = 3) -> None:
+        if max_tries < 1:
+            raise ValueError(f"max_tries must be >= 1, got {max_tries}")
         self.fleet = fleet
         self.router = router
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.interval_s = interval_s
+        self.max_tries = max_tries
         self.revived = 0  # servers replaced
-        self.failures = 0  # replacement attempts that failed (retried)
+        self.failures = 0  # replacement attempts that failed
+        self.strikes = 0  # non-transient failures in a row
+        self.gave_up: str | None = None  # the reason, once max_tries non-transient failures in a row
+        self._gave_up_at: int | None = None  # fleet.reconfigurations then: a later layout change retries
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -51,16 +64,29 @@ class ServerReviver:
         dead = self.dead()
         if not dead:
             return None
+        if self.gave_up is not None:
+            if getattr(self.fleet, "reconfigurations", None) == self._gave_up_at:
+                return None  # said once; the same layout would fail the same way
+            self.gave_up, self.strikes = None, 0  # the layout changed since: try again
 
         t0 = time.monotonic()
         try:
             out = self.fleet.reconfigure(None, step=-1)  # not fleet.groups now: a re-plan may be under way
-        except FleetError as e:  # e.g. a weight update in progress: the next round retries
+        except FleetError as e:
             self.failures += 1
-            log.warning("revive: cannot replace %s yet: %s", dead, first_line(e))
+            if getattr(e, "transient", False):  # e.g. a weight update in progress: the next round retries
+                log.warning("revive: cannot replace %s yet: %s", dead, first_line(e))
+                return None
+            self.strikes += 1
+            if self.strikes < self.max_tries:
+                log.warning("revive: replacing %s failed (try %d of %d): %s", dead, self.strikes, self.max_tries,
+                            first_line(e))
+                return None
+            self._give_up(dead, first_line(e))
             return None
+        self.strikes = 0
         if not out.get("started"):
-            return None  # a reconfiguration under way had stopped them (it held the fleet while we waited)
+            return None  # a reconfiguration under way had stopped them, or (xccl) they join at the next update
         self.revived += len(out.get("started", []))
         rec = {"t": round(time.time(), 3), "dead": dead, "started": out.get("started", []),
                "stopped": out.get("stopped", []), "revive_s": round(time.monotonic() - t0, 3)}
@@ -69,6 +95,16 @@ class ServerReviver:
             with contextlib.suppress(OSError):
                 append_jsonl(self.run_dir / REVIVE_LOG, rec)
         return rec
+
+    def _give_up(self, dead: list[str], reason: str) -> None:
+        self.gave_up = reason
+        self._gave_up_at = getattr(self.fleet, "reconfigurations", None)
+        log.error("revive: giving up on %s after %d failed tries (%s); the servers left keep serving, and "
+                  "no replacement is tried again until the layout changes", dead, self.strikes, reason)
+        if self.run_dir is not None:
+            with contextlib.suppress(OSError):
+                append_jsonl(self.run_dir / REVIVE_LOG, {"t": round(time.time(), 3), "dead": dead,
+                                                         "gave_up": reason, "tries": self.strikes})
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -91,7 +127,8 @@ class ServerReviver:
             self._thread = None
 
     def metrics(self) -> dict[str, float]:
-        return {"revive/servers_replaced": self.revived, "revive/failed_attempts": self.failures}
+        return {"revive/servers_replaced": self.revived, "revive/failed_attempts": self.failures,
+                "revive/gave_up": float(self.gave_up is not None)}
 
 
 def rollout_counters(engine: Any) -> dict[str, float]:

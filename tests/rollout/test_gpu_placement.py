@@ -160,8 +160,10 @@ def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatc
     assert fleet.backend.name == "sglang" and [s.gpus for s in fleet.servers] == [("1",), ("2", "3")]
     asked = []
 
-    def launch(path, specs, log_dir, backend, host, timeout, placement):
+    def launch(path, specs, log_dir, backend, host, timeout, placement, ports):
         asked.append(placement.servers)
+        # the fleet's SGLang servers: seeds after the launch's two, ports of their own
+        assert [s.seed for s in specs] == [2] and len({*ports[0]}) == 2
         raise ServerLaunchError("captured")
 
     monkeypatch.setattr(backend_mod, "launch_servers", launch)  # the fleet's local process backend starts them

@@ -75,5 +75,6 @@ def test_the_only_server_killed_under_load_is_replaced_and_nothing_is_lost(tiny_
     assert new != a.addr and eng._engine.addresses == [new]
     rec = [json.loads(x) for x in (tmp_path / REVIVE_LOG).read_text().splitlines()]
     assert rec[0]["dead"] == [a.addr] and rec[0]["started"] == [new]
-    assert reviver.metrics() == {"revive/servers_replaced": 1, "revive/failed_attempts": reviver.failures}
+    assert reviver.metrics() == {"revive/servers_replaced": 1, "revive/failed_attempts": reviver.failures,
+                                 "revive/gave_up": 0.0}
     assert rollout_counters(object()) == {}  # an engine without a workflow executor reports nothing

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Where the project talks to SGLang servers itself (AReaL's own calls are AReaL's, tested against the same pin).
 CALLERS = ("areal_libra/rollout", "areal_libra/live", "areal_libra/elastic_runtime")
 _PATH_RE = re.compile(r"""["'](/(?:generate|update_weights\w*|get_weight_version|weight_version|health\w*|flush_cache|"""
-                      r"""init_weights\w*|pause_generation|continue_generation|\w*model_info|\w*server_info|"""
+                      r"""init_weights\w*|destroy_weights\w*|pause_generation|continue_generation|\w*model_info|\w*server_info|"""
                       r"""abort_request|update_weight_version))["']""")
 
 
