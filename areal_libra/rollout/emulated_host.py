@@ -531,12 +531,19 @@ class EmulatedServerHandle:
     host_pid: int | None
     log_path: str = ""
     gpu_ids: tuple[str, ...] = ()
+    proc: Any = None  # the host's Popen where this process started it (the launcher's shutdown stops it)
 
     @property
     def pid(self) -> int | None:
         return self.host_pid
 
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+
     def alive(self) -> bool:
+        if self.proc is not None:  # the launcher's view (polled often): the host process
+            return self.proc.poll() is None
         try:
             import urllib.request
 
@@ -554,6 +561,7 @@ class EmulatedHostBackend:
     control: str  # host:port of the host's control API
     host_pid: int | None = None
     log_path: str = ""
+    proc: Any = None  # the host's Popen where this process started it
 
     @property
     def name(self) -> str:
@@ -574,7 +582,7 @@ class EmulatedHostBackend:
             addrs = _call(self.control, "/servers", body, timeout)["servers"]
         except (OSError, ValueError, KeyError) as e:
             raise ServerLaunchError(f"emulated host {self.control}: cannot start servers: {e}") from None
-        return [EmulatedServerHandle(a, s, self.host_pid, self.log_path) for a, s in zip(addrs, specs)]
+        return [EmulatedServerHandle(a, s, self.host_pid, self.log_path, proc=self.proc) for a, s in zip(addrs, specs)]
 
     def stop(self, server: Any, timeout: float = 10.0) -> None:
         try:
@@ -630,7 +638,7 @@ def launch_host(model: str, gpu: str, time_scale: float, run_dir: Any, timeout: 
     rec["log"] = str(log_path)
     atomic_write_text(run_dir / HOST_FILE, json.dumps(rec) + "\n")
     addr_file.unlink(missing_ok=True)
-    return EmulatedHostBackend(rec["addr"], proc.pid, str(log_path)), proc
+    return EmulatedHostBackend(rec["addr"], proc.pid, str(log_path), proc), proc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -427,15 +427,29 @@ def pacing_report(addrs: Sequence[str], timeout: float = 5.0) -> dict[str, float
     return out
 
 
+def pacing_error(overrun_s: float, target_s: float) -> float:
+    """The emulation's fidelity: the sum of overruns over the sum of pacing targets (0 when nothing was paced)."""
+    return overrun_s / target_s if target_s > 0 else 0.0
+
+
+# A run whose pacing error exceeds this cannot be read as the emulated hardware's (said at the end, and in the
+# live A/B's JSON instead of a ratio).
+PACING_ERROR_LIMIT = 0.10
+
+
 def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any,
-                         version_fn: Any = lambda: 0, hybrids_fn: Any = lambda: 0) -> None:
+                         version_fn: Any = lambda: 0, hybrids_fn: Any = lambda: 0,
+                         host_pacing_fn: Any = None) -> None:
     """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
     trainer's accelerators (all the rollout servers and the hybrid pool leave, as the current layout has
-    them), plus one per hybrid replica training now (`hybrids_fn`)."""
+    them), plus one per hybrid replica training now (`hybrids_fn`). Every step's metrics carry
+    emul/pacing_error: the trainer's (overruns of the paced updates over their targets, over the run) or, the
+    larger, the emulated host's (`host_pacing_fn`, its GET /pacing)."""
     configure(emulation)
     actor = trainer.actor
     original = actor.ppo_update
     last: dict[str, float] = {}
+    total = {"target": 0.0, "overrun": 0.0}
 
     def paced(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -445,10 +459,27 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
         n_train = emulation.check_layout(groups_fn())[1] + int(hybrids_fn())
         last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
         last["emul/length_multiplier"] = m
+        total["target"] += last["emul/train_target_s"]
+        total["overrun"] += max(0.0, last["emul/train_compute_s"] - last["emul/train_target_s"])
         return out
 
     actor.ppo_update = paced
-    metrics.add_source(lambda: dict(last))
+
+    def fidelity() -> dict[str, float]:
+        out = dict(last)
+        out["emul/train_pacing_error"] = pacing_error(total["overrun"], total["target"])
+        err = out["emul/train_pacing_error"]
+        if host_pacing_fn is not None:
+            try:
+                h = host_pacing_fn()
+                out["emul/host_pacing_error"] = float(h["pacing_error"])
+                err = max(err, out["emul/host_pacing_error"])
+            except (OSError, ValueError, KeyError):
+                pass  # the host is gone (shutdown): keep the trainer's
+        out["emul/pacing_error"] = err
+        return out
+
+    metrics.add_source(fidelity)
 
     def emulated_tokens(step: int, rec: dict) -> dict:
         # Tokens the emulated model generated this step (for throughput; the planner sees the same lengths).
@@ -464,6 +495,10 @@ def _batch_lengths(batch: Any, m: float = 1.0) -> list[int]:
     parts = batch if isinstance(batch, list) else [batch]
     out: list[int] = []
     for part in parts:
+        emul = part.get("emul_tokens") if isinstance(part, dict) else None
+        if emul is not None and hasattr(emul, "reshape"):  # an emulated host's trajectories carry their lengths
+            out += [int(x) for x in emul.reshape(-1).tolist()]
+            continue
         mask = part.get("attention_mask") if isinstance(part, dict) else None
         if mask is None or not hasattr(mask, "sum"):
             continue

@@ -657,8 +657,11 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     servers = [FleetServer(a, g.name, g.tp, g.threads, g.max_running, reg.get(a, {}).get("pid"),
                            gpus=tuple(str(d) for d in reg.get(a, {}).get("gpus") or ()))
                for g, row in zip(groups, addrs) for a in row]
-    if backend is None:
+    if backend is None:  # an emulated host the launch started, else local processes
+        from areal_libra.rollout.emulated_host import EmulatedHostBackend
 
+        backend = EmulatedHostBackend.from_run_dir(run_dir)
+    if backend is None:
         device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
         backend = LocalProcessBackend.for_device(device)
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
