@@ -532,6 +532,7 @@ class EmulatedServerHandle:
     log_path: str = ""
     gpu_ids: tuple[str, ...] = ()
     proc: Any = None  # the host's Popen where this process started it (the launcher's shutdown stops it)
+    stopped: bool = False  # stopped through the backend
 
     @property
     def pid(self) -> int | None:
@@ -542,6 +543,8 @@ class EmulatedServerHandle:
             self.proc.kill()
 
     def alive(self) -> bool:
+        if self.stopped:
+            return False
         if self.proc is not None:  # the launcher's view (polled often): the host process
             return self.proc.poll() is None
         try:
@@ -585,10 +588,18 @@ class EmulatedHostBackend:
         return [EmulatedServerHandle(a, s, self.host_pid, self.log_path, proc=self.proc) for a, s in zip(addrs, specs)]
 
     def stop(self, server: Any, timeout: float = 10.0) -> None:
+        if isinstance(server, EmulatedServerHandle):
+            server.stopped = True
         try:
             _call(self.control, "/stop", {"addr": server.addr}, timeout)
         except (OSError, ValueError):
             pass  # the host is gone: so is the server
+
+    def adopt(self, addr: str, group: str, tp: int) -> EmulatedServerHandle:
+        """A handle on a server of this host that another process started (the launcher's first servers)."""
+        from areal_libra.rollout.launcher import ServerSpec
+
+        return EmulatedServerHandle(addr, ServerSpec(tp=tp, group=group), self.host_pid, self.log_path)
 
     def pacing(self, timeout: float = 10.0) -> dict[str, Any]:
         """The host's pacing fidelity (GET /pacing)."""

@@ -664,6 +664,10 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     if backend is None:
         device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
         backend = LocalProcessBackend.for_device(device)
+    adopt = getattr(backend, "adopt", None)
+    if adopt is not None:  # servers inside a backend's own process (an emulated host) stop through it, never by pid
+        for s in servers:
+            s.handle, s.backend = adopt(s.addr, s.group, s.tp), backend
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
     kwargs.setdefault("rollout_devices", pool)
     return ServerFleet(trainer.rollout, router, str(trainer.config.actor.path), run_dir / "servers", backend,
