@@ -191,6 +191,9 @@ class EmulatedConfig:
     host: bool = False
     workload: str = "search_r1"  # search_r1 | dapo_math | r2e_gym | a trace file
     seed: int = 0  # the workload generator's seed
+    # The trainer's real PPO update runs on this many sequences of each batch (0: all of them); the pacing
+    # counts the whole batch. A stand-in keeps AReaL's loop, staleness and weight updates with negligible compute.
+    train_sample: int = 0
 
 
 @dataclass

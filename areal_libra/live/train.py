@@ -198,7 +198,8 @@ def install_emulation(trainer, libra: LibraConfig, run_dir: Path, metrics, contr
         elastic.pool.core_fn = lambda: emu.check_layout(groups_fn())[1]
     host = EmulatedHostBackend.from_run_dir(run_dir)  # libra.emulated.host: its pacing error too
     install_train_pacing(trainer, emu, groups_fn, metrics, version_fn=lambda: trainer.actor.get_version(),
-                         hybrids_fn=hybrids_fn, host_pacing_fn=None if host is None else host.pacing)
+                         hybrids_fn=hybrids_fn, host_pacing_fn=None if host is None else host.pacing,
+                         train_sample=int(libra.emulated.train_sample))
 
 
 def main(argv: list[str] | None = None) -> int:

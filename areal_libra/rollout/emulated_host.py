@@ -184,9 +184,12 @@ class EmulatedServer:
         if self.stopped or self.sim.epoch != epoch or self.sim.chunk is None:
             return
         now = self.host.now()
-        self._settle(max(now, self.sim.chunk[7]))  # a timer is never early by design; float noise aside
+        t_end = self.sim.chunk[7]
+        self._settle(max(now, t_end))  # a timer is never early by design; float noise aside
         if not self.paused:
-            self._start(now)
+            # The next chunk begins where the truth says this one ended, not when this process woke up: a late
+            # wake-up delays the responses (counted as an overrun) but does not slow the server down.
+            self._start(t_end)
 
     def _finish(self, done: list[SimRequest]) -> None:
         for req in done:

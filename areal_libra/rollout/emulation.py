@@ -437,14 +437,30 @@ def pacing_error(overrun_s: float, target_s: float) -> float:
 PACING_ERROR_LIMIT = 0.10
 
 
+def stand_in_batch(batch: Any, n: int) -> Any:
+    """The first `n` sequences of a training batch (a dict of tensors with the batch first): the stand-in
+    update's batch, so the real loop still updates and ships weights while its compute stays negligible."""
+    if not isinstance(batch, dict):
+        return batch
+    sizes = [v.shape[0] for v in batch.values() if hasattr(v, "shape") and len(v.shape) > 0]
+    if not sizes:
+        return batch
+    b = max(set(sizes), key=sizes.count)  # the batch dimension
+    if b <= n:
+        return batch
+    return {k: (v[:n] if hasattr(v, "shape") and len(v.shape) > 0 and v.shape[0] == b else v)
+            for k, v in batch.items()}
+
+
 def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any,
                          version_fn: Any = lambda: 0, hybrids_fn: Any = lambda: 0,
-                         host_pacing_fn: Any = None) -> None:
+                         host_pacing_fn: Any = None, train_sample: int = 0) -> None:
     """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
     trainer's accelerators (all the rollout servers and the hybrid pool leave, as the current layout has
     them), plus one per hybrid replica training now (`hybrids_fn`). Every step's metrics carry
     emul/pacing_error: the trainer's (overruns of the paced updates over their targets, over the run) or, the
-    larger, the emulated host's (`host_pacing_fn`, its GET /pacing)."""
+    larger, the emulated host's (`host_pacing_fn`, its GET /pacing). `train_sample` > 0: the real update runs on
+    that many sequences of the batch (a stand-in: the pacing still counts the whole batch)."""
     configure(emulation)
     actor = trainer.actor
     original = actor.ppo_update
@@ -453,9 +469,12 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
 
     def paced(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        out = original(*args, **kwargs)
+        batch = args[0] if args else next(iter(kwargs.values()), None)
         m = emulation.multiplier(version_fn())
-        lens = _batch_lengths(args[0] if args else next(iter(kwargs.values()), None), m)
+        lens = _batch_lengths(batch, m)  # the whole batch's, before a stand-in takes a slice of it
+        if train_sample > 0 and args:
+            args = (stand_in_batch(args[0], train_sample), *args[1:])
+        out = original(*args, **kwargs)
         n_train = emulation.check_layout(groups_fn())[1] + int(hybrids_fn())
         last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
         last["emul/length_multiplier"] = m

@@ -668,6 +668,9 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     if adopt is not None:  # servers inside a backend's own process (an emulated host) stop through it, never by pid
         for s in servers:
             s.handle, s.backend = adopt(s.addr, s.group, s.tp), backend
+        # Leaving servers' requests move at once with their tokens so far (the host keeps their progress), as
+        # the simulator's retired servers' do, instead of holding the step while long emulated turns finish.
+        kwargs.setdefault("drain_timeout_s", 0.0)
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
     kwargs.setdefault("rollout_devices", pool)
     return ServerFleet(trainer.rollout, router, str(trainer.config.actor.path), run_dir / "servers", backend,

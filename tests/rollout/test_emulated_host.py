@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from areal_libra.rollout.emulated_host import REAL_TOKENS, emulated_rid, launch_host, parse_rid
-from areal_libra.rollout.emulation import _batch_lengths, emulated_truth, pacing_error
+from areal_libra.rollout.emulation import _batch_lengths, emulated_truth, pacing_error, stand_in_batch
 from areal_libra.rollout.launcher import ServerSpec
 
 SCALE = 0.5
@@ -56,6 +56,15 @@ def test_batch_lengths_prefer_emulated_tokens():
     assert _batch_lengths(batch) == [900, 4000]
     assert _batch_lengths({"attention_mask": torch.ones(2, 5, dtype=torch.bool)}) == [5, 5]
     assert pacing_error(1.0, 20.0) == 0.05 and pacing_error(0.0, 0.0) == 0.0
+
+
+def test_stand_in_batch_slices_the_batch_dimension():
+    batch = {"input_ids": torch.zeros(32, 7), "attention_mask": torch.ones(32, 7), "rewards": torch.ones(32),
+             "scalar": torch.tensor(3.0), "meta": "x"}
+    small = stand_in_batch(batch, 4)
+    assert small["input_ids"].shape == (4, 7) and small["rewards"].shape == (4,)
+    assert small["scalar"].item() == 3.0 and small["meta"] == "x"
+    assert stand_in_batch(batch, 64) is batch
 
 
 def test_servers_paced_to_the_truth(host):
