@@ -187,7 +187,7 @@ class EmulatedConfig:
     length_growth: float = 0.0  # emulated lengths grow to (1 + length_growth)x over growth_horizon steps
     growth_horizon: int = 40
     # host: the servers are emulated ones inside one process (rollout/emulated_host.py) that run no model;
-    # the workflow (areal_libra.workflows.emulated) plays `workload`'s trajectories (sim/workloads.py).
+    # the workflow (areal_libra.rollout.emulated_workflow) plays `workload`'s trajectories (sim/workloads.py).
     host: bool = False
     workload: str = "search_r1"  # search_r1 | dapo_math | r2e_gym | a trace file
     seed: int = 0  # the workload generator's seed

@@ -198,7 +198,8 @@ class LiveControl:
             raise ControlError(f"libra.control.profile_steps must be >= 1, got {profile_steps}")
         self.cfg, self.source, self.cluster = cfg, source, cluster
         self.profile_steps = profile_steps
-        self.accelerators = int(source.cluster.n_gpus) if hasattr(source, "cluster") else None
+        n = getattr(getattr(source, "cluster", None), "n_gpus", None)
+        self.accelerators = int(n) if isinstance(n, int) else None  # the plan's accelerators (the figure's axis)
         self.pressure_fn = pressure_fn
         self.ctl: LibraController | None = None
         self.timeline: list[dict] = []  # per step: allocation and throughput, for the end-of-run figure
