@@ -438,8 +438,11 @@ PACING_ERROR_LIMIT = 0.10
 
 
 def stand_in_batch(batch: Any, n: int) -> Any:
-    """The first `n` sequences of a training batch (a dict of tensors with the batch first): the stand-in
+    """The first `n` sequences of a training batch (a list of per-trajectory dicts, as AReaL's ppo_update takes
+    it, or a dict of tensors with the batch first): the stand-in
     update's batch, so the real loop still updates and ships weights while its compute stays negligible."""
+    if isinstance(batch, list):  # AReaL's ppo_update takes one dict per trajectory
+        return batch[:n] if len(batch) > n else batch
     if not isinstance(batch, dict):
         return batch
     sizes = [v.shape[0] for v in batch.values() if hasattr(v, "shape") and len(v.shape) > 0]

@@ -65,6 +65,8 @@ def test_stand_in_batch_slices_the_batch_dimension():
     assert small["input_ids"].shape == (4, 7) and small["rewards"].shape == (4,)
     assert small["scalar"].item() == 3.0 and small["meta"] == "x"
     assert stand_in_batch(batch, 64) is batch
+    trajs = [{"input_ids": torch.zeros(1, 3)} for _ in range(10)]
+    assert len(stand_in_batch(trajs, 4)) == 4 and stand_in_batch(trajs, 10) is trajs
 
 
 def test_servers_paced_to_the_truth(host):
