@@ -470,8 +470,20 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
     last: dict[str, float] = {}
     total = {"target": 0.0, "overrun": 0.0}
 
+    # The paced window opens when the batch is ready (AReaL computes its advantages first), so the trainer's
+    # own work on it counts against the truth's training time, not only the update.
+    began: dict[str, float | None] = {"t": None}
+    compute_adv = getattr(actor, "compute_advantages", None)
+    if compute_adv is not None:
+        def advantages(*args: Any, **kwargs: Any) -> Any:
+            began["t"] = time.perf_counter()
+            return compute_adv(*args, **kwargs)
+
+        actor.compute_advantages = advantages
+
     def paced(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = began["t"] if began["t"] is not None else time.perf_counter()
+        began["t"] = None
         batch = args[0] if args else next(iter(kwargs.values()), None)
         m = emulation.multiplier(version_fn())
         lens = _batch_lengths(batch, m)  # the whole batch's, before a stand-in takes a slice of it

@@ -142,3 +142,51 @@ def test_abort_keeps_progress_and_weight_sync(host):
         assert dt < full * 0.6, (dt, full)
     finally:
         host.stop(h)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.sources, self.hooks = [], []
+
+    def add_source(self, fn) -> None:
+        self.sources.append(fn)
+
+    def add_step_hook(self, fn) -> None:
+        self.hooks.append(fn)
+
+
+def test_train_pacing_window_stand_in_and_error():
+    """The paced window opens at compute_advantages; the real update sees the stand-in slice; the pacing
+    counts the whole batch; emul/pacing_error is the larger of the trainer's and the host's."""
+    from types import SimpleNamespace
+
+    from areal_libra.rollout.emulation import ClusterEmulation, configure, install_train_pacing
+    from areal_libra.rollout.groups import RolloutGroup
+
+    seen = {}
+
+    class Actor:
+        def compute_advantages(self, batch):
+            time.sleep(0.3)  # longer than the target below: an overrun
+            return batch
+
+        def ppo_update(self, batch):
+            seen["n"] = len(batch)
+
+    trainer = SimpleNamespace(actor=Actor())
+    emu = ClusterEmulation(accelerators=16, time_scale=1e-4)
+    m = _Metrics()
+    install_train_pacing(trainer, emu, lambda: [RolloutGroup("g", 1, 4)], m, host_pacing_fn=lambda: {"pacing_error": 0.05},
+                         train_sample=3)
+    try:
+        batch = [{"emul_tokens": torch.tensor([5000])} for _ in range(8)]
+        trainer.actor.ppo_update(trainer.actor.compute_advantages(batch))
+        out = m.sources[0]()
+    finally:
+        configure(None)
+    assert seen["n"] == 3
+    target = emu.train_target_s([5000] * 8, 12)
+    assert out["emul/train_target_s"] == pytest.approx(target)
+    assert out["emul/train_compute_s"] >= 0.3 > target
+    assert out["emul/train_pacing_error"] == pytest.approx((out["emul/train_compute_s"] - target) / target)
+    assert out["emul/pacing_error"] == out["emul/train_pacing_error"] > 0.05
