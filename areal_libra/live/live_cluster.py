@@ -236,7 +236,7 @@ class LiveControl:
         out["plan/reconfigurations"] = float(self.cluster.reconfigs)
         self.cluster.reconfig_s = 0.0
         row = self._layout()
-        row.update(step=step, alloc=self.allocation(), serving=served, **self._throughput(rec))
+        row.update(step=step, serving=served, **self._throughput(rec))
         self.timeline.append(row)
         self._metrics = out
         return out
@@ -244,8 +244,8 @@ class LiveControl:
     def _changed_at(self, step: int) -> bool:
         """`step`'s decisions changed the layout (the one after it differs from the one that served it)."""
         row = next((r for r in self.timeline if r["step"] == step), None)
-        return row is not None and (row["rollout_gpus"], row["train_gpus"]) != (
-            row["serving"]["rollout_gpus"], row["serving"]["train_gpus"])
+        return row is not None and (row["rollout_gpus"], row["train_gpus"], row["alloc"]) != (
+            row["serving"]["rollout_gpus"], row["serving"]["train_gpus"], row["serving"]["alloc"])
 
     def _start(self, step: int) -> None:
         """The first plan, from the profile steps' lengths; applied when it differs from the start layout."""
@@ -325,7 +325,7 @@ class LiveControl:
                 train += int(el.training_hybrids())
         elif self.accelerators is not None:
             train = self.accelerators - rollout
-        return {"rollout_gpus": rollout, "train_gpus": train}
+        return {"rollout_gpus": rollout, "train_gpus": train, "alloc": self.allocation()}
 
     def _throughput(self, rec: dict) -> dict[str, float | str]:
         """The step's tokens/s and what they are: emulated tokens per emulated second on an emulated cluster,
@@ -356,11 +356,12 @@ class LiveControl:
         roll = [rows[0]["serving"]["rollout_gpus"]] + [r["rollout_gpus"] for r in rows]
         train = [rows[0]["serving"]["train_gpus"]] + [r["train_gpus"] for r in rows]
         fig, (a, b) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
-        a.step(steps, roll, where="post", label="rollout", color="tab:blue")
+        a.step(steps, roll, where="post", label=f"rollout (start: {rows[0]['serving']['alloc'].replace('rollout ', '')})",
+               color="tab:blue")
         if all(t is not None for t in train):
             a.step(steps, train, where="post", label="training", color="tab:orange")
         top = max([v for v in roll + train if v is not None] + [self.accelerators or 0, 1])
-        a.set_ylim(0, top * 1.1)
+        a.set_ylim(0, top * 1.12)
         a.set_ylabel("accelerators")
         styles = {"initial_plan": ("tab:red", "reconfiguration"), "replan": ("tab:red", "reconfiguration"),
                   "join": ("tab:green", "elastic join"), "release": ("tab:purple", "elastic release")}
@@ -370,6 +371,9 @@ class LiveControl:
                 continue  # a plan that kept the layout
             color, label = styles[e.kind]
             a.axvline(e.step, color=color, lw=0.9, ls="--", label=None if label in seen else label)
+            after = next((r for r in rows if r["step"] == e.step), None)
+            if after is not None:  # what the decision switched to (the TP mix changes at equal counts too)
+                a.annotate(after["alloc"].replace("rollout ", ""), (e.step, top * 1.02), fontsize=6, color=color)
             seen.add(label)
         a.legend(fontsize=7, loc="best")
         b.plot([r["step"] for r in rows], [r["tokens_per_s"] for r in rows], marker=".")
