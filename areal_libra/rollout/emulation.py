@@ -278,6 +278,9 @@ class ClusterEmulation:
         em = cfg.emulated
         if not em.enabled:
             return None
+        if em.host and cfg.elastic.enabled:
+            raise EmulationError("the emulated host (libra.emulated.host) does not run the Elastic Hybrid Pool yet; "
+                                 "set libra.elastic.enabled=false")
         return cls(accelerators=em.accelerators, model=em.model, gpu=em.gpu, time_scale=em.time_scale,
                    trainer_accelerators=em.trainer_accelerators, server_threads=em.server_threads,
                    length_growth=float(em.length_growth), growth_horizon=int(em.growth_horizon),

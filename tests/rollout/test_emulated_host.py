@@ -190,3 +190,12 @@ def test_train_pacing_window_stand_in_and_error():
     assert out["emul/train_compute_s"] >= 0.3 > target
     assert out["emul/train_pacing_error"] == pytest.approx((out["emul/train_compute_s"] - target) / target)
     assert out["emul/pacing_error"] == out["emul/train_pacing_error"] > 0.05
+
+
+def test_host_refuses_the_elastic_pool():
+    from areal_libra.rollout.emulation import ClusterEmulation, EmulationError
+
+    ok = ClusterEmulation.from_libra({"emulated": {"enabled": True, "host": True}})
+    assert ok is not None and ok.accelerators == 16
+    with pytest.raises(EmulationError, match="Elastic Hybrid Pool"):
+        ClusterEmulation.from_libra({"emulated": {"enabled": True, "host": True}, "elastic": {"enabled": True}})
