@@ -203,6 +203,7 @@ class LiveControl:
         self.pressure_fn = pressure_fn
         self.ctl: LibraController | None = None
         self.timeline: list[dict] = []  # per step: allocation and throughput, for the end-of-run figure
+        self.decisions: list[tuple[int, str]] = []  # (step, kind) of every recorded decision, the first plan too
         self._metrics: dict[str, float] = {}
         self.resume: dict | None = None  # a saved snapshot (live.recover) to continue from
 
@@ -290,6 +291,7 @@ class LiveControl:
     def _record(self, event: dict) -> None:
         """Control decisions go to <run_dir>/control_events.jsonl and the trainer log."""
         print(f"areal_libra control: step {event['step']}: {event['event']}: {event['detail']}", flush=True)
+        self.decisions.append((int(event["step"]), str(event["event"])))
         if self.events_path is not None:
 
             append_jsonl(self.events_path, event)
@@ -366,14 +368,14 @@ class LiveControl:
         styles = {"initial_plan": ("tab:red", "reconfiguration"), "replan": ("tab:red", "reconfiguration"),
                   "join": ("tab:green", "elastic join"), "release": ("tab:purple", "elastic release")}
         seen: set[str] = set()
-        for e in (self.ctl.events if self.ctl is not None else []):
-            if e.kind not in styles or (styles[e.kind][1] == "reconfiguration" and not self._changed_at(e.step)):
+        for step, kind in getattr(self, "decisions", []):
+            if kind not in styles or (styles[kind][1] == "reconfiguration" and not self._changed_at(step)):
                 continue  # a plan that kept the layout
-            color, label = styles[e.kind]
-            a.axvline(e.step, color=color, lw=0.9, ls="--", label=None if label in seen else label)
-            after = next((r for r in rows if r["step"] == e.step), None)
+            color, label = styles[kind]
+            a.axvline(step, color=color, lw=0.9, ls="--", label=None if label in seen else label)
+            after = next((r for r in rows if r["step"] == step), None)
             if after is not None:  # what the decision switched to (the TP mix changes at equal counts too)
-                a.annotate(after["alloc"].replace("rollout ", ""), (e.step, top * 1.02), fontsize=6, color=color)
+                a.annotate(after["alloc"].replace("rollout ", ""), (step, top * 1.02), fontsize=6, color=color)
             seen.add(label)
         a.legend(fontsize=7, loc="best")
         b.plot([r["step"] for r in rows], [r["tokens_per_s"] for r in rows], marker=".")
