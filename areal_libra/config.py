@@ -187,6 +187,14 @@ class EmulatedConfig:
     server_threads: int = 1  # CPU threads per emulated server (its speed comes from the pacing)
     length_growth: float = 0.0  # emulated lengths grow to (1 + length_growth)x over growth_horizon steps
     growth_horizon: int = 40
+    # host: the servers are emulated ones inside one process (rollout/emulated_host.py) that run no model;
+    # the workflow (areal_libra.rollout.emulated_workflow) plays `workload`'s trajectories (sim/workloads.py).
+    host: bool = False
+    workload: str = "search_r1"  # search_r1 | dapo_math | r2e_gym | a trace file
+    seed: int = 0  # the workload generator's seed
+    # The trainer's real PPO update runs on this many sequences of each batch (0: all of them); the pacing
+    # counts the whole batch. A stand-in keeps AReaL's loop, staleness and weight updates with negligible compute.
+    train_sample: int = 0
 
 
 @dataclass

@@ -579,6 +579,10 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
     if emu is not None:
         print(f"areal_libra: emulated cluster {emu.describe(rollout_groups(c))}", flush=True)
     backend = LocalProcessBackend.for_device(c.libra.device)  # the fleet's, as build_fleet picks it
+    if emu is not None and c.libra.emulated.host:  # one process serving every emulated server
+        from areal_libra.rollout.emulated_host import launch_host
+
+        backend, _ = launch_host(emu.model, emu.gpu, emu.time_scale, log_dir)
     servers = backend.start(model_path, server_specs(c), str(log_dir / "servers"),
                             devices=gpus.servers if gpus else None)
     try:

@@ -1,6 +1,15 @@
 """Libra vs AReaL's static allocation, live, on the same emulated cluster.
 
     python -m evaluation.live_ab --steps 40 [--json] [--accelerators 16] [--set key=value ...]
+    python -m evaluation.live_ab --workload search_r1 --accelerators 64 --gpu h200 --model qwen3-14b \
+        --batch-prompts 64 --group-size 16 --seed 0 --steps 30 [--time-scale 1.0] --json
+
+With --workload the two runs are on an emulated host (cluster=emulated_host, experiment=emulated: servers
+that run no model, the workload's trajectories from the simulator's generator, time x --time-scale), both
+start from the static layout the simulator's AReaL-Static-Optimal chose for the same workload, cluster,
+model and seed, and the simulator's own libra / static ratio on the same setting is printed next to the live
+one (`sim_ratio`). Each run's `pacing_error` (emul/pacing_error, the maximum of the trainer's and the host's)
+is reported; when either exceeds 0.10 the ratio is withheld (null, with `ratio_withheld` saying why).
 
 Runs `python -m areal_libra.launch experiment=dapo_math cluster=emulated` twice, with libra.mode=libra and
 libra.mode=static and everything else equal (seed, steps, workload growth), and compares what the runs
@@ -17,15 +26,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+from areal_libra.rollout.emulation import PACING_ERROR_LIMIT
 from evaluation.launch_run import RunError, launch_run
+
+LEGACY = ("experiment=dapo_math", "cluster=emulated")  # without --workload: the tiny model's own trajectories
+HOST = ("experiment=emulated", "cluster=emulated_host")  # --workload: the emulated host
 
 
 class ABError(RunError):
     """A run that wrote nothing usable (one line for the user)."""
 
 
-def summarize(metrics_path: Path, skip: int) -> dict[str, float]:
-    """tokens_per_s and step_s of one run from its metrics.jsonl (steps after the first `skip`)."""
+def summarize(metrics_path: Path, skip: int, time_scale: float = 1.0) -> dict[str, float]:
+    """tokens_per_s and step_s (emulated seconds: real / time_scale) of one run from its metrics.jsonl (steps
+    after the first `skip`), and its pacing_error (cumulative, at the last step) where emulated."""
     if not metrics_path.exists():
         raise ABError(f"{metrics_path}: no metrics written")
     recs = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
@@ -33,19 +47,39 @@ def summarize(metrics_path: Path, skip: int) -> dict[str, float]:
     if not recs:
         raise ABError(f"{metrics_path}: no steps after the first {skip}")
     tokens = sum(float(r.get("emulated/gen_tokens", r.get("gen_tokens", 0))) for r in recs)
-    wall = sum(float(r["step_time_s"]) for r in recs)
-    out = {"tokens_per_s": round(tokens / wall, 3), "step_s": round(wall / len(recs), 3), "steps": len(recs)}
+    wall = sum(float(r["step_time_s"]) for r in recs) / time_scale  # emulated seconds
+    out = {"tokens_per_s": round(tokens / wall, 3), "step_s": round(wall / len(recs), 3), "steps": len(recs),
+           "wall_s_per_step": round(wall * time_scale / len(recs), 3)}
     last = recs[-1]
+    if "emul/pacing_error" in last:
+        out["pacing_error"] = round(float(last["emul/pacing_error"]), 4)
     for k in ("plan/replans", "plan/reconfigurations", "plan/allocation", "reward"):
         if k in last:
             out[k] = last[k]
     return out
 
 
-def run_one(mode: str, steps: int, root: Path, extra: list[str], log) -> Path:
-    args = ["experiment=dapo_math", "cluster=emulated", f"libra.mode={mode}", f"total_train_steps={steps}",
+def run_one(mode: str, steps: int, root: Path, extra: list[str], log, base: tuple[str, ...] = LEGACY) -> Path:
+    args = [*base, f"libra.mode={mode}", f"total_train_steps={steps}",
             f"cluster.fileroot={root}", f"trial_name=ab-{mode}", *extra]
     return launch_run(args, f"live_ab {mode}", log) / "metrics.jsonl"
+
+
+def simulate(workload: str, accelerators: int, gpu: str, model: str, batch_prompts: int, group_size: int,
+             seed: int, steps: int) -> dict:
+    """The simulator on the same setting (evaluation.throughput's): AReaL-Static-Optimal and Libra, their
+    tokens/s and ratio, and the static layout the baseline chose (the live runs start from it)."""
+    from areal_libra.sim.report import make_env, run_many
+
+    env = make_env(workload, f"{gpu}x{accelerators}", model, seed, batch_prompts, group_size)
+    res, _ = run_many(["areal_static_optimal", "libra"], env, steps)
+    st, lb = res["areal_static_optimal"], res["libra"]
+    choice = st.get("baseline_choice") or {}
+    return {"static_tokens_per_s": round(st["tokens_per_s"], 3), "libra_tokens_per_s": round(lb["tokens_per_s"], 3),
+            "static_step_s": round(st["mean_step_s"], 3), "libra_step_s": round(lb["mean_step_s"], 3),
+            "ratio": round(lb["tokens_per_s"] / max(1e-9, st["tokens_per_s"]), 4),
+            "static_rollout_gpus": int(choice.get("rollout_gpus", accelerators // 2)),
+            "static_tp": int(choice.get("tp", 1)), "libra_reconfigurations": lb.get("reconfigurations", 0)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fileroot", default=None, help="where both runs write (default: a temp dir)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an override passed to both runs (e.g. libra.emulated.accelerators=16)")
+    ap.add_argument("--workload", default=None, help="search_r1 | dapo_math | r2e_gym | a trace file: the emulated host")
+    ap.add_argument("--accelerators", type=int, default=None, help="emulated accelerators (--workload runs: 64)")
+    ap.add_argument("--gpu", default="h200")
+    ap.add_argument("--model", default="qwen3-14b")
+    ap.add_argument("--batch-prompts", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-scale", type=float, default=1.0, help="real seconds per emulated second (--workload)")
+    ap.add_argument("--no-sim", action="store_true", help="skip the simulator (no sim_ratio)")
     args = ap.parse_args(argv)
     if args.steps <= args.skip:
         print(f"error: --steps must be > --skip ({args.skip})", file=sys.stderr)
@@ -64,25 +107,71 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: --set {bad[0]!r} is not of the form key=value", file=sys.stderr)
         return 2
+    for name in ("accelerators", "batch_prompts", "group_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if not args.time_scale > 0:
+        print("error: --time-scale must be > 0", file=sys.stderr)
+        return 2
     root = Path(args.fileroot or tempfile.mkdtemp(prefix="live_ab."))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    base, extra, scale, sim = LEGACY, list(args.set), 1.0, None
+    if args.accelerators is not None and args.workload is None:
+        extra = [f"libra.emulated.accelerators={args.accelerators}", *extra]
     try:
-        res = {mode: summarize(run_one(mode, args.steps, root, args.set, log), args.skip)
-               for mode in ("libra", "static")}
+        if args.workload is not None:
+            acc = args.accelerators or 64
+            sim = None if args.no_sim else simulate(args.workload, acc, args.gpu, args.model, args.batch_prompts,
+                                                    args.group_size, args.seed, args.steps)
+            if sim is not None:
+                log(f"simulator: libra / static {sim['ratio']} (static layout {sim['static_rollout_gpus']} rollout "
+                    f"accelerators as TP{sim['static_tp']})")
+            n_roll, tp = (sim["static_rollout_gpus"], sim["static_tp"]) if sim else (acc // 2, 1)
+            base, scale = HOST, args.time_scale
+            extra = [f"libra.emulated.accelerators={acc}", f"libra.emulated.gpu={args.gpu}",
+                     f"libra.emulated.model={args.model}", f"libra.emulated.workload={args.workload}",
+                     f"libra.emulated.seed={args.seed}", f"libra.emulated.time_scale={args.time_scale}",
+                     f"train_dataset.batch_size={args.batch_prompts}", f"gconfig.n_samples={args.group_size}",
+                     f"seed={args.seed}", f"libra.rollout_alloc=embedded:d{max(1, n_roll // tp)}t{tp}", *extra]
+        res: dict = {mode: summarize(run_one(mode, args.steps, root, extra, log, base), args.skip, scale)
+                     for mode in ("libra", "static")}
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    res["ratio"] = round(res["libra"]["tokens_per_s"] / max(1e-9, res["static"]["tokens_per_s"]), 3)
+    except (ValueError, OSError) as e:  # the simulator's setting (unknown workload, cluster, model)
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    ratio = round(res["libra"]["tokens_per_s"] / max(1e-9, res["static"]["tokens_per_s"]), 3)
+    worst = max(res[m].get("pacing_error", 0.0) for m in ("libra", "static"))
+    if worst > PACING_ERROR_LIMIT:
+        res["ratio"] = None
+        res["ratio_withheld"] = (f"pacing error {worst:.3f} > {PACING_ERROR_LIMIT}: the runs did not keep the "
+                                 f"emulated hardware's time (unpaced ratio {ratio})")
+    else:
+        res["ratio"] = ratio
+    if sim is not None:
+        res["sim_ratio"] = sim["ratio"]
+        res["sim"] = sim
+    if args.workload is not None:
+        res["time_scale"] = scale
     if args.json:
         print(json.dumps(res))
     else:
         for mode in ("libra", "static"):
             r = res[mode]
-            print(f"{mode:7s} {r['tokens_per_s']:10.1f} tokens/s  {r['step_s']:.2f} s/step")
-        print(f"ratio libra/static: {res['ratio']:.3f}")
+            pe = f"  pacing error {r['pacing_error']:.3f}" if "pacing_error" in r else ""
+            print(f"{mode:7s} {r['tokens_per_s']:10.1f} tokens/s  {r['step_s']:.2f} s/step{pe}")
+        if res["ratio"] is None:
+            print(f"ratio withheld: {res['ratio_withheld']}")
+        else:
+            print(f"ratio libra/static: {res['ratio']:.3f}")
+        if "sim_ratio" in res:
+            print(f"simulator's ratio: {res['sim_ratio']:.3f}")
     return 0
 
 

@@ -215,9 +215,12 @@ class LiveControl:
             raise ControlError(f"libra.control.profile_steps must be >= 1, got {profile_steps}")
         self.cfg, self.source, self.cluster = cfg, source, cluster
         self.profile_steps = profile_steps
+        n = getattr(getattr(source, "cluster", None), "n_gpus", None)
+        self.accelerators = int(n) if isinstance(n, int) else None  # the plan's accelerators (the figure's axis)
         self.pressure_fn = pressure_fn
         self.ctl: LibraController | None = None
         self.timeline: list[dict] = []  # per step: allocation and throughput, for the end-of-run figure
+        self.decisions: list[tuple[int, str]] = []  # (step, kind) of every recorded decision, the first plan too
         self._metrics: dict[str, float] = {}
         self.resume: dict | None = None  # a saved snapshot (live.recover) to continue from
         self.failures = 0  # steps whose control decision raised (recorded; the run goes on)
@@ -231,6 +234,7 @@ class LiveControl:
         measured = elastic.observation() if elastic is not None and hasattr(elastic, "observation") else None
         inputs = elastic.rollout_inputs() if measured is not None and hasattr(elastic, "rollout_inputs") else None
         obs = observation(step, rec, pressure, measured, inputs)
+        served = self._layout()  # the layout that served this step (decisions below change the next one)
         out: dict[str, float] = {}
         try:
             self._decide(step, obs, out)
@@ -243,9 +247,9 @@ class LiveControl:
         out["plan/reconfig_s"] = self.cluster.reconfig_s
         out["plan/reconfigurations"] = float(self.cluster.reconfigs)
         self.cluster.reconfig_s = 0.0
-        self.timeline.append({"step": step, "rollout_gpus": sum(g.gpus for g in self.cluster.groups),
-                              "tokens_per_s": float(rec.get("throughput_tokens_per_s", 0.0)),
-                              "alloc": self.allocation()})
+        row = self._layout()
+        row.update(step=step, serving=served, **self._throughput(rec))
+        self.timeline.append(row)
         self._metrics = out
         return out
 
@@ -264,6 +268,12 @@ class LiveControl:
             # What the elastic policy read this step (T_train/T_rollout as the controller saw them).
             out["plan/obs_train_s"], out["plan/obs_rollout_s"] = obs.train_s, obs.rollout_s
             out["plan/events"] = float(len(events))
+
+    def _changed_at(self, step: int) -> bool:
+        """`step`'s decisions changed the layout (the one after it differs from the one that served it)."""
+        row = next((r for r in self.timeline if r["step"] == step), None)
+        return row is not None and (row["rollout_gpus"], row["train_gpus"], row["alloc"]) != (
+            row["serving"]["rollout_gpus"], row["serving"]["train_gpus"], row["serving"]["alloc"])
 
     def _start(self, step: int) -> None:
         """The first plan, from the profile steps' lengths; applied when it differs from the start layout."""
@@ -315,6 +325,7 @@ class LiveControl:
     def _record(self, event: dict) -> None:
         """Control decisions go to <run_dir>/control_events.jsonl and the trainer log."""
         print(f"areal_libra control: step {event['step']}: {event['event']}: {event['detail']}", flush=True)
+        self.decisions.append((int(event["step"]), str(event["event"])))
         if self.events_path is not None:
 
             append_jsonl(self.events_path, event)
@@ -334,8 +345,40 @@ class LiveControl:
             if self.fleet is not None:
                 self.fleet.close()
 
+    def _layout(self) -> dict[str, float | None]:
+        """Rollout and training accelerators now: the fleet's groups and, on an emulated cluster, the
+        trainer's share of the emulated accelerators (with the hybrids training now)."""
+        rollout = sum(g.gpus for g in self.cluster.groups)
+        train = None
+        emu = getattr(self.cluster, "emulation", None)
+        if emu is not None:
+            try:
+                train = emu.check_layout(self.cluster.groups)[1]
+            except ValueError:
+                train = None
+            el = self.cluster.elastic
+            if train is not None and el is not None and hasattr(el, "training_hybrids"):
+                train += int(el.training_hybrids())
+        elif self.accelerators is not None:
+            train = self.accelerators - rollout
+        return {"rollout_gpus": rollout, "train_gpus": train, "alloc": self.allocation()}
+
+    def _throughput(self, rec: dict) -> dict[str, float | str]:
+        """The step's tokens/s and what they are: emulated tokens per emulated second on an emulated cluster,
+        else the real model's tokens per second of this machine."""
+        emu = getattr(self.cluster, "emulation", None)
+        if emu is None:
+            return {"tokens_per_s": float(rec.get("throughput_tokens_per_s", 0.0)),
+                    "unit": "real tokens/s (this machine)"}
+        wall = float(rec.get("step_time_s", 0.0)) / float(emu.time_scale)
+        tokens = float(rec.get("gen_tokens", 0.0)) * emu.multiplier(self.cluster.version - 1)
+        return {"tokens_per_s": tokens / wall if wall > 0 else 0.0,
+                "unit": "emulated tokens/s (emulated time)"}
+
     def write_figure(self, path: Path) -> Path | None:
-        """Allocation and throughput over steps (PNG), written at the end of the run."""
+        """Allocation (from the start layout on) and throughput over steps (PNG), written at the end of the run:
+        rollout and training accelerators that served each step, each reconfiguration and elastic move marked
+        at the step it was decided, tokens/s labelled emulated or real."""
         if not self.timeline:
             return None
         import matplotlib
@@ -343,16 +386,36 @@ class LiveControl:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        steps = [r["step"] for r in self.timeline]
-        fig, (a, b) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-        a.step(steps, [r["rollout_gpus"] for r in self.timeline], where="post")
-        a.set_ylabel("rollout accelerators")
-        for e in (self.ctl.events if self.ctl is not None else []):
-            a.axvline(e.step, color="tab:red" if e.kind == "replan" else "tab:gray", lw=0.8, ls="--")
-        b.plot(steps, [r["tokens_per_s"] for r in self.timeline])
-        b.set_ylabel("tokens/s")
-        b.set_xlabel("training step")
-        a.set_title("Libra: allocation and throughput (dashed: re-plans / elastic moves)")
+        rows = self.timeline
+        # Step 0: the start layout (what served the first step); then what served each step after.
+        steps = [0] + [r["step"] for r in rows]
+        roll = [rows[0]["serving"]["rollout_gpus"]] + [r["rollout_gpus"] for r in rows]
+        train = [rows[0]["serving"]["train_gpus"]] + [r["train_gpus"] for r in rows]
+        fig, (a, b) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+        a.step(steps, roll, where="post", label=f"rollout (start: {rows[0]['serving']['alloc'].replace('rollout ', '')})",
+               color="tab:blue")
+        if all(t is not None for t in train):
+            a.step(steps, train, where="post", label="training", color="tab:orange")
+        top = max([v for v in roll + train if v is not None] + [self.accelerators or 0, 1])
+        a.set_ylim(0, top * 1.12)
+        a.set_ylabel("accelerators")
+        styles = {"initial_plan": ("tab:red", "reconfiguration"), "replan": ("tab:red", "reconfiguration"),
+                  "join": ("tab:green", "elastic join"), "release": ("tab:purple", "elastic release")}
+        seen: set[str] = set()
+        for step, kind in getattr(self, "decisions", []):
+            if kind not in styles or (styles[kind][1] == "reconfiguration" and not self._changed_at(step)):
+                continue  # a plan that kept the layout
+            color, label = styles[kind]
+            a.axvline(step, color=color, lw=0.9, ls="--", label=None if label in seen else label)
+            after = next((r for r in rows if r["step"] == step), None)
+            if after is not None:  # what the decision switched to (the TP mix changes at equal counts too)
+                a.annotate(after["alloc"].replace("rollout ", ""), (step, top * 1.02), fontsize=6, color=color)
+            seen.add(label)
+        a.legend(fontsize=7, loc="best")
+        b.plot([r["step"] for r in rows], [r["tokens_per_s"] for r in rows], marker=".")
+        b.set_ylabel(rows[-1]["unit"], fontsize=8)
+        b.set_xlabel("training step (0: the start layout)")
+        a.set_title("Libra: accelerators per step and throughput (dashed: decisions)")
         fig.tight_layout()
         tmp = path.with_suffix(".tmp.png")
         fig.savefig(tmp, dpi=80)

@@ -31,6 +31,7 @@ from areal_libra.live.recover import (
     restore_control_state,
 )
 from areal_libra.metrics import StepMetrics
+from areal_libra.rollout.emulated_host import EmulatedHostBackend
 from areal_libra.rollout.emulation import ClusterEmulation, install_train_pacing
 from areal_libra.rollout.fleet import build_fleet
 from areal_libra.rollout.pressure import PressureSampler
@@ -201,8 +202,10 @@ def install_emulation(trainer, libra: LibraConfig, run_dir: Path, metrics, contr
     hybrids_fn = elastic.training_hybrids if elastic is not None else (lambda: 0)
     if elastic is not None:  # the pool sees the trainer's core in emulated accelerators (hybrid units)
         elastic.pool.core_fn = lambda: emu.check_layout(groups_fn())[1]
+    host = EmulatedHostBackend.from_run_dir(run_dir)  # libra.emulated.host: its pacing error too
     install_train_pacing(trainer, emu, groups_fn, metrics, version_fn=lambda: trainer.actor.get_version(),
-                         hybrids_fn=hybrids_fn)
+                         hybrids_fn=hybrids_fn, host_pacing_fn=None if host is None else host.pacing,
+                         train_sample=int(libra.emulated.train_sample))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -278,6 +278,9 @@ class ClusterEmulation:
         em = cfg.emulated
         if not em.enabled:
             return None
+        if em.host and cfg.elastic.enabled:
+            raise EmulationError("the emulated host (libra.emulated.host) does not run the Elastic Hybrid Pool yet; "
+                                 "set libra.elastic.enabled=false")
         return cls(accelerators=em.accelerators, model=em.model, gpu=em.gpu, time_scale=em.time_scale,
                    trainer_accelerators=em.trainer_accelerators, server_threads=em.server_threads,
                    length_growth=float(em.length_growth), growth_horizon=int(em.growth_horizon),
@@ -427,28 +430,93 @@ def pacing_report(addrs: Sequence[str], timeout: float = 5.0) -> dict[str, float
     return out
 
 
+def pacing_error(overrun_s: float, target_s: float) -> float:
+    """The emulation's fidelity: the sum of overruns over the sum of pacing targets (0 when nothing was paced)."""
+    return overrun_s / target_s if target_s > 0 else 0.0
+
+
+# A run whose pacing error exceeds this cannot be read as the emulated hardware's (said at the end, and in the
+# live A/B's JSON instead of a ratio).
+PACING_ERROR_LIMIT = 0.10
+
+
+def stand_in_batch(batch: Any, n: int) -> Any:
+    """The first `n` sequences of a training batch (a list of per-trajectory dicts, as AReaL's ppo_update takes
+    it, or a dict of tensors with the batch first): the stand-in
+    update's batch, so the real loop still updates and ships weights while its compute stays negligible."""
+    if isinstance(batch, list):  # AReaL's ppo_update takes one dict per trajectory
+        return batch[:n] if len(batch) > n else batch
+    if not isinstance(batch, dict):
+        return batch
+    sizes = [v.shape[0] for v in batch.values() if hasattr(v, "shape") and len(v.shape) > 0]
+    if not sizes:
+        return batch
+    b = max(set(sizes), key=sizes.count)  # the batch dimension
+    if b <= n:
+        return batch
+    return {k: (v[:n] if hasattr(v, "shape") and len(v.shape) > 0 and v.shape[0] == b else v)
+            for k, v in batch.items()}
+
+
 def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any,
-                         version_fn: Any = lambda: 0, hybrids_fn: Any = lambda: 0) -> None:
+                         version_fn: Any = lambda: 0, hybrids_fn: Any = lambda: 0,
+                         host_pacing_fn: Any = None, train_sample: int = 0) -> None:
     """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
     trainer's accelerators (all the rollout servers and the hybrid pool leave, as the current layout has
-    them), plus one per hybrid replica training now (`hybrids_fn`)."""
+    them), plus one per hybrid replica training now (`hybrids_fn`). Every step's metrics carry
+    emul/pacing_error: the trainer's (overruns of the paced updates over their targets, over the run) or, the
+    larger, the emulated host's (`host_pacing_fn`, its GET /pacing). `train_sample` > 0: the real update runs on
+    that many sequences of the batch (a stand-in: the pacing still counts the whole batch)."""
     configure(emulation)
     actor = trainer.actor
     original = actor.ppo_update
     last: dict[str, float] = {}
+    total = {"target": 0.0, "overrun": 0.0}
+
+    # The paced window opens when the batch is ready (AReaL computes its advantages first), so the trainer's
+    # own work on it counts against the truth's training time, not only the update.
+    began: dict[str, float | None] = {"t": None}
+    compute_adv = getattr(actor, "compute_advantages", None)
+    if compute_adv is not None:
+        def advantages(*args: Any, **kwargs: Any) -> Any:
+            began["t"] = time.perf_counter()
+            return compute_adv(*args, **kwargs)
+
+        actor.compute_advantages = advantages
 
     def paced(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        out = original(*args, **kwargs)
+        t0 = began["t"] if began["t"] is not None else time.perf_counter()
+        began["t"] = None
+        batch = args[0] if args else next(iter(kwargs.values()), None)
         m = emulation.multiplier(version_fn())
-        lens = _batch_lengths(args[0] if args else next(iter(kwargs.values()), None), m)
+        lens = _batch_lengths(batch, m)  # the whole batch's, before a stand-in takes a slice of it
+        if train_sample > 0 and args:
+            args = (stand_in_batch(args[0], train_sample), *args[1:])
+        out = original(*args, **kwargs)
         n_train = emulation.check_layout(groups_fn())[1] + int(hybrids_fn())
         last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
         last["emul/length_multiplier"] = m
+        total["target"] += last["emul/train_target_s"]
+        total["overrun"] += max(0.0, last["emul/train_compute_s"] - last["emul/train_target_s"])
         return out
 
     actor.ppo_update = paced
-    metrics.add_source(lambda: dict(last))
+
+    def fidelity() -> dict[str, float]:
+        out = dict(last)
+        out["emul/train_pacing_error"] = pacing_error(total["overrun"], total["target"])
+        err = out["emul/train_pacing_error"]
+        if host_pacing_fn is not None:
+            try:
+                h = host_pacing_fn()
+                out["emul/host_pacing_error"] = float(h["pacing_error"])
+                err = max(err, out["emul/host_pacing_error"])
+            except (OSError, ValueError, KeyError):
+                pass  # the host is gone (shutdown): keep the trainer's
+        out["emul/pacing_error"] = err
+        return out
+
+    metrics.add_source(fidelity)
 
     def emulated_tokens(step: int, rec: dict) -> dict:
         # Tokens the emulated model generated this step (for throughput; the planner sees the same lengths).
@@ -464,6 +532,10 @@ def _batch_lengths(batch: Any, m: float = 1.0) -> list[int]:
     parts = batch if isinstance(batch, list) else [batch]
     out: list[int] = []
     for part in parts:
+        emul = part.get("emul_tokens") if isinstance(part, dict) else None
+        if emul is not None and hasattr(emul, "reshape"):  # an emulated host's trajectories carry their lengths
+            out += [int(x) for x in emul.reshape(-1).tolist()]
+            continue
         mask = part.get("attention_mask") if isinstance(part, dict) else None
         if mask is None or not hasattr(mask, "sum"):
             continue

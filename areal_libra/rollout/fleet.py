@@ -879,11 +879,21 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     servers = [FleetServer(a, g.name, g.tp, g.threads, g.max_running, reg.get(a, {}).get("pid"),
                            gpus=tuple(str(d) for d in reg.get(a, {}).get("gpus") or ()))
                for g, row in zip(groups, addrs) for a in row]
-    if backend is None:
+    if backend is None:  # an emulated host the launch started, else local processes
+        from areal_libra.rollout.emulated_host import EmulatedHostBackend
 
+        backend = EmulatedHostBackend.from_run_dir(run_dir)
+    if backend is None:
         device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
         backend = backend_for_device(device, seed=int(getattr(trainer.config, "seed", 0) or 0),
                                      first_index=len(servers))
+    adopt = getattr(backend, "adopt", None)
+    if adopt is not None:  # servers inside a backend's own process (an emulated host) stop through it, never by pid
+        for s in servers:
+            s.handle, s.backend = adopt(s.addr, s.group, s.tp), backend
+        # Leaving servers' requests move at once with their tokens so far (the host keeps their progress), as
+        # the simulator's retired servers' do, instead of holding the step while long emulated turns finish.
+        kwargs.setdefault("drain_timeout_s", 0.0)
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
     kwargs.setdefault("rollout_devices", pool)
     if str(getattr(trainer.config.actor, "weight_update_mode", "disk")) == "xccl" and "weight_group" not in kwargs:

@@ -1,0 +1,124 @@
+"""EmulatedWorkflow: the workload's trajectories, played through AReaL's rollout loop against emulated
+servers (areal_libra.rollout.emulated_host), with no model computing them.
+
+Each prompt's GRPO group is drawn from the same workload generator the simulator replays
+(areal_libra.sim.workloads: search_r1, dapo_math, r2e_gym or a trace file) at the weight version the
+episode starts at, so lengths grow with the version as there. Each trajectory is played turn by turn through
+`engine.agenerate` (the router and C-MLFQ see every turn, with the emulated context, model tokens and tool
+returns in the metadata): a turn asks for its segment's generated tokens (`max_new_tokens`), the request id
+carries the emulated context (emulated_host.emulated_rid); a tool call then waits the workload's latency
+(times the time scale) and adds its payload to the context. The tensors hold a few real token ids per turn;
+`emul_tokens` carries the trajectory's emulated length for the paced trainer, and the trajectory sink gets
+the emulated Trajectory (the planner's history, the metrics' tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections import defaultdict, deque
+from typing import Any
+
+import torch
+from areal.api import InferenceEngine, ModelRequest, RolloutWorkflow
+from areal.api.cli_args import GenerationHyperparameters
+from areal.infra import workflow_context
+from areal.utils import stats_tracker
+
+from areal_libra.rollout.emulated_host import TOKEN_ID, emulated_rid
+from areal_libra.sim.workloads import make_workload
+from areal_libra.trace import Segment, Trajectory
+from areal_libra.workflows.sink import emit, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
+
+PROMPT_IDS = [TOKEN_ID] * 2  # the real prompt: two ids; its emulated length is the workload's
+
+
+def emulated_dataset(path: Any = None, size: int = 4096, seed: int = 0, max_rows: int | None = None) -> Any:
+    """Rows that only name a prompt slot (the workload draws the prompt itself)."""
+    from datasets import Dataset
+
+    n = int(max_rows or size)
+    return Dataset.from_list([{"prompt_index": i, "messages": [{"role": "user", "content": str(i)}]}
+                              for i in range(n)])
+
+
+class EmulatedWorkflow(RolloutWorkflow):
+    def __init__(self, gconfig: GenerationHyperparameters, workload: str = "search_r1", seed: int = 0,
+                 time_scale: float = 1.0, group_size: int | None = None, max_len: int | None = None,
+                 tokenizer_path: str | None = None, max_turns: int | None = None, **_: Any) -> None:
+        self.gconfig = gconfig.new(n_samples=1)
+        self.workload = make_workload(workload)
+        self.workload.cfg.group_size = int(group_size or gconfig.n_samples)
+        if max_len:
+            self.workload.cfg.max_len = int(max_len)
+        self.rng = random.Random(seed)
+        self.time_scale = float(time_scale)
+        self._groups: dict[Any, deque] = defaultdict(deque)
+
+    @classmethod
+    def libra_kwargs(cls, libra: Any) -> dict[str, Any]:
+        em = libra.emulated
+        return {"workload": str(em.workload), "seed": int(em.seed), "time_scale": float(em.time_scale)}
+
+    def _next(self, key: Any, version: int) -> Trajectory:
+        q = self._groups[key]
+        if not q:  # the group's first sample: draw the whole group (a prompt's samples resemble each other)
+            q.extend(self.workload.sample_group(version, self.rng))
+        return q.popleft()
+
+    async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+        version = engine.get_version()
+        script = self._next(data.get("prompt_index", id(data)), version)
+        traj_id = f"{script.prompt_id}-{uuid.uuid4().hex[:10]}"
+        seq, logprobs, loss_mask, versions = list(PROMPT_IDS), [0.0] * 2, [0] * 2, [-1] * 2
+        ctx = script.prompt_tokens
+        model_tokens = 0
+        tool_meta: list[dict[str, Any]] = []
+        segments: list[Segment] = []
+        for k, seg in enumerate(script.segments):
+            last = k == len(script.segments) - 1
+            req = ModelRequest(
+                rid=emulated_rid(uuid.uuid4().hex, traj_id, ctx, last),
+                input_ids=list(seq),
+                gconfig=self.gconfig.new(max_new_tokens=max(1, seg.gen_tokens)),
+                metadata={"trajectory_id": traj_id, "prompt_id": script.prompt_id, "turn": k,
+                          "prompt_tokens": script.prompt_tokens, "context_tokens": ctx,
+                          "model_tokens": model_tokens, "tool_returns": [dict(t) for t in tool_meta]},
+            )
+            resp = await engine.agenerate(req)
+            out = list(resp.output_tokens)
+            seq += out
+            logprobs += list(resp.output_logprobs)
+            loss_mask += [1] * len(out)
+            versions += list(resp.output_versions)
+            ctx += seg.gen_tokens
+            model_tokens += seg.gen_tokens
+            segments.append(seg)
+            if seg.tool is None:
+                break
+            await asyncio.sleep(seg.tool.latency_s * self.time_scale)  # the tool runs in emulated time
+            ctx += seg.tool.payload_tokens
+            seq.append(TOKEN_ID)
+            logprobs.append(0.0)
+            loss_mask.append(0)
+            versions.append(-1)
+            tool_meta.append({"name": seg.tool.name, "payload_tokens": seg.tool.payload_tokens,
+                              "status": seg.tool.status})
+        reward = script.reward if script.reward is not None else float(self.rng.random() < 0.5)
+        stats_tracker.get(workflow_context.stat_scope()).scalar(
+            reward=reward, num_turns=len(segments), tool_calls=len(tool_meta), gen_tokens=model_tokens)
+        traj = Trajectory(trajectory_id=traj_id, prompt_id=script.prompt_id, step=version,
+                          prompt_tokens=script.prompt_tokens, segments=tuple(segments),
+                          finish_reason=script.finish_reason, reward=reward)
+        emit(traj)
+        res = {
+            "input_ids": torch.tensor(seq, dtype=torch.int32),
+            "loss_mask": torch.tensor(loss_mask, dtype=torch.int32),
+            "logprobs": torch.tensor(logprobs, dtype=torch.float32),
+            "versions": torch.tensor(versions, dtype=torch.int32),
+            "attention_mask": torch.ones(len(seq), dtype=torch.bool),
+            "rewards": torch.tensor(reward, dtype=torch.float32),
+            "emul_tokens": torch.tensor(traj.final_length, dtype=torch.int64),
+        }
+        return {k: v.unsqueeze(0) for k, v in res.items()}
