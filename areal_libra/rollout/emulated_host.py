@@ -43,6 +43,8 @@ from typing import Any
 
 from aiohttp import web
 
+from areal_libra.rollout.emulation import EmulationError, _check_scale, emulated_truth
+from areal_libra.rollout.launcher import ServerLaunchError, ServerSpec
 from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import RolloutServer, SimRequest
 from areal_libra.trace import Segment
@@ -579,7 +581,6 @@ class EmulatedHostBackend:
 
     def start(self, weights: str, specs: Any, log_dir: str, devices: Any = None, weight_version: int | None = None,
               timeout: float = 600.0) -> list[EmulatedServerHandle]:
-        from areal_libra.rollout.launcher import ServerLaunchError
 
         body = {"specs": [{"tp": s.tp, "max_running": s.max_running, "group": s.group, "seed": s.seed}
                           for s in specs],
@@ -600,7 +601,6 @@ class EmulatedHostBackend:
 
     def adopt(self, addr: str, group: str, tp: int) -> EmulatedServerHandle:
         """A handle on a server of this host that another process started (the launcher's first servers)."""
-        from areal_libra.rollout.launcher import ServerSpec
 
         return EmulatedServerHandle(addr, ServerSpec(tp=tp, group=group), self.host_pid, self.log_path)
 
@@ -627,7 +627,6 @@ def launch_host(model: str, gpu: str, time_scale: float, run_dir: Any, timeout: 
     import subprocess
     from pathlib import Path
 
-    from areal_libra.rollout.launcher import ServerLaunchError
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -656,7 +655,6 @@ def launch_host(model: str, gpu: str, time_scale: float, run_dir: Any, timeout: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from areal_libra.rollout.emulation import EmulationError, _check_scale, emulated_truth
 
     ap = argparse.ArgumentParser(prog="python -m areal_libra.rollout.emulated_host", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)

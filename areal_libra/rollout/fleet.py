@@ -58,6 +58,7 @@ from pathlib import Path
 
 from areal_libra.config import load_run_config
 from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, ServerBackend, backend_for_device
+from areal_libra.rollout.emulated_host import EmulatedHostBackend
 from areal_libra.rollout.emulation import active
 from areal_libra.rollout.futures import then_record
 from areal_libra.rollout.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
@@ -880,8 +881,6 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
                            gpus=tuple(str(d) for d in reg.get(a, {}).get("gpus") or ()))
                for g, row in zip(groups, addrs) for a in row]
     if backend is None:  # an emulated host the launch started, else local processes
-        from areal_libra.rollout.emulated_host import EmulatedHostBackend
-
         backend = EmulatedHostBackend.from_run_dir(run_dir)
     if backend is None:
         device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
