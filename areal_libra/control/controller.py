@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any, Protocol
 
+from areal_libra.control.calibration import Factors, StepCalibration
 from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
 
@@ -33,6 +35,8 @@ class StepObservation:
     rollout_s: float  # time the trainer waited for / spent on rollout (T_rollout as the loop sees it)
     queue_pressure: float = 0.0  # queued / (queued + running) rollout requests
     active_pressure: float = 0.0  # fraction of rollout capacity in use
+    wait_s: float = 0.0  # time the trainer sat ready waiting for rollout (0: rollout kept up)
+    tokens: float = 0.0  # final-length tokens of the batch trained (0: unknown; calibration then per step)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,18 @@ class PlanSource(Protocol):
         """The predicted step time of an existing plan on this history."""
 
 
+class CalibratedPlanSource(PlanSource, Protocol):
+    """A PlanSource that takes measured per-term factors (control.calibration): the controller then calibrates
+    online and gates re-plans on the calibrated evaluator."""
+
+    def solve_calibrated(self, history: list[tuple[int, ...]], factors: Factors) -> Any:
+        """solve() with the training and rollout terms scaled by the factors."""
+
+    def price_terms(self, plan: Any, history: list[tuple[int, ...]]) -> tuple[float, float, float]:
+        """(T_train, T_rollout, final-length tokens of the batch priced) of `plan` on `history` by the
+        uncalibrated evaluator."""
+
+
 @dataclass(frozen=True)
 class ControlConfig:
     """The controller's settings, declared once: `libra.control` of a live run is this dataclass
@@ -98,6 +114,10 @@ class ControlConfig:
     elastic_persist: int = 6  # chosen on seed 1 of the simulator from {3, 6, 10}
     elastic_project: bool = True  # give the policy pool sizes for its overshoot check
     elastic_policy: ElasticConfig = field(default_factory=ElasticConfig)  # join/release thresholds, cooldown
+    # Online calibration and the calibrated gate, when the plan source offers them (CalibratedPlanSource).
+    calibrate: bool = True
+    total_steps: int | None = None  # the run's length when known: the gate credits no gain beyond it
+    predict_steps: int = 5  # a decision's prediction is held against the mean of this many next steps
 
     def __post_init__(self) -> None:
         if self.settle_steps < 0 or self.interval_window < 1 or self.warmup_steps < 0:
@@ -114,6 +134,10 @@ class ControlEvent:
     step: int
     kind: str  # replan | kept | replan_failed | join | release
     detail: str
+
+
+def _layout_key(plan: Any) -> tuple[str, str]:
+    return (plan.rollout_alloc(), plan.train_alloc())
 
 
 def _mean(xs: deque[float]) -> float:
@@ -137,10 +161,24 @@ class LibraController:
         self.t_roll: deque[float] = deque(maxlen=4)
         self.verdicts: deque[str] = deque(maxlen=cfg.elastic_persist)
         self.last_change: int | None = None
-        self.last_replan = -cfg.settle_steps
         self.events: list[ControlEvent] = []
         self.replans = 0
         self.last_predicted_s = plan.makespan_s if plan is not None else 0.0
+        # With calibration the first plan counts as a re-plan at step 0: the first decision waits a full settle
+        # period, so its history is not only the trajectories that finish first.
+        self.calib: StepCalibration | None = (
+            StepCalibration(window=cfg.replan_policy.every_k)
+            if cfg.calibrate and hasattr(planner, "solve_calibrated") and hasattr(planner, "price_terms") else None)
+        self.last_replan = 0 if self.calib is not None else -cfg.settle_steps
+        # Each decision's prediction against the mean of the next predict_steps measured intervals.
+        self.predictions: list[dict[str, Any]] = []
+        self._pending: list[dict[str, Any]] = []
+        self._pool_training0: int | None = None  # hybrid replicas training when the plan was applied
+        self.factor_record: dict[str, float] = Factors().as_dict()  # the factors in force, for reports
+        # Measured step time per final-length token of each layout run so far (the steps after its settle):
+        # a layout the run has measured is priced by its measurement, not the model, so the gate does not
+        # move back to a layout that measured slower than the model said (no back-and-forth on model error).
+        self.measured: dict[tuple[str, str], deque[float]] = {}
 
     # ------------------------------------------------------------------ state across a restart
     def to_state(self) -> dict[str, Any]:
@@ -184,18 +222,71 @@ class LibraController:
         self.intervals.append(obs.interval_s)
         self.t_train.append(obs.train_s)
         self.t_roll.append(obs.rollout_s)
+        self._score_predictions(obs)
+        if self.calib is not None and obs.step >= self.cfg.warmup_steps:
+            self._calibrate(obs, cluster)
         # After a re-plan, wait settle_steps so the gate's measured step time is the new layout's in steady
         # state, not the reconfiguration's disruption.
         settled = obs.step >= self.cfg.warmup_steps and obs.step - self.last_replan >= self.cfg.settle_steps
+        # With calibration the periodic decision already prices the imbalance on the settled window; the ratio
+        # trigger (one step's T_rollout estimate against T_train) would re-plan on a moment's backlog.
+        ratio_in = (0.0, 0.0) if self.calib is not None else (_mean(self.t_roll), _mean(self.t_train))
         if self.replan_policy is not None and settled and self.replan_policy.should_replan(
-                obs.step, obs.queue_pressure, obs.active_pressure, _mean(self.t_roll), _mean(self.t_train)):
+                obs.step, obs.queue_pressure, obs.active_pressure, *ratio_in):
             if self._replan(obs.step, cluster):
                 return self.events[n0:]
         if obs.step >= self.cfg.warmup_steps:
             self._elastic(obs, cluster)
         return self.events[n0:]
 
+    def _score_predictions(self, obs: StepObservation) -> None:
+        for p in list(self._pending):
+            if obs.step <= p["step"]:
+                continue
+            p["_seen"].append(obs.interval_s)
+            if len(p["_seen"]) >= self.cfg.predict_steps:
+                seen = p.pop("_seen")
+                p["measured_s"] = sum(seen) / len(seen)
+                p["ratio"] = p["predicted_s"] / max(1e-9, p["measured_s"])
+                self._pending.remove(p)
+                self.predictions.append(p)
+
+    def _predict(self, step: int, kind: str, predicted_s: float) -> None:
+        self._pending.append({"step": step, "kind": kind, "predicted_s": predicted_s, "_seen": []})
+
+    def _calibrate(self, obs: StepObservation, cluster: Cluster) -> None:
+        """Price the plan in force on the current history and fit the factors to what the step measured;
+        skipped while the elastic pool has moved replicas off the plan (the plan no longer describes it)."""
+        assert self.calib is not None
+        pool = cluster.pool()
+        if self._pool_training0 is None:
+            self._pool_training0 = pool.training
+        if pool.training + pool.idle and pool.training != self._pool_training0:
+            return
+        hist = cluster.history(self.cfg.history)
+        if len(hist) < self.cfg.min_history:
+            return
+        try:
+            t_train, t_roll, tokens = self.planner.price_terms(self.plan, hist)  # type: ignore[attr-defined]
+        except ValueError:
+            return
+        # Per token: a step's batch is a draw of the history, so its time is held against the model's time per
+        # token of the history (one batch of hard issues is not a slow model).
+        per = tokens / obs.tokens if obs.tokens > 0 and tokens > 0 else 1.0
+        if obs.tokens > 0 and self.calib.since_change >= self.calib.settle:
+            self.measured.setdefault(_layout_key(self.plan), deque(maxlen=2 * self.cfg.replan_policy.every_k)
+                                     ).append(obs.interval_s / obs.tokens)
+        f = self.calib.observe(obs.interval_s, obs.train_s * per, obs.wait_s * per, t_train, t_roll,
+                               fixed_s=obs.interval_s - obs.train_s - obs.wait_s)
+        self.factor_record.update(f.as_dict())
+
+    @property
+    def factors(self) -> Factors:
+        return self.calib.factors if self.calib is not None else Factors()
+
     def _replan(self, step: int, cluster: Cluster) -> bool:
+        if self.calib is not None:
+            return self._replan_calibrated(step, cluster)
         hist = cluster.history(self.cfg.history)
         if len(hist) < self.cfg.min_history:
             return False
@@ -235,6 +326,67 @@ class LibraController:
         self.last_change = self.last_replan = step
         return True
 
+    def _replan_calibrated(self, step: int, cluster: Cluster) -> bool:
+        """The gate on the calibrated evaluator: the new plan is solved on one half of the history and both
+        plans are priced on the other half by the same evaluator and factors (a plan fitted to a moment's
+        completion-order noise is not priced on the sample it was fitted to); the per-step gain is credited
+        over every_k steps (at most the remaining ones) against the cost the cluster reports for this change."""
+        hist = cluster.history(self.cfg.history)
+        if len(hist) < 2 * self.cfg.min_history:
+            return False
+        fit, test = hist[0::2], hist[1::2]
+        f = self.factors
+        try:
+            new = self.planner.solve_calibrated(fit, f)  # type: ignore[attr-defined]
+            cur_terms = self.planner.price_terms(self.plan, test)  # type: ignore[attr-defined]
+            t_cur = f.step_s(*cur_terms[:2])
+            t_new = f.step_s(*self.planner.price_terms(new, test)[:2])  # type: ignore[attr-defined]
+        except ValueError as e:  # PlanError: keep running on the current plan
+            self.events.append(ControlEvent(step, "replan_failed", str(e)))
+            return False
+        if cluster.same_layout(self.plan, new):
+            self._predict(step, "same", t_cur)
+            self.last_predicted_s = t_cur
+            return False
+        # Layouts measured on this run: their measured median step per token, at this history's batch tokens.
+        seen_cur, seen_new = self.measured.get(_layout_key(self.plan)), self.measured.get(_layout_key(new))
+        if seen_cur and seen_new and len(seen_cur) >= 3 and len(seen_new) >= 3 and cur_terms[2] > 0:
+            t_cur = median(seen_cur) * cur_terms[2]
+            t_new = median(seen_new) * cur_terms[2]
+        rp = self.replan_policy
+        assert rp is not None
+        horizon = rp.cfg.every_k
+        if self.cfg.total_steps is not None:
+            horizon = max(0, min(horizon, self.cfg.total_steps - step - 1))
+        cost_fn = getattr(cluster, "reconfig_cost_s", None)
+        cost = float(cost_fn(self.plan, new)) if cost_fn is not None else rp.cfg.reconfig_cost_s
+        gain = t_cur - t_new
+        detail = (f"predicted {t_cur:.1f}s now vs {t_new:.1f}s new (factors train {f.train:.2f} rollout "
+                  f"{f.rollout:.2f} fixed {f.fixed_s:.1f}s), gain x {horizon} steps vs cost {cost:.0f}s")
+        if gain <= 0 or gain * horizon <= cost or gain / max(1e-9, t_cur) < rp.cfg.min_gain:
+            self.events.append(ControlEvent(step, "kept", detail))
+            self._predict(step, "kept", t_cur)
+            self.last_predicted_s = t_cur
+            return False
+        try:
+            cluster.apply_plan(new, step)
+        except (RuntimeError, ValueError) as e:  # the old layout still serves (live: FleetError)
+            self.events.append(ControlEvent(step, "reconfig_failed", str(e)))
+            return False
+        self.events.append(ControlEvent(step, "replan", f"({rp.last_reason}): {new.rollout_alloc()} train "
+                                        f"{new.train_alloc()}; {detail}"))
+        # The next steps pay the reconfiguration: its cost spread over the scored window.
+        predicted = t_new + cost / max(1, self.cfg.predict_steps)
+        self._predict(step, "replan", predicted)
+        self.plan = new
+        self.last_predicted_s = t_new
+        self.replans += 1
+        self.intervals.clear()
+        self.calib.layout_changed()  # type: ignore[union-attr]
+        self.last_change = self.last_replan = step
+        self._pool_training0 = cluster.pool().training
+        return True
+
     def _elastic(self, obs: StepObservation, cluster: Cluster) -> None:
         pool = cluster.pool()
         if pool.training + pool.idle == 0:
@@ -264,5 +416,11 @@ class LibraController:
     def metrics(self) -> dict[str, float]:
         """plan/* keys for metrics.jsonl and W&B."""
         p = self.plan
-        return {"plan/replans": float(self.replans), "plan/rollout_gpus": float(p.rollout_gpus),
-                "plan/train_gpus": float(p.train_gpus), "plan/predicted_step_s": float(self.last_predicted_s)}
+        out = {"plan/replans": float(self.replans), "plan/rollout_gpus": float(p.rollout_gpus),
+               "plan/train_gpus": float(p.train_gpus), "plan/predicted_step_s": float(self.last_predicted_s)}
+        if self.predictions:
+            out["plan/predicted_vs_measured_step"] = float(self.predictions[-1]["ratio"])
+        if self.calib is not None:
+            f = self.calib.factors
+            out.update({"plan/factor_train": f.train, "plan/factor_rollout": f.rollout, "plan/fixed_s": f.fixed_s})
+        return out

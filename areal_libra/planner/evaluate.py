@@ -62,4 +62,5 @@ def price(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, histor
         n_req = max(W / g.count, min(1.0, W))
         costs.append(float(rc.group_makespan_s(n_req, mp, mo, float(o[sel].max()), float(f[sel].max()),
                                                  window=cfg.rollout_window, reprefill=cfg.reprefill_on_sync)))
-    return PlanPrice(t_train, max(costs) if costs else 0.0, tuple(costs))
+    rf = cfg.rollout_factor
+    return PlanPrice(t_train * cfg.train_factor, (max(costs) if costs else 0.0) * rf, tuple(c * rf for c in costs))

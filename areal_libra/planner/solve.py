@@ -202,8 +202,13 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
         raise PlanError(f"rollout needs at least {need:g} GPUs for this history but only {max_roll} remain after the "
                         f"smallest training layout ({pareto[0][0]} GPUs)")
 
+    if cfg.train_factor <= 0 or cfg.rollout_factor <= 0:
+        raise PlanError(f"calibration factors must be > 0, got train {cfg.train_factor}, rollout {cfg.rollout_factor}")
+    # The split only depends on the ratio of the two factors: solve in the rollout model's seconds with the
+    # training times scaled by kf, then scale both sides to measured seconds in the plan (_build_plan).
+    kf = cfg.train_factor / cfg.rollout_factor
     g_train = np.array([g for g, _ in pareto])
-    t_train = np.array([r.t_s for _, r in pareto])  # strictly decreasing
+    t_train = np.array([r.t_s * kf for _, r in pareto])  # strictly decreasing
 
     def train_need(T: float) -> int:
         ok = np.nonzero(t_train <= T)[0]
@@ -226,7 +231,7 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
                         f">= {dp.min_gpus(rng[1])[0]:g}")
     t_star = smallest_feasible(feasible, min(rng[0], float(t_train.min())) / 2, top, between)
     r_need = max(dp.min_gpus(t_star)[0], cfg.min_rollout_gpus)
-    options = [(g, r) for g, r in pareto if r.t_s <= t_star and g + r_need <= n]
+    options = [(g, r) for g, r in pareto if r.t_s * kf <= t_star and g + r_need <= n]
     if len(options) > cfg.max_split_candidates:  # evenly spread, always keeping both ends
         idx = np.unique(np.linspace(0, len(options) - 1, cfg.max_split_candidates).round().astype(int))
         options = [options[i] for i in idx]
@@ -236,7 +241,7 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
         if sol is None:
             continue
         sol, left = dp.fill(sol, n - g)
-        key = (max(res.t_s, sol.t_s), left, res.t_s + sol.t_s)
+        key = (max(res.t_s * kf, sol.t_s), left, res.t_s * kf + sol.t_s)
         if best is None or key < best[0]:
             best = (key, g, res, sol, left)
     assert best is not None  # t_star is feasible, so its smallest training option has a rollout plan
@@ -245,7 +250,7 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     mono = dp.best_within(n - g, monotone=True)
     if mono is not None:
         mono, mono_left = dp.fill(mono, n - g)
-        if (max(res.t_s, mono.t_s), mono_left) <= (max(res.t_s, sol.t_s), left):
+        if (max(res.t_s * kf, mono.t_s), mono_left) <= (max(res.t_s * kf, sol.t_s), left):
             sol, left = mono, mono_left
     if left and cfg.fill_tp:
         sol, left = _fill_idle(cluster, model, cfg, sol, left, hi_len)
@@ -292,14 +297,14 @@ def _build_plan(cluster: ClusterSpec, cfg: PlannerConfig, tcost: TrainCost, st: 
         smallest = min(i.tp for i in instances)
         notes.append(f"{left} GPU(s) left idle: the smallest rollout server in the plan needs TP{smallest}, and "
                      f"{res.gpus} training GPUs gave a better step than any larger training layout")
-    t_train = res.t_s
+    t_train, t_roll = res.t_s * cfg.train_factor, sol.t_s * cfg.rollout_factor
     return Plan(
         train=par,
         rollout_gpus=sol.gpus,
         instances=instances,
         t_train_s=t_train,
-        t_rollout_s=sol.t_s,
-        makespan_s=max(t_train, sol.t_s),
+        t_rollout_s=t_roll,
+        makespan_s=max(t_train, t_roll),
         solve_s=time.perf_counter() - t0,
         n_gpus=cluster.n_gpus,
         train_backend=cfg.train_backend,

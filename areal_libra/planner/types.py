@@ -46,6 +46,11 @@ class PlannerConfig:
     # TPs that may take rollout GPUs the plan's own TPs leave idle (a budget that is not a multiple of them),
     # as extra servers for the slowest group; () leaves them idle.
     fill_tp: tuple[int, ...] = DEFAULT_TP
+    # Per-term calibration factors measured online (areal_libra.control.calibration): the Cost Evaluator's
+    # training and rollout times are multiplied by them, in solve and in price alike, so a term measured
+    # slower than modelled gets more GPUs. 1.0: the model as it is.
+    train_factor: float = 1.0
+    rollout_factor: float = 1.0
 
     @property
     def rollout_window(self) -> float:

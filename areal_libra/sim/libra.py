@@ -66,6 +66,11 @@ def _planner():
 
 
 CALIBRATE = True
+# The controller's online per-term calibration and the calibrated re-plan gate (areal_libra.control.calibration).
+# Off by default: with one scalar rollout factor the fitted value depends on the TP mix in force (0.85-1.57
+# on DAPO-Math across the layouts it tried), so every periodic decision moved to another layout (4 re-plans
+# in 60 steps) and R2E-Gym lost 16-24% (docs/pricing.md). The live and simulated controllers run it when on.
+CALIBRATE_ONLINE = False
 # Plan for the in-flight window of an asynchronous run: with staleness bound eta, eta+1 batches are in
 # flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
 # instead of once per step, as it is in the running system.
@@ -108,13 +113,15 @@ def planner_cluster(env: Env):
     return cached
 
 
-def plan_for(env: Env, history, homogeneous: bool, **restrict):
+def plan_for(env: Env, history, homogeneous: bool, factors=None, **restrict):
     """Call the planner; for the homogeneous rung, the best single-TP plan by the planner's own prediction.
     `restrict` passes PlannerConfig fields (used to price the current layout on a new history)."""
     solve, PlannerConfig, PlanError = _planner()
     cluster = planner_cluster(env)
     model = env.model if env.model is not None else env.truth.model.name
     tps = restrict.pop("allowed_tp", (1, 2, 4, 8))
+    if factors is not None:  # the controller's online calibration (areal_libra.control.calibration)
+        restrict.update(train_factor=factors.train, rollout_factor=factors.rollout)
     if not homogeneous:
         return solve(cluster, model, history, planner_config(env, allowed_tp=tuple(tps), **restrict))
     best = None
@@ -270,11 +277,20 @@ class SimPlanSource:
     def solve(self, history):
         return plan_for(self.env, history, self.homogeneous)
 
+    def solve_calibrated(self, history, factors):
+        return plan_for(self.env, history, self.homogeneous, factors)
+
     def price(self, plan, history) -> float:
+        t_train, t_roll, _ = self.price_terms(plan, history)
+        return max(t_train, t_roll)
+
+    def price_terms(self, plan, history) -> tuple[float, float, float]:
         from areal_libra.planner.evaluate import price
 
-        return price(plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name, history,
-                     planner_config(self.env)).makespan_s
+        cfg = planner_config(self.env)
+        p = price(plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name, history, cfg)
+        tokens = cfg.global_batch * sum(h[1] for h in history) / max(1, len(history))
+        return p.t_train_s, p.t_rollout_s, tokens
 
 
 class SimCluster:
@@ -307,6 +323,25 @@ class SimCluster:
 
     def same_layout(self, a, b) -> bool:
         return _same(self._layout(a), self._layout(b))
+
+    def reconfig_cost_s(self, a, b) -> float:
+        """What moving from plan a to plan b costs, as this cluster's reconfigurations take it: a training-layout
+        change restarts the trainer (checkpoint, re-shard, resume) while the new servers start; a rollout-only
+        change costs the new servers' start, as a share of the rollout GPUs that stop serving meanwhile."""
+        la, lb = self._layout(a), self._layout(b)
+        sim = self.sim
+        left = list(la.servers)
+        new = []
+        for spec in lb.servers:
+            if spec in left:
+                left.remove(spec)
+            else:
+                new.append(spec)
+        start = max((sim.truth.server_start_s(tp) for tp, _ in new), default=0.0)
+        if la.train != lb.train:
+            return sim.cfg.reconfig_train_s + start
+        gone = sum(tp for tp, _ in left)
+        return start * gone / max(1, sum(tp for tp, _ in la.servers))
 
     def apply_plan(self, plan, step: int) -> None:
         sim, opts = self.sim, self.opts
@@ -377,7 +412,8 @@ def control_config(knobs: SimKnobs) -> ControlConfig:
     that persisted elastic_persist steps), the production gate cost, and the knobs that are set."""
     set_knobs = {k: v for k, v in (("replan", knobs.replan), ("elastic_persist", knobs.elastic_persist),
                                    ("elastic_project", knobs.elastic_project)) if v is not None}
-    return ControlConfig(replan_policy=ReplanConfig(reconfig_cost_s=SIM_RECONFIG_COST_S), **set_knobs)
+    return ControlConfig(replan_policy=ReplanConfig(reconfig_cost_s=SIM_RECONFIG_COST_S), calibrate=CALIBRATE_ONLINE,
+                         **set_knobs)
 
 
 class SimLibraControl(Controller):
@@ -392,7 +428,8 @@ class SimLibraControl(Controller):
     def on_step_end(self, sim: Simulation, rec: dict) -> None:
         obs = StepObservation(step=rec["step"], interval_s=rec["interval_s"], train_s=rec["train_s"],
                               rollout_s=rec["t_rollout_s"],
-                              queue_pressure=rec["queue_pressure"], active_pressure=rec["active_pressure"])
+                              queue_pressure=rec["queue_pressure"], active_pressure=rec["active_pressure"],
+                              wait_s=rec["wait_s"], tokens=rec["final_tokens"])
         self.ctl.on_step(obs, self.cluster)
 
     @property
@@ -467,7 +504,11 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     layout = layout_from_plan(plan, env.workload.cfg.max_len, knobs.train_micro_batch)
     core, units = make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic else (layout, [])
     cluster = SimCluster(env, opts, units)
-    ctl = SimLibraControl(LibraController(control_config(knobs), SimPlanSource(env, opts.homogeneous), plan),
-                          cluster)
+    lc = LibraController(control_config(knobs), SimPlanSource(env, opts.homogeneous), plan)
+    ctl = SimLibraControl(lc, cluster)
+    # Filled while the run goes (the same objects): each decision's prediction against the next steps, and
+    # the calibration factors in force at the end.
+    extra = {"predictions": lc.predictions, "cost_factors": lc.factor_record}
     return SystemSpec(name, core, RunConfig(max_staleness=env.staleness),
-                      lambda lay: _router_for(lay, opts, None, prof, knobs, env), ctl)
+                      lambda lay: _router_for(lay, opts, None, prof, knobs, env), ctl, extra=extra)
+

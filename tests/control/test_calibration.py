@@ -1,0 +1,156 @@
+"""Online per-term calibration (control/calibration.py), the factors in solve and price, and the calibrated
+gate with its predictions scored against the next measured steps (issue 23 builds 3 and 5)."""
+
+import random
+
+import pytest
+
+from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
+from areal_libra.control.calibration import Factors, StepCalibration
+from areal_libra.planner import PlannerConfig, solve
+from areal_libra.planner.evaluate import price
+from areal_libra.planner.replan import ReplanConfig
+
+
+def test_train_factor_is_the_median_of_measured_over_modelled():
+    cal = StepCalibration(window=10, settle=2)
+    for i in range(12):
+        noisy = 20.0 if i == 7 else 2.0  # one slow step does not move a median
+        cal.observe(interval_s=40.0 * noisy / 2, train_s=10.0 * noisy, wait_s=0.0, t_train_model=5.0,
+                    t_roll_model=10.0)
+    assert cal.factors.train == pytest.approx(4.0)
+
+
+def test_rollout_factor_rises_on_waited_steps_and_only_falls_to_bounds():
+    cal = StepCalibration(window=10, settle=0)
+    for _ in range(6):  # the trainer waited 20 s each step: rollout took train + wait = 30 s vs 10 s modelled
+        cal.observe(interval_s=32.0, train_s=10.0, wait_s=20.0, t_train_model=10.0, t_roll_model=10.0)
+    assert cal.factors.rollout == pytest.approx(3.0)
+    assert cal.factors.fixed_s == pytest.approx(2.0)
+    cal.layout_changed()
+    for _ in range(6):  # rollout keeps up: T_rollout <= 12 s, an upper bound of 1.2 on the factor
+        cal.observe(interval_s=14.0, train_s=12.0, wait_s=0.0, t_train_model=10.0, t_roll_model=10.0)
+    assert cal.factors.rollout == pytest.approx(1.2)
+    for _ in range(6):  # a looser bound (rollout kept up with a slower trainer) never raises it
+        cal.observe(interval_s=32.0, train_s=30.0, wait_s=0.0, t_train_model=10.0, t_roll_model=10.0)
+    assert cal.factors.rollout == pytest.approx(1.2)
+
+
+def _history(seed=0, n=400):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = rng.randint(200, 1500)
+        out.append((p, p + rng.randint(500, 6000)))
+    return out
+
+
+def test_measurement_changes_which_plan_wins():
+    """A training term measured 3x slower than modelled moves GPUs to training; solve and price agree."""
+    h = _history()
+    base = PlannerConfig(global_batch=256, mode="async", staleness=4)
+    p1 = solve("a800x48", "qwen3-14b", h, base)
+    slow = PlannerConfig(global_batch=256, mode="async", staleness=4, train_factor=3.0)
+    p3 = solve("a800x48", "qwen3-14b", h, slow)
+    assert p3.train_gpus > p1.train_gpus
+    # price() of a plan applies the same factors the solve used
+    pr = price(p3, "a800x48", "qwen3-14b", h, slow)
+    assert pr.t_train_s == pytest.approx(p3.t_train_s, rel=0.02)
+    assert price(p1, "a800x48", "qwen3-14b", h, slow).t_train_s == pytest.approx(
+        3.0 * price(p1, "a800x48", "qwen3-14b", h, base).t_train_s)
+
+
+class _Plan:
+    def __init__(self, name, t_train, t_roll):
+        self.name, self.t_train, self.t_roll = name, t_train, t_roll
+        self.makespan_s = max(t_train, t_roll)
+        self.rollout_gpus = self.train_gpus = 4
+
+    def rollout_alloc(self):
+        return self.name
+
+    def train_alloc(self):
+        return "megatron:d4"
+
+
+class _CalPlanner:
+    """The new plan is the one that is best once the factors are applied."""
+
+    def __init__(self, plans):
+        self.plans, self.solved_with = plans, []
+
+    def solve(self, history):
+        return self.plans[0]
+
+    def price(self, plan, history):
+        return plan.makespan_s
+
+    def solve_calibrated(self, history, factors):
+        self.solved_with.append(factors)
+        return min(self.plans, key=lambda p: factors.step_s(p.t_train, p.t_roll))
+
+    def price_terms(self, plan, history):
+        return plan.t_train, plan.t_roll, 1000.0
+
+
+class _Cluster:
+    def __init__(self):
+        self.applied = []
+
+    def history(self, n):
+        return [(10, 100)] * 64
+
+    def same_layout(self, a, b):
+        return a.name == b.name
+
+    def apply_plan(self, plan, step):
+        self.applied.append((step, plan.name))
+
+    def reconfig_cost_s(self, a, b):
+        return 30.0
+
+    def pool(self):
+        return PoolView(training=0, idle=0, train_replicas=4, rollout_gpus=4, unit_gpus=1)
+
+    def join(self, n, step):
+        return 0
+
+    def release(self, n, step):
+        return 0
+
+
+def test_calibrated_gate_moves_when_the_measured_term_is_slow_and_scores_its_prediction():
+    # Model: training-heavy plan A (train 10, rollout 10) vs rollout-heavy B (train 14, rollout 5). Measured:
+    # rollout is 2x the model (the trainer waits 10 s every step on A), so B wins once calibrated.
+    a, b = _Plan("A", 10.0, 10.0), _Plan("B", 14.0, 5.0)
+    planner = _CalPlanner([a, b])
+    cfg = ControlConfig(replan_policy=ReplanConfig(every_k=10))
+    ctl = LibraController(cfg, planner, a)
+    cl = _Cluster()
+    for s in range(1, 11):
+        ctl.on_step(StepObservation(s, 21.0, 10.0, 20.0, wait_s=10.0, tokens=1000.0), cl)
+    assert ctl.factors.rollout == pytest.approx(2.0)
+    assert ctl.factors.train == pytest.approx(1.0)
+    assert cl.applied == [(10, "B")]
+    # B's step: max(14, 2 x 5) + 1 s fixed = 15 s; then 5 steps of 15 s (the move's 30 s spread over them).
+    for s in range(11, 16):
+        ctl.on_step(StepObservation(s, 15.0, 14.0, 10.0, wait_s=0.0, tokens=1000.0), cl)
+    (p,) = ctl.predictions
+    assert p["kind"] == "replan" and p["measured_s"] == pytest.approx(15.0)
+    assert p["predicted_s"] == pytest.approx(15.0 + 30.0 / 5)
+    assert ctl.metrics()["plan/predicted_vs_measured_step"] == pytest.approx(21.0 / 15.0)
+
+
+def test_calibrated_gate_keeps_the_plan_when_gain_over_every_k_does_not_beat_the_cost():
+    a, b = _Plan("A", 10.0, 10.0), _Plan("B", 14.0, 5.0)
+    planner = _CalPlanner([a, b])
+    planner.solve_calibrated = lambda history, factors: b  # a solve that proposes B whatever the factors
+    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=10)), planner, a)
+    cl = _Cluster()
+    for s in range(1, 11):  # rollout 1.1x the model: B's 15 s vs A's 12 s, no gain
+        ctl.on_step(StepObservation(s, 12.0, 10.0, 11.0, wait_s=1.0, tokens=1000.0), cl)
+    assert cl.applied == [] and ctl.events[-1].kind == "kept"
+
+
+def test_factors_step_time():
+    assert Factors(2.0, 0.5, 1.0).step_s(10.0, 30.0) == pytest.approx(21.0)
