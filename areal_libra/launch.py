@@ -437,6 +437,8 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
           f"model={model_path} steps={c.areal.total_train_steps}", flush=True)
     if emu is not None:
         print(f"areal_libra: emulated cluster {emu.describe(rollout_groups(c))}", flush=True)
+    if c.libra.ray.address or c.libra.ray.local_nodes:  # cluster=ray / ray_local: areal_libra/ray/run.py
+        return _run_on_ray(c, log_dir, model_path, tool_servers)
     backend = LocalProcessBackend.for_device(c.libra.device)  # the fleet's, as build_fleet picks it
     servers = backend.start(model_path, server_specs(c), str(log_dir / "servers"),
                             devices=gpus.servers if gpus else None)
@@ -473,6 +475,26 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
         shutdown(servers)
         kill_leftover_servers(log_dir)  # servers the trainer started and did not stop
     print(f"areal_libra: done; metrics in {metrics_path}", flush=True)
+    return 0
+
+
+def _run_on_ray(c: Composed, log_dir: Path, model_path: str, tool_servers: list) -> int:
+    """Every process of the run placed by Ray (areal_libra/ray/run.py); the same supervision."""
+    from areal_libra.ray.cluster import RayClusterError
+    from areal_libra.ray.run import Hooks, run_on_ray
+
+    revive = c.libra.mode == "libra" and bool(c.libra.revive_servers)
+    try:
+        rc = run_on_ray(c, Hooks(server_specs, trainer_env, supervise, rollout_groups), log_dir, model_path,
+                        tool_servers, REVIVE_GRACE_S if revive else 0.0)
+    except RayClusterError as e:
+        raise LaunchError(str(e)) from None
+    if rc != 0:
+        tail = (log_dir / "trainer.log").read_text(errors="replace").strip().splitlines()[-15:]
+        print("\n".join(tail), file=sys.stderr)
+        raise LaunchError(f"trainer exited with code {rc}; full log: {log_dir / 'trainer.log'}")
+    print(f"areal_libra: done; metrics in {log_dir / 'metrics.jsonl'}, placement in {log_dir / 'placement.json'}",
+          flush=True)
     return 0
 
 

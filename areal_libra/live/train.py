@@ -104,7 +104,14 @@ def install_fleet(trainer, libra: LibraConfig, run_dir: Path, metrics, router):
     if not (libra_mode or hybrids_serve(libra)):
         return None
 
-    fleet = build_fleet(trainer, router, run_dir)
+    ray_backend = None
+    if os.environ.get("AREAL_LIBRA_RAY_ADDRESS"):  # cluster=ray / ray_local: servers are Ray actors
+        from areal_libra.ray.backend import RayBackend
+
+        ray_backend = RayBackend.from_env(str(run_dir))
+    fleet = build_fleet(trainer, router, run_dir, backend=ray_backend)
+    if ray_backend is not None:
+        ray_backend.adopt_fleet(fleet, str(run_dir))  # the launcher's servers: stopped through their actors
     if libra_mode and libra.revive_servers:  # a dead server is replaced (rollout/revive.py)
 
         reviver = ServerReviver(fleet, router, run_dir).start()

@@ -84,7 +84,7 @@ class LocalRayCluster:
     def env(self) -> dict[str, str]:
         """The environment of every Ray process of this cluster (and of a driver that joins it)."""
         env = dict(os.environ)
-        env.update(RAY_TMPDIR=self.temp_dir, RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0")
+        env.update(RAY_TMPDIR=self.temp_dir, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
         env.pop("RAY_ADDRESS", None)
         return env
 
