@@ -485,8 +485,8 @@ def _run_on_ray(c: Composed, log_dir: Path, model_path: str, tool_servers: list)
 
     revive = c.libra.mode == "libra" and bool(c.libra.revive_servers)
     try:
-        rc = run_on_ray(c, Hooks(server_specs, trainer_env, supervise, rollout_groups), log_dir, model_path,
-                        tool_servers, REVIVE_GRACE_S if revive else 0.0)
+        rc = run_on_ray(c, Hooks(server_specs, trainer_env, supervise, rollout_groups, _worst_case_plan), log_dir,
+                        model_path, tool_servers, REVIVE_GRACE_S if revive else 0.0)
     except RayClusterError as e:
         raise LaunchError(str(e)) from None
     if rc != 0:
@@ -496,6 +496,15 @@ def _run_on_ray(c: Composed, log_dir: Path, model_path: str, tool_servers: list)
     print(f"areal_libra: done; metrics in {log_dir / 'metrics.jsonl'}, placement in {log_dir / 'placement.json'}",
           flush=True)
     return 0
+
+
+def _worst_case_plan(c: Composed, model_path: str):
+    """The planner's plan on a worst-case history (as check_feasible solves it): its training layout is the
+    one a run on Ray starts its trainer ranks with."""
+    from areal_libra.live.live_cluster import plan_source
+
+    src = plan_source(libra_config(c.libra), c.areal, model_path)
+    return src.solve([(64, 64 + int(c.areal.gconfig.max_new_tokens))] * 32)
 
 
 def _reap_group(pgid: int) -> None:

@@ -130,13 +130,15 @@ def free_accel_per_node() -> dict[str, float]:
             if nid in alive}
 
 
-def pick_node(tp: int, avoid: Sequence[str] = (), taken: dict[str, float] | None = None) -> str | None:
+def pick_node(tp: int, avoid: Sequence[str] = (), taken: dict[str, float] | None = None,
+              exclude: Sequence[str] = ()) -> str | None:
     """The node a TP-`tp` server should go to: one with `tp` free accelerators, nodes in `avoid` (the
-    trainer's) last, then the most free; None when no node has room (Ray then decides, and may refuse)."""
+    trainer's) last, then the most free, never one in `exclude` (a node whose servers just died: Ray may not
+    have marked it dead yet); None when no node has room (Ray then decides, and may refuse)."""
     free = free_accel_per_node()
     for nid, n in (taken or {}).items():
         free[nid] = free.get(nid, 0.0) - n
-    fits = [nid for nid, n in free.items() if n >= tp]
+    fits = [nid for nid, n in free.items() if n >= tp and nid not in exclude]
     if not fits:
         return None
     return min(fits, key=lambda nid: (nid in avoid, -free[nid], nid))
@@ -173,7 +175,8 @@ class RayServer:
 
     def record(self) -> dict:
         return {"role": "rollout", "group": self.spec.group, "tp": self.spec.tp, "addr": self.addr,
-                "node_id": self.node_id, "accel": self.spec.tp, "pid": self.server_pid, "actor": self.name}
+                "node_id": self.node_id, "accel": self.spec.tp, "pid": self.server_pid, "actor": self.name,
+                "pg": None if self.pg is None else self.pg.id.hex()}
 
 
 @dataclass
@@ -224,12 +227,13 @@ class RayBackend:
               timeout: float = 600.0) -> list[RayServer]:
         del devices  # Ray places the servers
         self.release_lost()
+        suspect = {s.node_id for s in self.started if s.node_id and not s.alive(timeout=2.0)}
         made: list[RayServer] = []
         try:
             taken: dict[str, float] = {}
             pgs, targets = [], []
             for spec in specs:
-                nid = pick_node(spec.tp, self.avoid_nodes, taken)
+                nid = pick_node(spec.tp, self.avoid_nodes, taken, tuple(suspect))
                 if nid is not None:
                     taken[nid] = taken.get(nid, 0.0) + spec.tp
                 name = f"{self.namespace}.srv-{uuid.uuid4().hex[:8]}"
@@ -267,7 +271,16 @@ class RayBackend:
         """Remove the placement groups of known servers whose node is gone: Ray would otherwise re-place
         them on a live node, where they hold the accelerators their replacements need."""
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        lost = [s for s in self.started if s.node_id and s.node_id not in alive]
+        table = ray.util.placement_group_table()
+
+        def moved(s: RayServer) -> bool:  # its group re-placed (or being re-placed) away from its server's node
+            if s.pg is None:
+                return False
+            info = table.get(s.pg.id.hex(), {})
+            nodes = set((info.get("bundles_to_node_id") or {}).values())
+            return info.get("state") == "RESCHEDULING" or bool(nodes and s.node_id not in nodes)
+
+        lost = [s for s in self.started if s.node_id and (s.node_id not in alive or moved(s))]
         for s in lost:
             with contextlib.suppress(Exception):
                 ray.kill(s.actor)
@@ -299,8 +312,8 @@ class RayBackend:
         except ValueError:
             return None
         pg = None
-        with contextlib.suppress(Exception):
-            pg = ray.util.get_placement_group(name)
+        if entry.get("pg"):  # by id: a group's name is not visible to another job's lookup
+            pg = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(str(entry["pg"]))))
         s = RayServer(str(entry["addr"]), spec, str(entry.get("log", "")), actor, pg,
                       str(entry.get("node_id", "")), entry.get("pid"), name)
         self.started.append(s)

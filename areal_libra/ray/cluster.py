@@ -73,6 +73,7 @@ class LocalRayCluster:
     accel: int = 4
     log_dir: str = ""
     start_timeout_s: float = 120.0
+    node_env: dict[int, dict[str, str]] = field(default_factory=dict)  # per-node extra environment (tests)
     procs: list[RayNodeProc] = field(default_factory=list)
     port: int = 0
     temp_dir: str = ""
@@ -99,7 +100,7 @@ class LocalRayCluster:
         log_path = os.path.join(self.log_dir, f"ray_node{index}.log")
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=self.env(), start_new_session=True)
+                                    env=self.env() | self.node_env.get(index, {}), start_new_session=True)
         node = RayNodeProc(index, proc, log_path)
         self.procs.append(node)
         deadline = time.monotonic() + self.start_timeout_s

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -37,7 +38,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from areal_libra.config import Composed, libra_config, save
+from areal_libra.config import Composed, save
 from areal_libra.ray.backend import (
     ADDRESS_ENV,
     NAMESPACE_ENV,
@@ -71,6 +72,7 @@ class Hooks:
     trainer_env: Callable[..., dict[str, str]]
     supervise: Callable[..., int]
     groups: Callable[[Composed], list]
+    train_plan: Callable[[Composed, str], Any]  # the planner's worst-case plan (live/live_cluster.plan_source)
 
 
 def connect_cluster(c: Composed, log_dir: Path, namespace: str) -> LocalRayCluster | None:
@@ -123,15 +125,12 @@ def check_nodes(timeout_s: float) -> dict[str, dict]:
     return out
 
 
-def training_ranks(c: Composed, model_path: str) -> tuple[int, str]:
+def training_ranks(c: Composed, hooks: Hooks, model_path: str) -> tuple[int, str]:
     """(trainer ranks, why): `libra.ray.trainer_ranks`, else the planner's training data-parallel size."""
     r = c.libra.ray
     if int(r.trainer_ranks) > 0:
         return int(r.trainer_ranks), f"libra.ray.trainer_ranks={r.trainer_ranks}"
-    from areal_libra.live.live_cluster import plan_source
-
-    src = plan_source(libra_config(c.libra), c.areal, model_path)
-    plan = src.solve([(64, 64 + int(c.areal.gconfig.max_new_tokens))] * 32)
+    plan = hooks.train_plan(c, model_path)
     dp = int(plan.train.dp)
     cap = int(r.max_trainer_ranks)
     n = min(dp, cap) if cap > 0 else dp
@@ -280,6 +279,12 @@ def run_on_ray(c: Composed, hooks: Hooks, log_dir: Path, model_path: str, tool_s
                revive_grace_s: float) -> int:
     """The run on Ray (see the module doc); raises RayClusterError for what the user can fix."""
     namespace = f"areal_libra.{c.areal.experiment_name}.{c.areal.trial_name}"
+
+    def _interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM too runs the clean-up below (actors, groups, the local cluster)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     local = connect_cluster(c, log_dir, namespace)
     backend = None
     servers: list[RayServer] = []
@@ -287,7 +292,7 @@ def run_on_ray(c: Composed, hooks: Hooks, log_dir: Path, model_path: str, tool_s
     watcher: _Watcher | None = None
     try:
         nodes = check_nodes(float(c.libra.ray.timeout_s))
-        ranks, why = training_ranks(c, model_path)
+        ranks, why = training_ranks(c, hooks, model_path)
         if ranks > 1 and c.libra.elastic.enabled:
             raise RayClusterError(f"libra.elastic.enabled needs a single-rank trainer core, but the run has {ranks} "
                                   "ranks; set libra.ray.trainer_ranks=1")
@@ -316,7 +321,8 @@ def run_on_ray(c: Composed, hooks: Hooks, log_dir: Path, model_path: str, tool_s
         write_groups_file(log_dir, hooks.groups(c), addrs)
         reg = {"servers": [{"addr": s.addr, "group": s.spec.group, "tp": s.spec.tp, "pid": s.server_pid,
                             "owner": "launcher", "state": "serving", "log": s.log_path, "gpus": [],
-                            "actor": s.name, "node_id": s.node_id} for s in servers]}
+                            "actor": s.name, "node_id": s.node_id, "pg": s.pg.id.hex() if s.pg else None}
+                           for s in servers]}
         atomic_write_text(log_dir / "servers.json", json.dumps(reg, indent=1) + "\n")
         trainer = start_trainer(c, hooks, log_dir, addrs, pg, ranks, nodes, namespace, bundle_nodes)
         trainer_recs = [{"role": "trainer", "rank": r, "node_id": bundle_nodes[r], "accel": 1, "pid": pid}
