@@ -10,13 +10,15 @@ serve the current weights when the file changes (the fleet checks their version 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from areal_libra.rollout.router import GROUPS_FILE, read_groups_file
-from areal_libra.utils import first_line
+from areal_libra.utils import atomic_write_text, first_line
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,12 @@ class LayoutFollower:
                 self.check_once()
             except Exception as e:  # noqa: BLE001 - the thread must outlive one bad round
                 log.warning("rank follower: round failed: %s", first_line(e))
+
+    def write_counters(self, counters: dict[str, float]) -> None:
+        """This rank's AReaL rollout counters at the end (rank 0's are in metrics.jsonl):
+        rollout_counters.rank<R>.json, so a run can show that no rank lost or rejected a rollout."""
+        rank = os.environ.get("RANK", "0")
+        atomic_write_text(self.path.parent / f"rollout_counters.rank{rank}.json", json.dumps(counters) + "\n")
 
     def start(self) -> LayoutFollower:
         if self._thread is None:

@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 trainer._libra_reviver.stop()
             if follower is not None:
                 follower.stop()
+                follower.write_counters(rollout_counters(trainer.rollout))  # this rank's accepted/rejected
             if control is not None:
                 control.close(run_dir / "allocation.png")
             if elastic is not None:

@@ -208,9 +208,8 @@ class RayBackend:
     def adopt_fleet(self, fleet: Any, run_dir: str) -> int:
         """Give the fleet's launcher-started servers (pid only) handles of this backend, so that stopping or
         replacing one removes its actor and placement group too; how many were adopted."""
-        from areal_libra.rollout.fleet import read_registry
-
-        reg = {r.get("addr"): r for r in read_registry(run_dir)}
+        # ray_servers.jsonl, not servers.json: the fleet rewrites the registry in its own format (no actor)
+        reg = {r.get("addr"): r for r in read_ray_servers(run_dir)}
         n = 0
         for s in fleet.servers:
             entry = reg.get(s.addr)
@@ -318,6 +317,23 @@ class RayBackend:
                       str(entry.get("node_id", "")), entry.get("pid"), name)
         self.started.append(s)
         return s
+
+
+def read_ray_servers(run_dir: str) -> list[dict]:
+    """Every server started on Ray in this run (the launcher's and the trainer's), oldest first."""
+    import json
+
+    try:
+        lines = open(os.path.join(run_dir, RAY_SERVERS_FILE), encoding="utf-8").read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def wait_healthy(servers: Sequence[RayServer], timeout: float) -> None:

@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -54,7 +55,7 @@ from areal_libra.ray.backend import (
 )
 from areal_libra.ray.cluster import ACCEL, LocalRayCluster, RayClusterError
 from areal_libra.rollout.launcher import ServerLaunchError
-from areal_libra.utils import atomic_write_text, first_line
+from areal_libra.utils import append_jsonl, atomic_write_text, first_line
 
 PLACEMENT_FILE = "placement.json"
 
@@ -89,6 +90,13 @@ def connect_cluster(c: Composed, log_dir: Path, namespace: str) -> LocalRayClust
               f"{r.local_accel} accel (logs {log_dir / 'ray'})", flush=True)
     else:
         address = str(r.address)
+        host, _, port = address.rpartition(":")
+        if host and port.isdigit():  # Ray retries a dead address for minutes: ask the port first
+            try:
+                socket.create_connection((host, int(port)), timeout=10).close()
+            except OSError as e:
+                raise RayClusterError(f"libra.ray.address={address}: no Ray cluster answers there ({e}); start "
+                                      "one with `ray start --head` or use cluster=ray_local") from None
     c.libra.ray.address = address
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False,
@@ -324,6 +332,8 @@ def run_on_ray(c: Composed, hooks: Hooks, log_dir: Path, model_path: str, tool_s
                             "actor": s.name, "node_id": s.node_id, "pg": s.pg.id.hex() if s.pg else None}
                            for s in servers]}
         atomic_write_text(log_dir / "servers.json", json.dumps(reg, indent=1) + "\n")
+        for s in servers:  # the trainer's backend adopts them from here (actor, placement group, node)
+            append_jsonl(log_dir / RAY_SERVERS_FILE, s.record() | {"t": round(time.time(), 3)})
         trainer = start_trainer(c, hooks, log_dir, addrs, pg, ranks, nodes, namespace, bundle_nodes)
         trainer_recs = [{"role": "trainer", "rank": r, "node_id": bundle_nodes[r], "accel": 1, "pid": pid}
                         for r, pid in enumerate(trainer.pids)]

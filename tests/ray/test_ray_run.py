@@ -51,7 +51,7 @@ def test_no_ray_cluster_at_the_address_is_one_line() -> None:
 def test_too_few_accelerators_for_the_plan_leaves_nothing_behind() -> None:
     before = set(_ray_pids())
     # 2 nodes x 1 accel = 2; the plan wants 2 trainer ranks + 2 servers
-    r = _launch("cluster=ray_local", "libra.ray.local_accel=1", "total_train_steps=1")
+    r = _launch("cluster=ray_local", "libra.ray.local_accel=1", "libra.ray.timeout_s=400", "total_train_steps=1")
     assert r.returncode == 2
     assert "the plan needs 4 accel" in _error_line(r)
     left = {p: c for p, c in _ray_pids().items() if p not in before}
