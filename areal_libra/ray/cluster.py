@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,4 +189,6 @@ class LocalRayCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(timeout=5)
         self.procs.clear()
+        if self.temp_dir:  # Ray's sockets and session logs of this cluster (the nodes' own logs are in log_dir)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
         return pids

@@ -131,6 +131,7 @@ def test_private_ray_instance_ignores_a_running_cluster(tmp_path, monkeypatch) -
     finally:
         pids = cluster.stop()
     assert pids and not [p for p in pids if pid_alive(p)]
+    assert not Path(cluster.temp_dir).exists()  # its private temp folder is gone too
 
 
 def test_private_ray_instance_ignores_a_stale_cluster_file(monkeypatch) -> None:
