@@ -174,6 +174,28 @@ class ControlSettings(ControlConfig):
 
 
 @dataclass
+class RayConfig:
+    """`libra.ray` (cluster=ray, cluster=ray_local): every process of the run placed by Ray placement groups
+    (areal_libra/ray/). Accelerators are Ray's custom resource "accel" (CPU nodes declare it; see README)."""
+
+    address: str | None = None  # None: not on Ray; "auto": the running cluster (RAY_ADDRESS, ray start); host:port
+    local_nodes: int = 0  # cluster=ray_local: Ray nodes this command starts on this host (and stops)
+    local_cpus: int = 1  # each local node's CPUs
+    local_accel: int = 4  # each local node's accelerators (the "accel" resource)
+    trainer_ranks: int = 0  # trainer processes (FSDP data parallel); 0: the planner's training layout
+    max_trainer_ranks: int = 2  # a cap on the planner's layout (a CPU host's cores); 0: none
+    timeout_s: float = 120.0  # connecting, and placing every placement group
+    # chaos (ray_local only): kill the raylet of the node that holds only rollout servers at this step
+    kill_node_at_step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.local_nodes < 0 or self.local_cpus < 1 or self.local_accel < 0:
+            raise ValueError("ray.local_nodes must be >= 0, ray.local_cpus >= 1 and ray.local_accel >= 0")
+        if self.trainer_ranks < 0 or self.max_trainer_ranks < 0 or self.timeout_s <= 0:
+            raise ValueError("ray.trainer_ranks and ray.max_trainer_ranks must be >= 0, ray.timeout_s > 0")
+
+
+@dataclass
 class EmulatedConfig:
     """`libra.emulated` (cluster=emulated): N emulated accelerators paced to a real model on real hardware
     (the simulator's hardware truth), see areal_libra.rollout.emulation."""
@@ -219,6 +241,7 @@ class LibraConfig:
     scheduler: DispatchConfig = field(default_factory=DispatchConfig)
     elastic: LiveElasticConfig = field(default_factory=LiveElasticConfig)
     emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     control: ControlSettings = field(default_factory=ControlSettings)
     revive_servers: bool = True  # libra mode: a rollout server that dies is replaced (rollout/revive.py)
     # The launcher keeps supervising when every rollout server is dead (chaos tests; it stops the run otherwise,

@@ -578,6 +578,8 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
           f"model={model_path} steps={c.areal.total_train_steps}", flush=True)
     if emu is not None:
         print(f"areal_libra: emulated cluster {emu.describe(rollout_groups(c))}", flush=True)
+    if c.libra.ray.address or c.libra.ray.local_nodes:  # cluster=ray / ray_local: areal_libra/ray/run.py
+        return _run_on_ray(c, log_dir, model_path, tool_servers)
     backend = LocalProcessBackend.for_device(c.libra.device)  # the fleet's, as build_fleet picks it
     if emu is not None and c.libra.emulated.host:  # one process serving every emulated server
         from areal_libra.rollout.emulated_host import launch_host
@@ -621,6 +623,35 @@ def _run_in(c: Composed, log_dir: Path, model_path: str, gpus, emu, tool_servers
         kill_leftover_servers(log_dir)  # servers the trainer started and did not stop
     print(f"areal_libra: done; metrics in {metrics_path}", flush=True)
     return 0
+
+
+def _run_on_ray(c: Composed, log_dir: Path, model_path: str, tool_servers: list) -> int:
+    """Every process of the run placed by Ray (areal_libra/ray/run.py); the same supervision."""
+    from areal_libra.ray.cluster import RayClusterError
+    from areal_libra.ray.run import Hooks, run_on_ray
+
+    revive = c.libra.mode == "libra" and bool(c.libra.revive_servers)
+    try:
+        rc = run_on_ray(c, Hooks(server_specs, trainer_env, supervise, rollout_groups, _worst_case_plan), log_dir,
+                        model_path, tool_servers, REVIVE_GRACE_S if revive else 0.0)
+    except RayClusterError as e:
+        raise LaunchError(str(e)) from None
+    if rc != 0:
+        tail = (log_dir / "trainer.log").read_text(errors="replace").strip().splitlines()[-15:]
+        print("\n".join(tail), file=sys.stderr)
+        raise LaunchError(f"trainer exited with code {rc}; full log: {log_dir / 'trainer.log'}")
+    print(f"areal_libra: done; metrics in {log_dir / 'metrics.jsonl'}, placement in {log_dir / 'placement.json'}",
+          flush=True)
+    return 0
+
+
+def _worst_case_plan(c: Composed, model_path: str):
+    """The planner's plan on a worst-case history (as check_feasible solves it): its training layout is the
+    one a run on Ray starts its trainer ranks with."""
+    from areal_libra.live.live_cluster import plan_source
+
+    src = plan_source(libra_config(c.libra), c.areal, model_path)
+    return src.solve([(64, 64 + int(c.areal.gconfig.max_new_tokens))] * 32)
 
 
 def _reap_group(pgid: int) -> None:

@@ -24,6 +24,7 @@ from areal_libra.config import LibraConfig, libra_config, load_run_config
 from areal_libra.elastic.policy import ScheduledPolicy
 from areal_libra.live.elastic_live import hybrids_serve, install_elastic
 from areal_libra.live.live_cluster import LiveCluster, LiveControl, plan_source
+from areal_libra.live.rank_follower import LayoutFollower
 from areal_libra.live.recover import (
     ControlStateFile,
     recover_enabled,
@@ -105,7 +106,14 @@ def install_fleet(trainer, libra: LibraConfig, run_dir: Path, metrics, router):
     if not (libra_mode or hybrids_serve(libra)):
         return None
 
-    fleet = build_fleet(trainer, router, run_dir)
+    ray_backend = None
+    if os.environ.get("AREAL_LIBRA_RAY_ADDRESS"):  # cluster=ray / ray_local: servers are Ray actors
+        from areal_libra.ray.backend import RayBackend
+
+        ray_backend = RayBackend.from_env(str(run_dir))
+    fleet = build_fleet(trainer, router, run_dir, backend=ray_backend)
+    if ray_backend is not None:
+        ray_backend.adopt_fleet(fleet, str(run_dir))  # the launcher's servers: stopped through their actors
     if libra_mode and libra.revive_servers:  # a dead server is replaced (rollout/revive.py)
 
         reviver = ServerReviver(fleet, router, run_dir).start()
@@ -253,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
 
         pressure = rollout_pressure(trainer, libra)
         fleet = install_fleet(trainer, libra, run_dir, metrics, router)  # None: no layout changes, no hybrids
+        follower = None
+        if router is not None and not _rank0() and libra.mode == "libra":  # a multi-rank trainer (cluster=ray*)
+            follower = LayoutFollower(trainer.rollout, router, run_dir).start()  # rank 0's fleet's layout
         elastic = install_elastic(trainer, libra, run_dir, metrics, fleet, pressure)  # None unless libra.elastic.enabled
         control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks, fleet, pressure)
         install_emulation(trainer, libra, run_dir, metrics, control, elastic)
@@ -263,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if getattr(trainer, "_libra_reviver", None) is not None:
                 trainer._libra_reviver.stop()
+            if follower is not None:
+                follower.stop()
+                follower.write_counters(rollout_counters(trainer.rollout))  # this rank's accepted/rejected
             if control is not None:
                 control.close(run_dir / "allocation.png")
             if elastic is not None:

@@ -1,6 +1,9 @@
 """Rollout groups: allocation strings, config resolution, bucket thresholds, GPU placement, xccl ranks."""
 
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,7 @@ from areal_libra.rollout.groups import (
     server_sizes,
     xccl_rank_offsets,
 )
+from areal_libra.utils import free_port, pid_alive
 
 
 def test_parse_and_format_allocation_roundtrip() -> None:
@@ -108,10 +112,48 @@ def test_ray_bundles_and_xccl_offsets_follow_real_sizes() -> None:
 
 def test_ray_placement_groups_on_custom_gpu_resources() -> None:
     """Ray with 8 logical GPUs (CPU machine): one STRICT_PACK group per server, the right GPU count each."""
+    _placement_groups_on_a_private_instance()
+
+
+@pytest.mark.slow
+def test_private_ray_instance_ignores_a_running_cluster(tmp_path, monkeypatch) -> None:
+    """A Ray cluster started earlier on this machine with `ray start` (its ray_current_cluster file in Ray's
+    temp folder) must not be joined by code that means a private instance (it would refuse num_gpus)."""
+    pytest.importorskip("ray")
+    from areal_libra.ray.cluster import LocalRayCluster
+
+    cluster = LocalRayCluster(nodes=1, cpus=1, accel=0, log_dir=str(tmp_path)).start()
+    try:
+        monkeypatch.setenv("RAY_TMPDIR", cluster.temp_dir)  # where ray.init() looks for the running cluster
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        assert (Path(cluster.temp_dir) / "ray" / "ray_current_cluster").read_text().strip()
+        _placement_groups_on_a_private_instance()
+    finally:
+        pids = cluster.stop()
+    assert pids and not [p for p in pids if pid_alive(p)]
+    assert not Path(cluster.temp_dir).exists()  # its private temp folder is gone too
+
+
+def test_private_ray_instance_ignores_a_stale_cluster_file(monkeypatch) -> None:
+    """The file a killed cluster leaves behind (its address no longer answers) is ignored as well."""
+    pytest.importorskip("ray")
+    tmp = Path(tempfile.mkdtemp(prefix="arl-stale-", dir="/tmp"))  # short: Ray's socket paths live under it
+    try:
+        (tmp / "ray").mkdir()
+        (tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+        monkeypatch.setenv("RAY_TMPDIR", str(tmp))
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        _placement_groups_on_a_private_instance()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _placement_groups_on_a_private_instance() -> None:
     ray = pytest.importorskip("ray")
+    from areal_libra.ray.cluster import init_private
     from areal_libra.rollout.groups import create_ray_placement_groups
 
-    ray.init(num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    init_private(num_cpus=4, num_gpus=8)
     try:
         _, groups = parse_allocation("sglang:d2t1+d1t2+d1t4")
         pgs = create_ray_placement_groups(groups, cpus_per_server=1, timeout_s=60)
