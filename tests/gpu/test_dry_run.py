@@ -6,7 +6,6 @@ the function launch_servers runs, and the trainer's from launch.trainer_command,
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -17,7 +16,7 @@ from areal_libra import launch
 from areal_libra.config import compose
 from areal_libra.live.live_cluster import ControlError, megatron_available, plan_source, train_layout
 from areal_libra.rollout.launcher import port_range
-from tests.sglang.test_command_lines import _server_args
+from tests.sglang.test_command_lines import parse_with_sglang
 
 MUST_SHOW = ["experiment=dapo_math", "cluster=gpu", "model=qwen3_8b", "libra.control.cluster=h100x8"]
 NCCL = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
@@ -101,13 +100,9 @@ def test_megatron_shows_the_planners_layout(megatron):
 
 
 def test_every_dry_run_server_argv_parses_with_sglangs_server_args(auto, megatron):
-    server_args = _server_args()  # skips, naming why, where sglang.srt.server_args does not import
-    for d in (auto, megatron):
-        for s in d["servers"]:
-            parser = argparse.ArgumentParser(exit_on_error=False)
-            server_args.add_cli_args(parser)
-            ns = parser.parse_args(s["argv"][3:])
-            assert ns.tp_size == len(s["gpus"]) and ns.random_seed == int(_flag(s["argv"], "--random-seed"))
+    servers = [s for d in (auto, megatron) for s in d["servers"]]
+    for s, ns in zip(servers, parse_with_sglang([s["argv"][3:] for s in servers]), strict=True):
+        assert ns["tp_size"] == len(s["gpus"]) and ns["random_seed"] == int(_flag(s["argv"], "--random-seed"))
 
 
 @pytest.mark.parametrize("args, needle", [

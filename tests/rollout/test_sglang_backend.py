@@ -5,8 +5,6 @@ its module imports: tests/sglang)."""
 
 from __future__ import annotations
 
-import argparse
-
 from areal_libra.rollout import backend as backend_mod
 from areal_libra.rollout.backend import LocalProcessBackend, SGLangBackend, backend_for_device
 from areal_libra.rollout.launcher import ServerSpec, build_command, port_range, ports_in_range
@@ -77,13 +75,11 @@ def test_the_fleet_picks_sglang_on_cuda_and_the_embedded_server_elsewhere() -> N
 
 
 def test_fleet_command_lines_parse_with_sglangs_server_args() -> None:
-    from tests.sglang.test_command_lines import _server_args
+    from tests.sglang.test_command_lines import parse_with_sglang
 
-    server_args = _server_args()  # skips, naming why, where the pinned SGLang's module does not import
     be = SGLangBackend(seed=1, first_index=1, node_devices=NODE)
-    for cmd in be.commands("/models/Qwen3-8B", [ServerSpec(tp=t) for t in (1, 2, 4)],
-                           devices=[("1",), ("2", "3"), ("4", "5", "6", "7")]):
-        parser = argparse.ArgumentParser(exit_on_error=False)
-        server_args.add_cli_args(parser)
-        ns = parser.parse_args(cmd[3:])
-        assert ns.random_seed == int(_flag(cmd, "--random-seed")) and ns.dist_init_addr == _flag(cmd, "--dist-init-addr")
+    cmds = be.commands("/models/Qwen3-8B", [ServerSpec(tp=t) for t in (1, 2, 4)],
+                       devices=[("1",), ("2", "3"), ("4", "5", "6", "7")])
+    for cmd, ns in zip(cmds, parse_with_sglang([c[3:] for c in cmds]), strict=True):
+        assert ns["random_seed"] == int(_flag(cmd, "--random-seed")) and ns["dist_init_addr"] == _flag(cmd, "--dist-init-addr")
+        assert ns["tp_size"] == int(_flag(cmd, "--tp-size"))
