@@ -1,10 +1,30 @@
 """The simulator's fast paths compute exactly what the plain code computes (same draws, same floats)."""
 
+import math
 import random
+from bisect import bisect_right
 
 from areal_libra.sim.hardware import truth_for
 from areal_libra.sim.server import RolloutServer, SimRequest
+from areal_libra.sim.workloads import R2EGym, lognormal
 from areal_libra.trace import Segment, ToolReturn, Trajectory
+
+
+def test_lognormal_draws_as_the_standard_library():
+    a, b = random.Random(7), random.Random(7)
+    for i in range(5000):
+        mu, sigma = math.log(50 + i % 300), 0.2 + (i % 7) / 10
+        assert lognormal(a.random, mu, sigma) == b.lognormvariate(mu, sigma)
+    assert a.random() == b.random()  # both generators consumed the same draws
+
+
+def test_tool_choice_draws_as_choices():
+    names, cum = R2EGym._NAMES, R2EGym._CUM
+    a, b = random.Random(3), random.Random(3)
+    got = [names[bisect_right(cum, a.random() * (cum[-1] + 0.0), 0, len(cum) - 1)]
+           for _ in range(3000)]
+    want = [b.choices(names, cum_weights=cum)[0] for _ in range(3000)]
+    assert got == want and set(got) == set(names)
 
 
 def test_preemption_retracts_the_latest_admitted_request():
