@@ -27,6 +27,24 @@ def test_tool_choice_draws_as_choices():
     assert got == want and set(got) == set(names)
 
 
+def _plain_prefill(truth, tp, new, prior=0.0):
+    m, c = truth.model, truth.c
+    flops = 2.0 * m.active_params * new + 4.0 * m.layers * m.attn_dim * new * (prior + new / 2.0)
+    comp = flops / (truth.gpu.flops * c.prefill_flop_eff * tp)
+    return comp + 2 * m.layers * truth._allreduce_s(tp, new * m.hidden * 2.0)
+
+
+def test_prefill_constants_give_the_same_floats():
+    rng = random.Random(1)
+    for gpu, model in (("a800", "qwen3-14b"), ("h100", "qwen3-8b")):
+        truth = truth_for(gpu, model)
+        for tp in (1, 2, 4, 8, 16):
+            for _ in range(300):
+                new, prior = rng.randint(1, 40000), rng.choice((0, rng.randint(1, 60000)))
+                assert truth.prefill_s(tp, new, prior) == _plain_prefill(truth, tp, new, prior)
+        assert truth.prefill_s(4, 0, 100) == 0.0
+
+
 def test_preemption_retracts_the_latest_admitted_request():
     truth = truth_for("a800", "qwen3-14b")
     s = RolloutServer(0, 1, 0, truth, random.Random(0), mem_fraction=0.52)
