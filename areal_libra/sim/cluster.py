@@ -265,7 +265,8 @@ class Simulation:
         if s.chunk is None and not s.retired:
             r = s.start_chunk(self.t)
             if r is not None:
-                self._push(r[0], CHUNK, s, r[1])
+                self._seq += 1  # _push, inlined (once per arrival and tool return)
+                heapq.heappush(self.events, (r[0], self._seq, CHUNK, s, r[1]))
 
     def _pick_server(self, bucket: int) -> RolloutServer:
         bucket = min(bucket, max(s.bucket for s in self.servers))
@@ -301,16 +302,18 @@ class Simulation:
 
     def _handle_done(self, s: RolloutServer, done: list[SimRequest]) -> None:
         t = s.clock
+        scale, truth_scale = self.cfg.tool_latency_scale, self.truth.c.tool_latency_scale
         for req in done:
             seg = req.traj.segments[req.seg]
-            self.gen_tokens += seg.gen_tokens
+            gen = seg.gen_tokens
+            self.gen_tokens += gen
             req.done_tokens = 0
-            after_gen = req.ctx + seg.gen_tokens
-            if seg.tool is not None:
+            after_gen = req.ctx + gen
+            tool = seg.tool
+            if tool is not None:
                 s.park(req, after_gen)
                 req.ctx = after_gen
-                lat = seg.tool.latency_s * self.cfg.tool_latency_scale * self.truth.c.tool_latency_scale
-                self._push(t + lat, TOOL, req)
+                self._push(t + tool.latency_s * scale * truth_scale, TOOL, req)
             else:
                 self._traj_done(req, t)
 
@@ -472,7 +475,8 @@ class Simulation:
                 if obj.chunk is None and not obj.retired:
                     r = obj.start_chunk(t)
                     if r is not None:
-                        self._push(r[0], CHUNK, obj, r[1])
+                        self._seq += 1  # _push, inlined
+                        heapq.heappush(ev, (r[0], self._seq, CHUNK, obj, r[1]))
             elif kind == TOOL:
                 self.t = t
                 self._tool_return(obj)

@@ -184,6 +184,7 @@ class HardwareTruth:
         self.gpu = gpu
         self.model = model
         self.c = consts or TruthConstants()
+        self._prefill_k: dict[int, tuple] = {}  # tp -> prefill_s's constants (gpu, model, c are frozen)
 
     # ---------------- rollout ----------------
     def kv_capacity_tokens(self, tp: int, mem_fraction: float | None = None) -> int:
@@ -226,13 +227,29 @@ class HardwareTruth:
         """Time to prefill `new_tokens` on top of `prior_tokens` already cached (one request)."""
         if new_tokens <= 0:
             return 0.0
+        k = self._prefill_k.get(tp)
+        if k is None:
+            k = self._prefill_k[tp] = self._prefill_consts(tp)
+        lin, attn, den, layers2, ar_lat, ar_k, hidden, bw = k
+        # flops = 2 P n + 4 L D n (prior + n/2); comm = 2 L * all-reduce of n * hidden * 2 bytes. The
+        # constant factors are the left-most products of the plain expressions, so every result is the
+        # same float as evaluating them in full (this is called once per admitted request).
+        flops = lin * new_tokens + attn * new_tokens * (prior_tokens + new_tokens / 2.0)
+        comp = flops / den
+        if ar_k is None:
+            return comp + layers2 * 0.0
+        return comp + layers2 * (ar_lat + ar_k * (new_tokens * hidden * 2.0) / bw)
+
+    def _prefill_consts(self, tp: int) -> tuple:
         m, c = self.model, self.c
-        flops = 2.0 * m.active_params * new_tokens + 4.0 * m.layers * m.attn_dim * new_tokens * (
-            prior_tokens + new_tokens / 2.0
-        )
-        comp = flops / (self.gpu.flops * c.prefill_flop_eff * tp)
-        comm = 2 * m.layers * self._allreduce_s(tp, new_tokens * m.hidden * 2.0)
-        return comp + comm
+        if tp <= 1:
+            ar_lat = ar_k = bw = None
+        else:  # _allreduce_s's terms
+            bw = self.gpu.nvlink_bw if tp <= self.gpu.gpus_per_node else self.gpu.internode_bw
+            ar_lat = self.c.allreduce_latency_s * (1.0 + 0.25 * math.log2(tp))
+            ar_k = 2.0 * (tp - 1) / tp
+        return (2.0 * m.active_params, 4.0 * m.layers * m.attn_dim, self.gpu.flops * c.prefill_flop_eff * tp,
+                2 * m.layers, ar_lat, ar_k, m.hidden, bw)
 
     # ---------------- training ----------------
     def train_memory_ok(self, tp: int, pp: int, dp: int) -> bool:

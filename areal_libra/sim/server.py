@@ -24,6 +24,7 @@ class SimRequest:
     __slots__ = (
         "traj", "group", "seg", "ctx", "server", "bucket", "start_version", "t_start", "heap_seq",
         "end_it", "base", "tool_state", "migrated_tokens", "migrations", "done_tokens", "admit_order",
+        "gen_seg", "gen_sum",
     )
 
     def __init__(self, traj, group, start_version: int, t_start: float):
@@ -43,6 +44,20 @@ class SimRequest:
         self.migrations = 0
         self.done_tokens = 0
         self.admit_order = 0
+        self.gen_seg = 0  # gen_sum = model tokens of segments[:gen_seg] (see gen_before)
+        self.gen_sum = 0
+
+    def gen_before(self) -> int:
+        """Model tokens of the segments before the current one (kept incrementally: the router asks at
+        every tool return, and summing the whole prefix each time was a hot path at the paper's scale)."""
+        n = self.seg
+        if self.gen_seg != n:
+            segs = self.traj.segments
+            if self.gen_seg > n:
+                self.gen_seg, self.gen_sum = 0, 0
+            self.gen_sum += sum(segs[i].gen_tokens for i in range(self.gen_seg, n))
+            self.gen_seg = n
+        return self.gen_sum
 
     @property
     def gen_tokens(self) -> int:
@@ -117,20 +132,27 @@ class RolloutServer:
         Returns requests whose segment ended (only when the whole chunk had run)."""
         ch = self.chunk
         if ch is None:
-            self.clock = max(self.clock, t)
+            if t > self.clock:
+                self.clock = t
             return []
         t0, k, a, b, kv0, B, xi, t_end = ch
         if t >= t_end:
             return self.finish_chunk()
         # An arrival can interrupt a chunk that starts later (after a weight-sync pause): nothing has run.
-        dt = max(0.0, (t - t0) / xi)
+        dt = (t - t0) / xi
+        if not dt > 0.0:  # (max(0.0, dt) without the builtin call: this runs once per arrival)
+            dt = 0.0
         # smallest j with chunk_time(j) >= dt: (bB/2) j^2 + (a + b kv0 - bB/2) j - dt = 0
         qa, qb = b * B / 2.0, a + b * kv0 - b * B / 2.0
         if qa > 0:
             j = (-qb + math.sqrt(qb * qb + 4 * qa * dt)) / (2 * qa)
         else:
             j = dt / qb
-        j = max(0, min(k, math.ceil(j - 1e-9)))
+        j = math.ceil(j - 1e-9)
+        if j > k:
+            j = k
+        if j < 0:
+            j = 0
         if j >= k:
             return self.finish_chunk()
         spent = xi * self._chunk_time(j, a, b, kv0, B)
@@ -216,64 +238,86 @@ class RolloutServer:
         """Admit queued requests (prefill), then start decoding. Returns (end time, epoch) or None if idle."""
         if self.chunk is not None:
             raise RuntimeError("start_chunk while a chunk runs")
-        self.clock = max(self.clock, now, self.available_at)
+        # The hot path of paper-scale runs (one call per chunk): attributes read once into locals, the
+        # same arithmetic in the same order as before (results are byte-identical).
+        clock = self.clock
+        if now > clock:
+            clock = now
+        if self.available_at > clock:
+            clock = self.available_at
+        self.clock = clock
         cap = self.capacity
-        kv = self.kv()
-        prefill = 0.0
+        active = self.active
+        it = self.it
+        kv = self.sum_base + len(active) * it
         q = self.queue
-        while q and len(self.active) < self.max_running:
-            req, prior, new = q[0]
-            cached = req in self.idle_cache
-            need = prior + new
-            if cached:
-                self.idle_tokens -= self.idle_cache.pop(req)
-            while kv + self.idle_tokens + need > cap and self.idle_cache:
-                _, tok = self.idle_cache.popitem(last=False)  # evict least recently parked
-                self.idle_tokens -= tok
-            if kv + need > cap and self.active:
+        if q:
+            prefill = 0.0
+            idle_cache = self.idle_cache
+            max_running = self.max_running
+            heap = self.heap
+            prefill_s = self.truth.prefill_s
+            tp = self.tp
+            while q and len(active) < max_running:
+                req, prior, new = q[0]
+                cached = req in idle_cache
+                need = prior + new
                 if cached:
-                    self.idle_cache[req] = prior
-                    self.idle_tokens += prior
-                break
-            q.popleft()
-            pf_new, pf_prior = (new, prior) if cached else (need, 0)
-            prefill += self.truth.prefill_s(self.tp, pf_new, pf_prior)
-            self.prefill_tokens += pf_new
-            base = need - self.it
-            self.active[req] = base
-            self.sum_base += base
-            self._seq += 1
-            req.heap_seq = self._seq
-            req.admit_order = self._seq
-            req.end_it = self.it + max(1, req.gen_tokens - req.done_tokens)
-            heapq.heappush(self.heap, (req.end_it, self._seq, req))
-            kv += need
-        if prefill > 0:
-            spent = prefill * self.speed
-            self.clock += spent
-            self.busy_s += spent
-        B = len(self.active)
+                    self.idle_tokens -= idle_cache.pop(req)
+                while kv + self.idle_tokens + need > cap and idle_cache:
+                    _, tok = idle_cache.popitem(last=False)  # evict least recently parked
+                    self.idle_tokens -= tok
+                if kv + need > cap and active:
+                    if cached:
+                        idle_cache[req] = prior
+                        self.idle_tokens += prior
+                    break
+                q.popleft()
+                if cached:
+                    prefill += prefill_s(tp, new, prior)
+                    self.prefill_tokens += new
+                else:
+                    prefill += prefill_s(tp, need, 0)
+                    self.prefill_tokens += need
+                base = need - it
+                active[req] = base
+                self.sum_base += base
+                self._seq += 1
+                seq = self._seq
+                req.heap_seq = seq
+                req.admit_order = seq
+                left = req.traj.segments[req.seg].gen_tokens - req.done_tokens
+                req.end_it = end_it = it + (left if left > 1 else 1)
+                heapq.heappush(heap, (end_it, seq, req))
+                kv += need
+            if prefill > 0:
+                spent = prefill * self.speed
+                self.clock += spent
+                self.busy_s += spent
+        B = len(active)
         if B == 0:
             return None
-        k = self.heap[0][0] - self.it
+        k = self.heap[0][0] - it
         room = (cap - kv) // B
-        while room < 1 and len(self.active) > 1:
+        while room < 1 and len(active) > 1:
             self._preempt()
             kv = self.kv()
-            B = len(self.active)
+            B = len(active)
             room = (cap - kv) // B
-            k = self.heap[0][0] - self.it
+            k = self.heap[0][0] - it
         k = max(1, min(k, room)) if room >= 1 else max(1, k)
         a, b = self._coeffs(B)
         xi = self.speed * math.exp(self.rng.gauss(0.0, self.sigma / math.sqrt(k)))
-        t_end = self.clock + xi * self._chunk_time(k, a, b, kv, B)
-        self.chunk = (self.clock, k, a, b, kv, B, xi, t_end)
+        t0 = self.clock
+        t_end = t0 + xi * (k * a + b * (k * kv + B * k * (k - 1) / 2.0))  # _chunk_time, inlined
+        self.chunk = (t0, k, a, b, kv, B, xi, t_end)
         self.epoch += 1
         return t_end, self.epoch
 
     def _preempt(self) -> None:
         """KV pool full: retract the most recently admitted request; it re-prefills its context later."""
-        victim = max(self.active, key=lambda r: r.admit_order)
+        # `active` is filled in admission order (admit_order increases), so its last key is the newest.
+        victim = next(reversed(self.active))
         base = self.active.pop(victim)
         self.sum_base -= base
         ctx = base + self.it

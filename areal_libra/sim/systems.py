@@ -145,7 +145,7 @@ class PolicyRouter(Router):
     def _req(self, req: SimRequest, context: int):
         tr = req.traj
         return self._info(tr.trajectory_id, tr.prompt_id, tr.prompt_tokens, context,
-                          sum(s.gen_tokens for s in tr.segments[: req.seg]), tuple(req.tool_state),
+                          req.gen_before(), tuple(req.tool_state),
                           step=req.start_version)
 
     def start(self, req: SimRequest) -> int:

@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import random
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,24 @@ if not DATA.is_dir():  # repository checked out elsewhere: look next to the work
     DATA = Path("/work/shared/data/polytrace")
 
 WORKLOADS = ("search_r1", "dapo_math", "r2e_gym")
+
+
+def lognormal(rand, mu: float, sigma: float) -> float:
+    """random.Random.lognormvariate(mu, sigma) drawn from `rand` (that generator's random()): the same
+    draws and arithmetic as CPython's (Kinderman-Monahan normal, then exp), without two method calls per
+    draw; tests/sim/test_sim_speed.py checks it matches the standard library draw for draw."""
+    log = math.log
+    while True:
+        u1 = rand()
+        u2 = 1.0 - rand()
+        z = _NV_MAGICCONST * (u1 - 0.5) / u2
+        zz = z * z / 4.0
+        if zz <= -log(u2):
+            break
+    return math.exp(mu + z * sigma)
+
+
+_NV_MAGICCONST = random.NV_MAGICCONST
 
 
 @dataclass
@@ -202,9 +221,11 @@ class R2EGym(Workload):
         turns_mean = 3.5 * difficulty * (1.0 + self.cfg.drift * p)
         p_fail = 0.15 - 0.07 * p
         # The hot path of paper-scale runs: the same draws in the same order as the plain loop, with the
-        # constants hoisted (choices() with precomputed cumulative weights draws exactly as with weights).
+        # constants hoisted. choices(names, cum_weights=cum)[0] is names[bisect(cum, random() * total)]
+        # (its documented algorithm), and lognormal() is rng.lognormvariate without the method calls.
         names, cum, spec = self._NAMES, self._CUM, self._SPEC
-        lognorm, uniform, choices = rng.lognormvariate, rng.random, rng.choices
+        uniform = rng.random
+        total, hi = cum[-1] + 0.0, len(cum) - 1
         ls = self.cfg.length_scale
         max_turns = self.max_turns
         log180, log250 = math.log(180), math.log(250)
@@ -213,26 +234,26 @@ class R2EGym(Workload):
             n_turns = min(max_turns, 1 + int(rng.expovariate(1.0 / max(0.5, turns_mean - 1))))
             segs = []
             for k in range(n_turns):
-                gen = max(8, int(lognorm(log180, 0.7) * ls * slow))
+                gen = max(8, int(lognormal(uniform, log180, 0.7) * ls * slow))
                 if k == n_turns - 1:
                     segs.append(Segment(gen, None))
                     break
-                name = choices(names, cum_weights=cum)[0]
+                name = names[bisect_right(cum, uniform() * total, 0, hi)]
                 _, _, med, sig, lat = spec[name]
                 u = uniform()
                 if u < 0.02:
                     status, payload, latency = "timeout", 40, 30.0
                 elif u < 0.02 + p_fail:
-                    status, payload, latency = "failure", int(lognorm(log250, 0.6)), lat * 0.5
+                    status, payload, latency = "failure", int(lognormal(uniform, log250, 0.6)), lat * 0.5
                 else:
                     status = "success"
-                    payload = int(lognorm(math.log(med), sig))
-                    latency = lognorm(math.log(lat * slow), 0.6)
+                    payload = int(lognormal(uniform, math.log(med), sig))
+                    latency = lognormal(uniform, math.log(lat * slow), 0.6)
                 segs.append(Segment(gen, ToolReturn(name, payload, status, latency)))
                 if status != "success" and len(segs) < max_turns - 1:
                     # A failed call is retried: one more short turn that repeats the call.
-                    retry = ToolReturn(name, int(lognorm(math.log(med), sig)), "success",
-                                       lognorm(math.log(lat), 0.6))
+                    retry = ToolReturn(name, int(lognormal(uniform, math.log(med), sig)), "success",
+                                       lognormal(uniform, math.log(lat), 0.6))
                     segs.append(Segment(max(8, int(gen * 0.4)), retry))
             segs_c, fr = self._cap(prompt, segs)
             out.append(Trajectory(self._tid(version, pid), pid, version, prompt, segs_c, fr))
