@@ -38,9 +38,9 @@ from areal_libra.ray.cluster import ACCEL
 from areal_libra.rollout.launcher import (
     ServerLaunchError,
     ServerSpec,
-    _server_env,
     build_command,
     is_healthy,
+    server_env_overlay,
     tail,
 )
 from areal_libra.utils import append_jsonl, free_port
@@ -87,7 +87,7 @@ class ProcessHost:
         # built here: --parent-pid is this actor, so the server ends with it (or with its node)
         cmd = build_command(kind, weights, spec, ip, port)
         log_path = os.path.join(log_dir, f"server{index}_{spec.group}_{port}.log")
-        pid = self.start(cmd, _server_env(kind, spec, None), log_path)
+        pid = self.start(cmd, {**os.environ, **server_env_overlay(kind, spec, None)}, log_path)
         return {"addr": f"{ip}:{port}", "pid": pid, "log_path": log_path,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
