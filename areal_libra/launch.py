@@ -748,8 +748,9 @@ def dry_run(c: Composed) -> dict:
                         for s in CUDA_CHECKS]
     if nproc > 1:
         not_checked.append(
-            f"a trainer of {nproc} ranks under torchrun has not run in this project: every data-parallel head rolls "
-            "out through its own router, and only rank 0 runs the controller and the fleet (docs/gpu.md)")
+            f"a trainer of {nproc} ranks under torchrun has not run on GPUs: every data-parallel head rolls out "
+            "through its own router; ranks above 0 follow rank 0's fleet (live/rank_follower.py, run with 2 gloo "
+            "ranks on Ray) and only rank 0's trajectories feed the planner (docs/gpu.md)")
     out: dict[str, Any] = {
         "run_dir": str(c.log_dir),
         "servers": [{"argv": sl.argv, "env": sl.env, "addr": sl.addr, "gpus": list(sl.gpus), "group": sl.spec.group}
@@ -780,7 +781,7 @@ def sglang_parse(argvs: list[list[str]]) -> str:
     except Exception as e:  # noqa: BLE001 - any import failure: the module cannot load on this machine
         return (f"server command lines not parsed by SGLang's ServerArgs: sglang.srt.server_args does not import "
                 f"here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); tests/sglang parses them "
-                "where it does")
+                "(in a process of its own, with a torchvision stand-in where only the CUDA build exists)")
     for argv in argvs:
         parser = argparse.ArgumentParser(exit_on_error=False)
         ServerArgs.add_cli_args(parser)
