@@ -311,10 +311,7 @@ class LibraController:
             self.events.append(ControlEvent(step, "kept", f"measured {measured:.1f}s; predicted {t_cur_pred:.1f}s "
                                             f"now vs {new.makespan_s:.1f}s new"))
             return False
-        try:
-            cluster.apply_plan(new, step)
-        except (RuntimeError, ValueError) as e:  # the old layout still serves (live: FleetError)
-            self.events.append(ControlEvent(step, "reconfig_failed", str(e)))
+        if not self._apply(cluster, new, step):
             return False
         self.events.append(ControlEvent(step, "replan", f"({self.replan_policy.last_reason}): {new.rollout_alloc()} "
                                         f"train {new.train_alloc()} (measured {measured:.1f}s -> predicted "
@@ -324,6 +321,15 @@ class LibraController:
         self.replans += 1
         self.intervals.clear()
         self.last_change = self.last_replan = step
+        return True
+
+    def _apply(self, cluster: Cluster, new: Any, step: int) -> bool:
+        """Switch the cluster to `new`; a refused or failed switch is recorded and the old layout keeps serving."""
+        try:
+            cluster.apply_plan(new, step)
+        except (RuntimeError, ValueError) as e:  # live: FleetError
+            self.events.append(ControlEvent(step, "reconfig_failed", str(e)))
+            return False
         return True
 
     def _replan_calibrated(self, step: int, cluster: Cluster) -> bool:
@@ -368,10 +374,7 @@ class LibraController:
             self._predict(step, "kept", t_cur)
             self.last_predicted_s = t_cur
             return False
-        try:
-            cluster.apply_plan(new, step)
-        except (RuntimeError, ValueError) as e:  # the old layout still serves (live: FleetError)
-            self.events.append(ControlEvent(step, "reconfig_failed", str(e)))
+        if not self._apply(cluster, new, step):
             return False
         self.events.append(ControlEvent(step, "replan", f"({rp.last_reason}): {new.rollout_alloc()} train "
                                         f"{new.train_alloc()}; {detail}"))
