@@ -886,10 +886,9 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
         device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
         backend = backend_for_device(device, seed=int(getattr(trainer.config, "seed", 0) or 0),
                                      first_index=len(servers))
-    adopt = getattr(backend, "adopt", None)
-    if adopt is not None:  # servers inside a backend's own process (an emulated host) stop through it, never by pid
+    if isinstance(backend, EmulatedHostBackend):  # servers inside the host's process stop through it, never by pid
         for s in servers:
-            s.handle, s.backend = adopt(s.addr, s.group, s.tp), backend
+            s.handle, s.backend = backend.adopt(s.addr, s.group, s.tp), backend
         # Leaving servers' requests move at once with their tokens so far (the host keeps their progress), as
         # the simulator's retired servers' do, instead of holding the step while long emulated turns finish.
         kwargs.setdefault("drain_timeout_s", 0.0)
