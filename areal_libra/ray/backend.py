@@ -240,7 +240,7 @@ class RayBackend:
                                      _soft_target_node_id=nid)
                 pgs.append((name, pg))
                 targets.append(nid)
-            if not wait_ready([pg for _, pg in pgs], self.place_timeout_s):
+            if not self._wait_placed([pg for _, pg in pgs]):
                 for _, pg in pgs:
                     remove_placement_group(pg)
                 need = ", ".join(f"TP{s.tp}" for s in specs)
@@ -265,6 +265,19 @@ class RayBackend:
             for s in made:
                 append_jsonl(self.record_path, s.record() | {"t": round(time.time(), 3)})
         return made
+
+    def _wait_placed(self, pgs: Sequence[PlacementGroup]) -> bool:
+        """Wait up to place_timeout_s for `pgs`, releasing lost servers' groups between short waits: right
+        after a node dies Ray may not have marked it dead yet, then re-places its groups on a live node, where
+        they would hold the accelerators these new groups wait for until the timeout."""
+        deadline = time.monotonic() + self.place_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if wait_ready(pgs, max(0.0, min(5.0, left))):
+                return True
+            if left <= 5.0:
+                return False
+            self.release_lost()
 
     def release_lost(self) -> int:
         """Remove the placement groups of known servers whose node is gone: Ray would otherwise re-place
