@@ -155,7 +155,7 @@ class Check:
         t = time.monotonic()
         with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_default_sigint)
             try:
                 stdout, _ = proc.communicate(timeout=max(1.0, timeout))
                 timed_out = False
@@ -200,6 +200,13 @@ class Check:
         cap = CAPS[part][0 if self.device == "cuda" else 1]
         left = self.left()
         return min(cap, left) if left >= MIN_PART_S else None
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. An ignored SIGINT is inherited through exec (a
+    command started from a background shell, or from a process that ignores it), and Python then installs no
+    KeyboardInterrupt handler, so the time box's SIGINT would never let the launch clean up."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
