@@ -30,6 +30,7 @@ from areal_libra.rollout.emulated_host import TOKEN_ID, emulated_rid
 from areal_libra.sim.workloads import make_workload
 from areal_libra.trace import Segment, Trajectory
 from areal_libra.workflows.sink import emit, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
+from areal_libra.workflows.tensors import episode_tensors
 
 PROMPT_IDS = [TOKEN_ID] * 2  # the real prompt: two ids; its emulated length is the workload's
 
@@ -112,13 +113,5 @@ class EmulatedWorkflow(RolloutWorkflow):
                           prompt_tokens=script.prompt_tokens, segments=tuple(segments),
                           finish_reason=script.finish_reason, reward=reward)
         emit(traj)
-        res = {
-            "input_ids": torch.tensor(seq, dtype=torch.int32),
-            "loss_mask": torch.tensor(loss_mask, dtype=torch.int32),
-            "logprobs": torch.tensor(logprobs, dtype=torch.float32),
-            "versions": torch.tensor(versions, dtype=torch.int32),
-            "attention_mask": torch.ones(len(seq), dtype=torch.bool),
-            "rewards": torch.tensor(reward, dtype=torch.float32),
-            "emul_tokens": torch.tensor(traj.final_length, dtype=torch.int64),
-        }
-        return {k: v.unsqueeze(0) for k, v in res.items()}
+        return episode_tensors(seq, loss_mask, logprobs, versions, reward,
+                               emul_tokens=torch.tensor(traj.final_length, dtype=torch.int64))

@@ -27,6 +27,7 @@ from areal.utils.hf_utils import apply_chat_template, load_hf_tokenizer
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 from areal_libra.workflows.markup import CALC_CLOSE, extract_call, format_result
 from areal_libra.workflows.sink import emit, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
+from areal_libra.workflows.tensors import episode_tensors
 from areal_libra.workflows.tools import get_calculator_pool
 
 logger = logging.getLogger("areal_libra.math_tool")
@@ -188,12 +189,4 @@ class MathToolWorkflow(RolloutWorkflow):
             reward=reward,
             extra={"completion": completion, "answer": data.get("answer")},
         ))
-        res = {
-            "input_ids": torch.tensor(seq, dtype=torch.int32),
-            "loss_mask": torch.tensor(loss_mask, dtype=torch.int32),
-            "logprobs": torch.tensor(logprobs, dtype=torch.float32),
-            "versions": torch.tensor(versions, dtype=torch.int32),
-            "attention_mask": torch.ones(len(seq), dtype=torch.bool),
-            "rewards": torch.tensor(reward, dtype=torch.float32),
-        }
-        return {k: v.unsqueeze(0) for k, v in res.items()}
+        return episode_tensors(seq, loss_mask, logprobs, versions, reward)
