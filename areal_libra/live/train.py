@@ -33,7 +33,7 @@ from areal_libra.live.recover import (
 )
 from areal_libra.metrics import StepMetrics
 from areal_libra.rollout.emulated_host import EmulatedHostBackend
-from areal_libra.rollout.emulation import ClusterEmulation, install_train_pacing
+from areal_libra.rollout.emulation import ClusterEmulation, PacedProcessBackend, install_train_pacing
 from areal_libra.rollout.fleet import build_fleet
 from areal_libra.rollout.pressure import PressureSampler
 from areal_libra.rollout.revive import ServerReviver, rollout_counters
@@ -106,14 +106,14 @@ def install_fleet(trainer, libra: LibraConfig, run_dir: Path, metrics, router):
     if not (libra_mode or hybrids_serve(libra)):
         return None
 
-    ray_backend = None
+    backend = None  # None: build_fleet's choice (an emulated host the launch started, else local processes)
     if os.environ.get("AREAL_LIBRA_RAY_ADDRESS"):  # cluster=ray / ray_local: servers are Ray actors
         from areal_libra.ray.backend import RayBackend
 
-        ray_backend = RayBackend.from_env(str(run_dir))
-    fleet = build_fleet(trainer, router, run_dir, backend=ray_backend)
-    if ray_backend is not None:
-        ray_backend.adopt_fleet(fleet, str(run_dir))  # the launcher's servers: stopped through their actors
+        backend = RayBackend.from_env(str(run_dir))
+    elif not libra.emulated.host and (emu := ClusterEmulation.from_libra(libra)) is not None:
+        backend = PacedProcessBackend(emu)  # cluster=emulated: new servers paced like the launcher's
+    fleet = build_fleet(trainer, router, run_dir, backend=backend)
     if libra_mode and libra.revive_servers:  # a dead server is replaced (rollout/revive.py)
 
         reviver = ServerReviver(fleet, router, run_dir).start()

@@ -205,22 +205,6 @@ class RayBackend:
         avoid = tuple(n for n in os.environ.get(TRAINER_NODES_ENV, "").split(",") if n)
         return cls(kind, os.environ[NAMESPACE_ENV], avoid, record_path=os.path.join(run_dir, RAY_SERVERS_FILE))
 
-    def adopt_fleet(self, fleet: Any, run_dir: str) -> int:
-        """Give the fleet's launcher-started servers (pid only) handles of this backend, so that stopping or
-        replacing one removes its actor and placement group too; how many were adopted."""
-        # ray_servers.jsonl, not servers.json: the fleet rewrites the registry in its own format (no actor)
-        reg = {r.get("addr"): r for r in read_ray_servers(run_dir)}
-        n = 0
-        for s in fleet.servers:
-            entry = reg.get(s.addr)
-            if s.handle is not None or entry is None:
-                continue
-            h = self.adopt(entry, ServerSpec(tp=s.tp, threads=s.threads, max_running=s.max_running, group=s.group))
-            if h is not None:
-                s.handle, s.backend = h, self
-                n += 1
-        return n
-
     def start(self, weights: str, specs: Sequence[ServerSpec], log_dir: str,
               devices: Sequence[tuple[str, ...]] | None = None, weight_version: int | None = None,
               timeout: float = 600.0) -> list[RayServer]:
@@ -313,10 +297,13 @@ class RayBackend:
             with contextlib.suppress(Exception):
                 remove_placement_group(server.pg)
 
-    def adopt(self, entry: dict, spec: ServerSpec) -> RayServer | None:
-        """A server another process started (servers.json entry with its actor's name): a handle this
-        backend can stop; None when the actor is gone."""
-        name = entry.get("actor")
+    def adopt(self, addr: str, spec: ServerSpec, run_dir: str) -> RayServer | None:
+        """A server the launcher started as a Ray actor (its ray_servers.jsonl entry: actor name, placement
+        group, node): a handle whose stop removes the actor and its group too; None when there is no entry
+        or the actor is gone."""
+        # ray_servers.jsonl, not servers.json: the fleet rewrites the registry in its own format (no actor)
+        entry = next((r for r in reversed(read_ray_servers(run_dir)) if r.get("addr") == addr), None)
+        name = entry.get("actor") if entry else None
         if not name:
             return None
         try:

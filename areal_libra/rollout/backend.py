@@ -67,6 +67,11 @@ class ServerBackend(Protocol):
 
     def stop(self, server: RunningServer, timeout: float = 10.0) -> None: ...
 
+    def adopt(self, addr: str, spec: ServerSpec, run_dir: str) -> RunningServer | None:
+        """A handle on a server the launcher started (run_dir's records say how it runs), so the fleet stops
+        and replaces it through this backend; None: the fleet keeps the launcher's pid for it."""
+        ...
+
 
 @dataclass(frozen=True)
 class LocalProcessBackend:
@@ -103,6 +108,9 @@ class LocalProcessBackend:
 
     def stop(self, server: ServerHandle, timeout: float = 10.0) -> None:
         server.terminate(timeout)
+
+    def adopt(self, addr: str, spec: ServerSpec, run_dir: str) -> None:
+        return None  # the launcher's subprocesses: the fleet stops them by the pid in servers.json
 
 
 @dataclass
@@ -166,6 +174,9 @@ class SGLangBackend:
 
     def stop(self, server: ServerHandle, timeout: float = 10.0) -> None:
         server.terminate(timeout)
+
+    def adopt(self, addr: str, spec: ServerSpec, run_dir: str) -> None:
+        return None  # the launcher's subprocesses: the fleet stops them by the pid in servers.json
 
 
 def backend_for_device(device: str, seed: int = 0, first_index: int = 0) -> ServerBackend:

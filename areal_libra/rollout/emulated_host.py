@@ -570,6 +570,9 @@ class EmulatedHostBackend:
     host_pid: int | None = None
     log_path: str = ""
     proc: Any = None  # the host's Popen where this process started it
+    # Leaving servers' requests move at once with their tokens so far (the host keeps their progress), as the
+    # simulator's retired servers' do, instead of holding the step while long emulated turns finish.
+    drain_timeout_s: float = 0.0
 
     @property
     def name(self) -> str:
@@ -599,10 +602,10 @@ class EmulatedHostBackend:
         except (OSError, ValueError):
             pass  # the host is gone: so is the server
 
-    def adopt(self, addr: str, group: str, tp: int) -> EmulatedServerHandle:
-        """A handle on a server of this host that another process started (the launcher's first servers)."""
-
-        return EmulatedServerHandle(addr, ServerSpec(tp=tp, group=group), self.host_pid, self.log_path)
+    def adopt(self, addr: str, spec: ServerSpec, run_dir: str) -> EmulatedServerHandle:
+        """A handle on a server of this host that another process started (the launcher's first servers):
+        it stops through the host, never by pid (the pid is the host's)."""
+        return EmulatedServerHandle(addr, spec, self.host_pid, self.log_path)
 
     def pacing(self, timeout: float = 10.0) -> dict[str, Any]:
         """The host's pacing fidelity (GET /pacing)."""

@@ -34,6 +34,7 @@ from typing import Any
 
 from areal_libra.config import libra_config
 from areal_libra.cost.presets import PresetError, load_hardware, load_model
+from areal_libra.rollout.backend import LocalProcessBackend
 from areal_libra.rollout.launcher import ServerSpec
 from areal_libra.server.embedded_server import parse_args, run
 from areal_libra.sim.hardware import HardwareTruth, truth_from_specs
@@ -386,6 +387,35 @@ def configure(emulation: ClusterEmulation | None) -> None:
     """Set (or clear, with None) the emulation that ``pace_train_step`` uses in this process."""
     global _active
     _active = emulation
+
+
+@dataclass(frozen=True)
+class PacedProcessBackend:
+    """cluster=emulated: the fleet's new servers as the launcher starts its own, embedded servers paced to
+    the emulated hardware (ClusterEmulation.emulate_spec); one more ServerBackend (rollout/backend.py)."""
+
+    emulation: ClusterEmulation
+    inner: LocalProcessBackend = field(default_factory=LocalProcessBackend)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def places_devices(self) -> bool:
+        return self.inner.places_devices
+
+    def start(self, weights: str, specs: Sequence[ServerSpec], log_dir: str,
+              devices: Sequence[tuple[str, ...]] | None = None, weight_version: int | None = None,
+              timeout: float = 600.0) -> list[Any]:
+        return self.inner.start(weights, [self.emulation.emulate_spec(s) for s in specs], log_dir, devices,
+                                weight_version, timeout)
+
+    def stop(self, server: Any, timeout: float = 10.0) -> None:
+        self.inner.stop(server, timeout)
+
+    def adopt(self, addr: str, spec: ServerSpec, run_dir: str) -> None:
+        return self.inner.adopt(addr, spec, run_dir)
 
 
 def active() -> ClusterEmulation | None:

@@ -59,7 +59,6 @@ from pathlib import Path
 from areal_libra.config import load_run_config
 from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, ServerBackend, backend_for_device
 from areal_libra.rollout.emulated_host import EmulatedHostBackend
-from areal_libra.rollout.emulation import active
 from areal_libra.rollout.futures import then_record
 from areal_libra.rollout.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
 from areal_libra.rollout.launcher import ServerLaunchError, ServerSpec
@@ -427,9 +426,6 @@ class ServerFleet:
         if not specs:
             return []
 
-        emu = active()  # cluster=emulated: the new servers are paced like the launcher's
-        if emu is not None:
-            specs = [emu.emulate_spec(s) for s in specs]
         placement = None
         if self.places_devices:
             # Free devices of the rollout pool only: never the trainer's, never a live server's (a dead
@@ -886,12 +882,13 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
         device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
         backend = backend_for_device(device, seed=int(getattr(trainer.config, "seed", 0) or 0),
                                      first_index=len(servers))
-    if isinstance(backend, EmulatedHostBackend):  # servers inside the host's process stop through it, never by pid
-        for s in servers:
-            s.handle, s.backend = backend.adopt(s.addr, s.group, s.tp), backend
-        # Leaving servers' requests move at once with their tokens so far (the host keeps their progress), as
-        # the simulator's retired servers' do, instead of holding the step while long emulated turns finish.
-        kwargs.setdefault("drain_timeout_s", 0.0)
+    for s in servers:  # the launcher's servers, stopped and replaced through the backend that runs them
+        h = backend.adopt(s.addr, ServerSpec(tp=s.tp, threads=s.threads, max_running=s.max_running, group=s.group),
+                          str(run_dir))
+        if h is not None:
+            s.handle, s.backend = h, backend
+    if getattr(backend, "drain_timeout_s", None) is not None:  # e.g. the emulated host: requests move at once
+        kwargs.setdefault("drain_timeout_s", backend.drain_timeout_s)
     pool = [d.strip() for d in os.environ.get(ROLLOUT_DEVICES_ENV, "").split(",") if d.strip()]
     kwargs.setdefault("rollout_devices", pool)
     if str(getattr(trainer.config.actor, "weight_update_mode", "disk")) == "xccl" and "weight_group" not in kwargs:

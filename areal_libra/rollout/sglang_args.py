@@ -1,0 +1,140 @@
+"""Server command lines checked by the installed SGLang's own ServerArgs (add_cli_args + parse_args), in a
+process of their own: `launch --dry-run` and tests/sglang use it.
+
+    parse_command_lines([argv_after_launch_server, ...])  # [{"tp_size", "random_seed", "port", "dist_init_addr"}]
+    python -m areal_libra.rollout.sglang_args < argvs.json  # the child: prints one JSON object
+
+The child prints {"parsed": [...]} or {"refused": "<argparse's reason>", "argv": i} or {"error": "<why
+sglang.srt.server_args does not import>"}.
+
+On a CPU-only machine the import chain of sglang.srt.server_args reaches `from torchvision.io import
+decode_jpeg` (sglang/srt/utils/common.py) and transformers' `torchvision.transforms` names; PyPI's torchvision
+is the CUDA build, whose compiled operators do not load against a CPU torch, and nothing of it is used to
+parse arguments. So, only when torchvision cannot be imported, this process (never the test session) puts a
+stand-in package on the import path whose attributes are inert placeholders; everything else is the real
+SGLang, triton and transformers (requirements/sglang-cpu.txt). A separate process keeps the stand-in away
+from every other test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import subprocess
+import sys
+import types
+
+
+class SGLangArgsError(ValueError):
+    """SGLang's ServerArgs refuses a command line."""
+
+
+class SGLangUnavailable(RuntimeError):
+    """sglang (or its sglang.srt.server_args) does not import here: nothing was parsed."""
+
+
+def parse_command_lines(argvs: list[list[str]], timeout: float = 600.0) -> list[dict]:
+    """Each argv (after `python -m sglang.launch_server`) parsed by SGLang's ServerArgs in a child process:
+    the fields AReaL's launch depends on. SGLangArgsError names a refused line; SGLangUnavailable says why
+    nothing could be parsed."""
+    if importlib.util.find_spec("sglang") is None:
+        raise SGLangUnavailable("sglang is not installed here")
+    proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(argvs), capture_output=True,
+                          text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise SGLangUnavailable(f"the parsing process failed (rc {proc.returncode}): {proc.stderr.strip()[-500:]}")
+    out = json.loads(lines[-1])
+    if "error" in out:
+        raise SGLangUnavailable(f"sglang.srt.server_args does not import here ({out['error']})")
+    if "refused" in out:
+        raise SGLangArgsError(f"SGLang's ServerArgs refuses a server command line ({out['refused']}): "
+                              f"{' '.join(argvs[out['argv']])}")
+    return out["parsed"]
+
+
+class _Placeholder:
+    """Any attribute, call or item of a stand-in module: inert (never used to parse arguments)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, key: str):
+        if key.startswith("__"):
+            raise AttributeError(key)
+        return _Placeholder(f"{self._name}.{key}")
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]  # used as a decorator
+        return _Placeholder(f"{self._name}()")
+
+    def __repr__(self) -> str:
+        return f"<torchvision stand-in {self._name}>"
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, key: str):
+        if key.startswith("__"):
+            raise AttributeError(key)
+        return _Placeholder(f"{self.__name__}.{key}")
+
+
+class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StandInModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0+stand-in"
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def _torchvision_imports() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 - the CUDA build raises RuntimeError on a CPU torch, not ImportError
+        for key in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+            del sys.modules[key]
+        return False
+    return True
+
+
+def main() -> int:
+    argvs = json.load(sys.stdin)
+    if not _torchvision_imports():
+        sys.meta_path.insert(0, _TorchvisionStandIn())
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except Exception as e:  # noqa: BLE001 - report any import failure as the reason to skip
+        print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}))
+        return 0
+    parsed = []
+    for i, argv in enumerate(argvs):
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        ServerArgs.add_cli_args(parser)
+        try:
+            ns, unknown = parser.parse_known_args(argv)
+        except (argparse.ArgumentError, SystemExit) as e:  # a bad value; a missing one exits even so
+            unknown, ns = None, str(e)
+        if unknown is None or unknown:
+            why = ns if unknown is None else f"unrecognized arguments: {' '.join(unknown)}"
+            print(json.dumps({"refused": why, "argv": i}))
+            return 0
+        parsed.append({"tp_size": getattr(ns, "tp_size", getattr(ns, "tensor_parallel_size", None)),
+                       "random_seed": ns.random_seed, "port": ns.port, "dist_init_addr": ns.dist_init_addr})
+    print(json.dumps({"parsed": parsed}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
