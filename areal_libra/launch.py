@@ -769,28 +769,18 @@ def dry_run(c: Composed) -> dict:
 
 
 def sglang_parse(argvs: list[list[str]]) -> str:
-    """Every server command line through the installed SGLang's own ServerArgs.add_cli_args + parse_args:
-    'parsed ...' or why it could not be (sglang.srt.server_args needs triton and a CUDA torchvision to import)."""
-    import argparse
-    import importlib.util
-
-    if importlib.util.find_spec("sglang") is None:
-        return "server command lines not parsed by SGLang's ServerArgs: sglang is not installed here"
-    try:
-        from sglang.srt.server_args import ServerArgs
-    except Exception as e:  # noqa: BLE001 - any import failure: the module cannot load on this machine
-        return (f"server command lines not parsed by SGLang's ServerArgs: sglang.srt.server_args does not import "
-                f"here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); tests/sglang parses them "
-                "(in a process of its own, with a torchvision stand-in where only the CUDA build exists)")
-    for argv in argvs:
-        parser = argparse.ArgumentParser(exit_on_error=False)
-        ServerArgs.add_cli_args(parser)
-        try:
-            parser.parse_args(argv[3:])  # after `python -m sglang.launch_server`
-        except (argparse.ArgumentError, SystemExit) as e:
-            raise LaunchError(f"SGLang's ServerArgs refuses a server command line ({e}): {' '.join(argv)}") from None
+    """Every server command line through the installed SGLang's own ServerArgs (rollout/sglang_args.py):
+    'parsed ...' or why it could not be; LaunchError when SGLang refuses one."""
     from importlib.metadata import version
 
+    from areal_libra.rollout.sglang_args import SGLangArgsError, SGLangUnavailable, parse_command_lines
+
+    try:
+        parse_command_lines([argv[3:] for argv in argvs])  # after `python -m sglang.launch_server`
+    except SGLangUnavailable as e:
+        return f"server command lines not parsed by SGLang's ServerArgs: {e}"
+    except SGLangArgsError as e:
+        raise LaunchError(str(e)) from None
     return f"parsed: every server command line by sglang {version('sglang')}'s ServerArgs"
 
 

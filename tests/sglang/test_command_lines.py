@@ -6,18 +6,15 @@ its dependencies (`make setup-sglang`):
 - every command line launcher.build_command produces for the GPU configs (TP 1/2/4/8, with the seed, port
   and dist-init flags) parses with SGLang's own ServerArgs.add_cli_args + parse_args. That needs
   sglang.srt.server_args to import: on a CPU-only machine it does with the packages of
-  requirements/sglang-cpu.txt and a torchvision stand-in in the parsing process only (sglang_parse.py says
-  why); where it still does not, the test skips, naming the import error.
+  requirements/sglang-cpu.txt and a torchvision stand-in in the parsing process only
+  (areal_libra/rollout/sglang_args.py says why); where it still does not, the test skips, naming the import error.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ from areal_libra import launch
 from areal_libra.config import compose
 from areal_libra.rollout import launcher
 from areal_libra.rollout.launcher import ServerSpec, port_range, ports_in_range
+from areal_libra.rollout.sglang_args import SGLangArgsError, SGLangUnavailable, parse_command_lines
 
 PINNED = "0.5.10.post1"
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,16 +114,13 @@ def test_every_path_we_call_exists_in_sglang(path):
 
 def parse_with_sglang(argvs: list[list[str]]) -> list[dict]:
     """Each server argv (after `-m sglang.launch_server`) parsed by the pinned SGLang's ServerArgs in a process
-    of its own (tests/sglang/sglang_parse.py); skips, naming why, where sglang.srt.server_args does not import.
-    A flag SGLang does not know fails the parse (argparse error: the test fails)."""
+    of its own (areal_libra/rollout/sglang_args.py); skips, naming why, where sglang.srt.server_args does not
+    import. A flag SGLang does not know fails the parse (SGLangArgsError: the test fails)."""
     _sglang_dir()
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("sglang_parse.py"))],
-                          input=json.dumps(argvs), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"SGLang refused a command line:\n{proc.stderr[-3000:]}"
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "error" in out:
-        pytest.skip(f"sglang.srt.server_args does not import here ({out['error']}); see requirements/sglang-cpu.txt")
-    return out["parsed"]
+    try:
+        return parse_command_lines(argvs)
+    except SGLangUnavailable as e:
+        pytest.skip(f"{e}; see requirements/sglang-cpu.txt")
 
 
 def _gpu_command_lines(tmp_path) -> list[list[str]]:
@@ -153,6 +148,15 @@ def test_every_gpu_command_line_parses_with_sglangs_server_args(tmp_path):
         assert ns["random_seed"] == int(cmd[cmd.index("--random-seed") + 1])
         assert ns["dist_init_addr"] == cmd[cmd.index("--dist-init-addr") + 1]
         assert ns["port"] == int(cmd[cmd.index("--port") + 1])
+
+
+def test_a_flag_sglang_does_not_know_is_refused_by_name():
+    good = ["--model-path", "/models/Qwen3-8B", "--tp-size", "2"]
+    assert parse_with_sglang([good])[0]["tp_size"] == 2
+    with pytest.raises(SGLangArgsError, match="unrecognized arguments: --tp-sizes 2"):
+        parse_command_lines([good, ["--model-path", "/models/Qwen3-8B", "--tp-sizes", "2"]])
+    with pytest.raises(SGLangArgsError, match="--tp-size"):
+        parse_command_lines([["--model-path", "/m", "--tp-size", "two"]])
 
 
 def test_the_command_lines_carry_the_areal_flags(tmp_path):
