@@ -129,6 +129,7 @@ class SGLangBackend:
     host: str = "127.0.0.1"
     node_devices: tuple[str, ...] | None = None  # None: the visible GPUs (CUDA_VISIBLE_DEVICES or all)
     started: int = 0  # servers this backend has started
+    areal_flags: tuple[str, ...] = ()  # the run's AReaL `sglang:` section (launcher.areal_sglang_flags)
 
     name = "sglang"
     places_devices = True
@@ -147,7 +148,8 @@ class SGLangBackend:
         if len(devices) != len(specs):
             raise ValueError(f"{len(devices)} device sets for {len(specs)} servers")
         k0 = self.first_index + self.started
-        out_specs = [replace(s, seed=self.seed + k0 + i) for i, s in enumerate(specs)]
+        out_specs = [replace(s, seed=self.seed + k0 + i, extra_args=(*self.areal_flags, *s.extra_args))
+                     for i, s in enumerate(specs)]
         slots = max(len(node), 1)
         ports = []
         for i, devs in enumerate(devices):
@@ -179,9 +181,10 @@ class SGLangBackend:
         return None  # the launcher's subprocesses: the fleet stops them by the pid in servers.json
 
 
-def backend_for_device(device: str, seed: int = 0, first_index: int = 0) -> ServerBackend:
+def backend_for_device(device: str, seed: int = 0, first_index: int = 0,
+                       areal_flags: Sequence[str] = ()) -> ServerBackend:
     """The backend of servers started after the launch: SGLang on cuda (seeds and ports of their own, after
     the launch's `first_index` servers), else the embedded CPU server."""
     if device == "cuda":
-        return SGLangBackend(seed=seed, first_index=first_index)
+        return SGLangBackend(seed=seed, first_index=first_index, areal_flags=tuple(areal_flags))
     return LocalProcessBackend("embedded")

@@ -61,7 +61,7 @@ from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, Serv
 from areal_libra.rollout.emulated_host import EmulatedHostBackend
 from areal_libra.rollout.futures import then_record
 from areal_libra.rollout.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
-from areal_libra.rollout.launcher import ServerLaunchError, ServerSpec
+from areal_libra.rollout.launcher import ServerLaunchError, ServerSpec, areal_sglang_flags
 from areal_libra.rollout.placement import (
     ROLLOUT_DEVICES_ENV,
     PlacementError,
@@ -880,8 +880,9 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
         backend = EmulatedHostBackend.from_run_dir(run_dir)
     if backend is None:
         device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
+        flags = areal_sglang_flags(trainer.config.sglang) if device == "cuda" else ()  # as the launch's servers
         backend = backend_for_device(device, seed=int(getattr(trainer.config, "seed", 0) or 0),
-                                     first_index=len(servers))
+                                     first_index=len(servers), areal_flags=flags)
     for s in servers:  # the launcher's servers, stopped and replaced through the backend that runs them
         h = backend.adopt(s.addr, ServerSpec(tp=s.tp, threads=s.threads, max_running=s.max_running, group=s.group),
                           str(run_dir))

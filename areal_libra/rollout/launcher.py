@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from areal_libra.rollout.placement import Placement, PlacementError, assign_gpus, visible_devices
 from areal_libra.utils import free_ports
@@ -179,6 +180,26 @@ def build_command(
     if spec.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(spec.max_total_tokens)]
     return cmd + list(spec.extra_args)
+
+
+# SGLang flags the launcher sets per server (build_command) and AReaL's `sglang:` section must not repeat.
+_OWN_SGLANG_KEYS = frozenset({"model_path", "tokenizer_path", "tp_size", "base_gpu_id", "host", "port",
+                              "dist_init_addr", "random_seed", "max_running_requests", "nnodes", "node_rank",
+                              "log_level", "pp_size"})
+
+
+def areal_sglang_flags(sglang_config: Any) -> tuple[str, ...]:
+    """The SGLang flags AReaL 1.0.4's own launcher derives from a run's `sglang:` section (its
+    SGLangConfig.build_args: memory fraction, context length, dtype, radix cache, chunked prefill, attention
+    backend, metrics, ...), less the per-server ones build_command sets (model, TP, ports, seed, running
+    requests). Bool flags AReaL leaves off are absent, as in AReaL's command line."""
+    from areal.api.cli_args import SGLangConfig, get_py_cmd
+    from omegaconf import OmegaConf
+
+    if not isinstance(sglang_config, SGLangConfig):  # a DictConfig section: typed by AReaL's own dataclass
+        sglang_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SGLangConfig), sglang_config))
+    args = SGLangConfig.build_args(sglang_config, tp_size=1, base_gpu_id=0)
+    return tuple(get_py_cmd("sglang", {k: v for k, v in args.items() if k not in _OWN_SGLANG_KEYS})[3:])
 
 
 def server_env_overlay(backend: str, spec: ServerSpec, base_env: dict[str, str] | None,

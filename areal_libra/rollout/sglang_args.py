@@ -1,7 +1,7 @@
 """Server command lines checked by the installed SGLang's own ServerArgs (add_cli_args + parse_args), in a
 process of their own: `launch --dry-run` and tests/sglang use it.
 
-    parse_command_lines([argv_after_launch_server, ...])  # [{"tp_size", "random_seed", "port", "dist_init_addr"}]
+    parse_command_lines([argv_after_launch_server, ...])  # [{"tp_size", "random_seed", "port", ...}]
     python -m areal_libra.rollout.sglang_args < argvs.json  # the child: prints one JSON object
 
 The child prints {"parsed": [...]} or {"refused": "<argparse's reason>", "argv": i} or {"error": "<why
@@ -131,7 +131,9 @@ def main() -> int:
             print(json.dumps({"refused": why, "argv": i}))
             return 0
         parsed.append({"tp_size": getattr(ns, "tp_size", getattr(ns, "tensor_parallel_size", None)),
-                       "random_seed": ns.random_seed, "port": ns.port, "dist_init_addr": ns.dist_init_addr})
+                       "random_seed": ns.random_seed, "port": ns.port, "dist_init_addr": ns.dist_init_addr,
+                       "mem_fraction_static": ns.mem_fraction_static, "context_length": ns.context_length,
+                       "disable_radix_cache": ns.disable_radix_cache})
     print(json.dumps({"parsed": parsed}))
     return 0
 

@@ -150,6 +150,24 @@ def test_every_gpu_command_line_parses_with_sglangs_server_args(tmp_path):
         assert ns["port"] == int(cmd[cmd.index("--port") + 1])
 
 
+def test_the_runs_sglang_section_reaches_every_server_as_arealss_launcher_passes_it(tmp_path):
+    """AReaL's `sglang:` keys (here two overrides and its default disable_radix_cache) are on the launch's
+    command lines and on the fleet's later servers, and SGLang reads them; per-server flags are not repeated."""
+    from areal_libra.rollout.backend import backend_for_device
+
+    c = compose(["cluster=gpu", f"cluster.fileroot={tmp_path}", "sglang.mem_fraction_static=0.7",
+                 "sglang.context_length=16384"])
+    specs = launch.server_specs(c)
+    first = launcher.build_command("sglang", "/models/Qwen3-8B", specs[0], "127.0.0.1", 30000, 0, 30001)
+    later = backend_for_device("cuda", seed=1, first_index=len(specs),
+                               areal_flags=launcher.areal_sglang_flags(c.areal.sglang))
+    [again] = later.commands("/models/Qwen3-8B", [ServerSpec(tp=2)], devices=[("0", "1")])
+    for cmd in (first, again):
+        assert cmd.count("--tp-size") == cmd.count("--random-seed") == cmd.count("--port") == 1
+        ns = parse_with_sglang([cmd[3:]])[0]
+        assert (ns["mem_fraction_static"], ns["context_length"], ns["disable_radix_cache"]) == (0.7, 16384, True)
+
+
 def test_a_flag_sglang_does_not_know_is_refused_by_name():
     good = ["--model-path", "/models/Qwen3-8B", "--tp-size", "2"]
     assert parse_with_sglang([good])[0]["tp_size"] == 2
