@@ -30,7 +30,7 @@ from areal_libra.rollout.emulated_host import TOKEN_ID, emulated_rid
 from areal_libra.sim.workloads import make_workload
 from areal_libra.trace import Segment, Trajectory
 from areal_libra.workflows.sink import emit, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
-from areal_libra.workflows.tensors import episode_tensors
+from areal_libra.workflows.tensors import Episode
 
 PROMPT_IDS = [TOKEN_ID] * 2  # the real prompt: two ids; its emulated length is the workload's
 
@@ -72,7 +72,8 @@ class EmulatedWorkflow(RolloutWorkflow):
         version = engine.get_version()
         script = self._next(data.get("prompt_index", id(data)), version)
         traj_id = f"{script.prompt_id}-{uuid.uuid4().hex[:10]}"
-        seq, logprobs, loss_mask, versions = list(PROMPT_IDS), [0.0] * 2, [0] * 2, [-1] * 2
+        ep = Episode()
+        ep.add_context(PROMPT_IDS)
         ctx = script.prompt_tokens
         model_tokens = 0
         tool_meta: list[dict[str, Any]] = []
@@ -81,18 +82,13 @@ class EmulatedWorkflow(RolloutWorkflow):
             last = k == len(script.segments) - 1
             req = ModelRequest(
                 rid=emulated_rid(uuid.uuid4().hex, traj_id, ctx, last),
-                input_ids=list(seq),
+                input_ids=list(ep.seq),
                 gconfig=self.gconfig.new(max_new_tokens=max(1, seg.gen_tokens)),
                 metadata={"trajectory_id": traj_id, "prompt_id": script.prompt_id, "turn": k,
                           "prompt_tokens": script.prompt_tokens, "context_tokens": ctx,
                           "model_tokens": model_tokens, "tool_returns": [dict(t) for t in tool_meta]},
             )
-            resp = await engine.agenerate(req)
-            out = list(resp.output_tokens)
-            seq += out
-            logprobs += list(resp.output_logprobs)
-            loss_mask += [1] * len(out)
-            versions += list(resp.output_versions)
+            ep.add_output(await engine.agenerate(req))
             ctx += seg.gen_tokens
             model_tokens += seg.gen_tokens
             segments.append(seg)
@@ -100,10 +96,7 @@ class EmulatedWorkflow(RolloutWorkflow):
                 break
             await asyncio.sleep(seg.tool.latency_s * self.time_scale)  # the tool runs in emulated time
             ctx += seg.tool.payload_tokens
-            seq.append(TOKEN_ID)
-            logprobs.append(0.0)
-            loss_mask.append(0)
-            versions.append(-1)
+            ep.add_context([TOKEN_ID])
             tool_meta.append({"name": seg.tool.name, "payload_tokens": seg.tool.payload_tokens,
                               "status": seg.tool.status})
         reward = script.reward if script.reward is not None else float(self.rng.random() < 0.5)
@@ -113,5 +106,4 @@ class EmulatedWorkflow(RolloutWorkflow):
                           prompt_tokens=script.prompt_tokens, segments=tuple(segments),
                           finish_reason=script.finish_reason, reward=reward)
         emit(traj)
-        return episode_tensors(seq, loss_mask, logprobs, versions, reward,
-                               emul_tokens=torch.tensor(traj.final_length, dtype=torch.int64))
+        return ep.tensors(reward, emul_tokens=torch.tensor(traj.final_length, dtype=torch.int64))

@@ -27,7 +27,7 @@ from areal.utils.hf_utils import apply_chat_template, load_hf_tokenizer
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 from areal_libra.workflows.markup import CALC_CLOSE, extract_call, format_result
 from areal_libra.workflows.sink import emit, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
-from areal_libra.workflows.tensors import episode_tensors
+from areal_libra.workflows.tensors import Episode
 from areal_libra.workflows.tools import get_calculator_pool
 
 logger = logging.getLogger("areal_libra.math_tool")
@@ -107,23 +107,21 @@ class MathToolWorkflow(RolloutWorkflow):
         prompt_id = _prompt_id(data)
         traj_id = f"{prompt_id}-{uuid.uuid4().hex[:10]}"
         step = engine.get_version()
-        seq = list(prompt_ids)
-        logprobs = [0.0] * len(seq)
-        loss_mask = [0] * len(seq)
-        versions = [-1] * len(seq)
+        ep = Episode()
+        ep.add_context(prompt_ids)
         segments: list[Segment] = []
         tool_meta: list[dict[str, Any]] = []
         completion = ""
         model_tokens = 0
         finish = "stop"
         for turn in range(self.max_turns):
-            budget = min(self.gconfig.max_new_tokens, self.gconfig.max_tokens - len(seq))
+            budget = min(self.gconfig.max_new_tokens, self.gconfig.max_tokens - len(ep.seq))
             if budget <= 0:
                 finish = "length"
                 break
             req = ModelRequest(
                 rid=uuid.uuid4().hex,  # a new request per turn: the dispatcher may place each one anew
-                input_ids=list(seq),
+                input_ids=list(ep.seq),
                 gconfig=self.gconfig.new(max_new_tokens=budget),
                 tokenizer=tok,
                 metadata={
@@ -131,17 +129,13 @@ class MathToolWorkflow(RolloutWorkflow):
                     "prompt_id": prompt_id,
                     "turn": turn,
                     "prompt_tokens": len(prompt_ids),
-                    "context_tokens": len(seq),
+                    "context_tokens": len(ep.seq),
                     "model_tokens": model_tokens,
                     "tool_returns": [dict(t) for t in tool_meta],
                 },
             )
             resp = await engine.agenerate(req)
-            out = list(resp.output_tokens)
-            seq += out
-            logprobs += list(resp.output_logprobs)
-            loss_mask += [1] * len(out)
-            versions += list(resp.output_versions)
+            out = ep.add_output(resp)
             model_tokens += len(out)
             text = tok.decode(out, skip_special_tokens=True)
             completion += text
@@ -158,10 +152,7 @@ class MathToolWorkflow(RolloutWorkflow):
                 break
             status, result_text, latency_s = await self.call_tool(expr, data)
             payload = tok.encode(result_text, add_special_tokens=False)
-            seq += payload
-            logprobs += [0.0] * len(payload)
-            loss_mask += [0] * len(payload)
-            versions += [-1] * len(payload)
+            ep.add_context(payload)
             completion += result_text
             ret = ToolReturn(self.tool.name, len(payload), status, round(latency_s, 6))
             segments.append(Segment(len(out), ret))
@@ -169,7 +160,7 @@ class MathToolWorkflow(RolloutWorkflow):
         if not segments:  # the prompt alone filled max_tokens
             segments.append(Segment(0, None))
 
-        reward = await self.compute_reward(tok.decode(prompt_ids), completion, prompt_ids, seq[len(prompt_ids):], data)
+        reward = await self.compute_reward(tok.decode(prompt_ids), completion, prompt_ids, ep.seq[len(prompt_ids):], data)
         tools = [s.tool for s in segments if s.tool is not None]
         stats_tracker.get(workflow_context.stat_scope()).scalar(
             reward=reward,
@@ -189,4 +180,4 @@ class MathToolWorkflow(RolloutWorkflow):
             reward=reward,
             extra={"completion": completion, "answer": data.get("answer")},
         ))
-        return episode_tensors(seq, loss_mask, logprobs, versions, reward)
+        return ep.tensors(reward)

@@ -1,11 +1,43 @@
-"""The batch row AReaL's trainer takes from one episode: token ids, loss mask, logprobs, weight versions,
-attention mask and reward, each with a leading batch dimension of 1 (what `arun_episode` returns)."""
+"""One episode's token columns as AReaL's trainer takes them: token ids, loss mask, logprobs, weight versions,
+attention mask and reward, each with a leading batch dimension of 1 (what `arun_episode` returns). Shared by
+the real workflows (workflows/math_tool.py and its subclasses) and the emulated one."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+
+@dataclass
+class Episode:
+    """The columns as they grow: context (the prompt, tool outputs) is out of the loss, with logprob 0 and
+    version -1; model output carries the server's logprobs and weight versions."""
+
+    seq: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        self.seq += ids
+        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_output(self, resp: Any) -> list[int]:
+        """A ModelResponse's tokens (AReaL's output_tokens / output_logprobs / output_versions); returns them."""
+        out = list(resp.output_tokens)
+        self.seq += out
+        self.logprobs += list(resp.output_logprobs)
+        self.loss_mask += [1] * len(out)
+        self.versions += list(resp.output_versions)
+        return out
+
+    def tensors(self, reward: float, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
+        return episode_tensors(self.seq, self.loss_mask, self.logprobs, self.versions, reward, **extra)
 
 
 def episode_tensors(seq: Sequence[int], loss_mask: Sequence[int], logprobs: Sequence[float],

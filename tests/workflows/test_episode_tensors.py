@@ -20,3 +20,19 @@ def test_columns_get_a_batch_dimension_and_areal_dtypes():
 def test_columns_of_different_lengths_are_refused():
     with pytest.raises(ValueError, match="seq 3, loss_mask 2"):
         episode_tensors([5, 6, 7], [0, 1], [0.0, 0.0, 0.0], [-1, 0, 0], 1.0)
+
+
+def test_an_episode_masks_context_and_keeps_the_servers_logprobs_and_versions():
+    from types import SimpleNamespace
+
+    from areal_libra.workflows.tensors import Episode
+
+    ep = Episode()
+    ep.add_context([1, 2])
+    out = ep.add_output(SimpleNamespace(output_tokens=[7, 8], output_logprobs=[-0.1, -0.2], output_versions=[4, 5]))
+    ep.add_context([9])
+    assert out == [7, 8]
+    res = ep.tensors(1.0)
+    assert res["input_ids"].tolist() == [[1, 2, 7, 8, 9]] and res["loss_mask"].tolist() == [[0, 0, 1, 1, 0]]
+    assert res["versions"].tolist() == [[-1, -1, 4, 5, -1]]
+    assert res["logprobs"][0].tolist() == pytest.approx([0.0, 0.0, -0.1, -0.2, 0.0])
