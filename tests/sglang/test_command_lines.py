@@ -151,7 +151,7 @@ def test_every_gpu_command_line_parses_with_sglangs_server_args(tmp_path):
 
 
 def test_the_runs_sglang_section_reaches_every_server_as_arealss_launcher_passes_it(tmp_path):
-    """AReaL's `sglang:` keys (here two overrides and its default disable_radix_cache) are on the launch's
+    """AReaL's `sglang:` keys (two overrides here, and cluster=gpu's radix cache kept on) are on the launch's
     command lines and on the fleet's later servers, and SGLang reads them; per-server flags are not repeated."""
     from areal_libra.rollout.backend import backend_for_device
 
@@ -165,7 +165,7 @@ def test_the_runs_sglang_section_reaches_every_server_as_arealss_launcher_passes
     for cmd in (first, again):
         assert cmd.count("--tp-size") == cmd.count("--random-seed") == cmd.count("--port") == 1
         ns = parse_with_sglang([cmd[3:]])[0]
-        assert (ns["mem_fraction_static"], ns["context_length"], ns["disable_radix_cache"]) == (0.7, 16384, True)
+        assert (ns["mem_fraction_static"], ns["context_length"], ns["disable_radix_cache"]) == (0.7, 16384, False)
 
 
 def test_a_flag_sglang_does_not_know_is_refused_by_name():
