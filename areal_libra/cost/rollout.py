@@ -214,7 +214,8 @@ class RolloutCost:
         whole GRPO group has finished: for the group's longest member's decode and for the tool calls that wait
         on it. By Little's law a batch then takes at least E[slot time] / window, with E[slot time] =
         `slot_output` (the expected longest member's generated tokens, E over groups of their maximum) decoded
-        at this server's step time plus `slot_wait_s` (the expected longest member's tool waits). It replaces
+        at this server's step time (at least the interval's own mean output: a slot is held for its own
+        decode too) plus `slot_wait_s` (the expected longest member's tool waits). It replaces
         the critical path of the single longest request, which the loop does not wait for (a straggler is
         trained later; it only holds its slots).
 
@@ -233,7 +234,8 @@ class RolloutCost:
         t_work = (n_req * mean_output / conc) * self.decode_step_s(conc, conc * avg_kv)
         own_kv = np.maximum(max_final - max_output / 2.0, avg_kv)
         if window > 1.0 and slot_output is not None:
-            t_crit = (slot_output * self.decode_step_s(conc, conc * avg_kv) + slot_wait_s) / window
+            hold = np.maximum(slot_output, mean_output)  # a slot is held at least for its own decode
+            t_crit = (hold * self.decode_step_s(conc, conc * avg_kv) + slot_wait_s) / window
         else:
             t_crit = max_output * self.decode_step_s(conc, np.maximum(conc - 1.0, 0.0) * avg_kv + own_kv)
             t_crit = t_crit / max(window, 1.0)
