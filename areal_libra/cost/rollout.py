@@ -188,7 +188,8 @@ class RolloutCost:
         return total + k * const
 
     def group_makespan_s(self, n_req, mean_prompt, mean_output, max_output, max_final, window: float = 1.0,
-                         reprefill: bool = True):
+                         reprefill: bool = True, slot_output: float | None = None, slot_wait_s: float = 0.0,
+                         resident_output=None):
         """Fluid estimate of the makespan of `n_req` requests (possibly fractional: an even share of an
         interval over several servers) with the given length statistics, on one server. Concurrency is
         limited by max_running and by KV capacity with final lengths reserved. Decode takes the longer of
@@ -206,18 +207,38 @@ class RolloutCost:
         `reprefill` (asynchronous mode only): every training step ends with a weight update that interrupts
         generation and flushes the server's KV cache (AReaL's interruptible generation on SGLang), so the
         requests resident at that moment prefill their context again, once per batch: concurrency x one
-        prefill of the average resident context."""
+        prefill of the average resident context.
+
+        `slot_output` (asynchronous mode only): the loop's in-flight slots instead of one request's critical
+        path. At most `window` batches of trajectories are in flight, and a trajectory's slot is held until its
+        whole GRPO group has finished: for the group's longest member's decode and for the tool calls that wait
+        on it. By Little's law a batch then takes at least E[slot time] / window, with E[slot time] =
+        `slot_output` (the expected longest member's generated tokens, E over groups of their maximum) decoded
+        at this server's step time (at least the interval's own mean output: a slot is held for its own
+        decode too) plus `slot_wait_s` (the expected longest member's tool waits). It replaces
+        the critical path of the single longest request, which the loop does not wait for (a straggler is
+        trained later; it only holds its slots).
+
+        `resident_output` (asynchronous mode only): the mean generated tokens a running request holds in KV.
+        Default mean_output / 2; a caller that knows the spread passes E[o^2] / (2 E[o]): a request stays in
+        the running batch for a time that grows with its length, so the batch holds the long ones more often
+        than their share (length-biased sampling)."""
         cap = float(self.kv_capacity_tokens())
         mean_final = mean_prompt + mean_output
-        avg_kv = mean_prompt + mean_output / 2.0
+        half = mean_output / 2.0 if resident_output is None or window <= 1.0 else resident_output
+        avg_kv = mean_prompt + half
         in_flight = n_req * window if window > 1.0 else n_req
         per_req_kv = avg_kv if window > 1.0 else mean_final
         conc = np.minimum(np.minimum(in_flight, float(self.max_running)), cap / np.maximum(per_req_kv, 1.0))
         conc = np.maximum(conc, 1e-9)
         t_work = (n_req * mean_output / conc) * self.decode_step_s(conc, conc * avg_kv)
         own_kv = np.maximum(max_final - max_output / 2.0, avg_kv)
-        t_crit = max_output * self.decode_step_s(conc, np.maximum(conc - 1.0, 0.0) * avg_kv + own_kv)
-        t_crit = t_crit / max(window, 1.0)
+        if window > 1.0 and slot_output is not None:
+            hold = np.maximum(slot_output, mean_output)  # a slot is held at least for its own decode
+            t_crit = (hold * self.decode_step_s(conc, conc * avg_kv) + slot_wait_s) / window
+        else:
+            t_crit = max_output * self.decode_step_s(conc, np.maximum(conc - 1.0, 0.0) * avg_kv + own_kv)
+            t_crit = t_crit / max(window, 1.0)
         ovh = self.call_overhead_s()
         prefill = n_req * (self.prefill_s(mean_prompt) - ovh) + ovh * np.maximum(n_req / conc, 1.0)
         if window > 1.0 and reprefill:

@@ -59,8 +59,11 @@ def price(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, histor
             costs.append(float("inf"))
             continue
         mp, mo = float((w[sel] * p[sel]).sum() / W), float((w[sel] * o[sel]).sum() / W)
+        res = (float((w[sel] * o[sel] ** 2).sum() / W) / (2.0 * mo) if cfg.length_biased_kv and mo > 0 else None)
         n_req = max(W / g.count, min(1.0, W))
         costs.append(float(rc.group_makespan_s(n_req, mp, mo, float(o[sel].max()), float(f[sel].max()),
-                                                 window=cfg.rollout_window, reprefill=cfg.reprefill_on_sync)))
+                                                 window=cfg.rollout_window, reprefill=cfg.reprefill_on_sync,
+                                                 slot_output=cfg.slot_output, slot_wait_s=cfg.slot_wait_s,
+                                                 resident_output=res)))
     rf = cfg.rollout_factor
     return PlanPrice(t_train * cfg.train_factor, (max(costs) if costs else 0.0) * rf, tuple(c * rf for c in costs))

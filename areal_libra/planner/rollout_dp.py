@@ -61,10 +61,12 @@ class RolloutDP:
 
     def __init__(self, costs: dict[int, RolloutCost], prompts: Sequence[float], outputs: Sequence[float],
                  weights: Sequence[float], max_gpus: int, native: bool = True, window: float = 1.0,
-                 reprefill: bool = True) -> None:
+                 reprefill: bool = True, slot_output: float | None = None, slot_wait_s: float = 0.0,
+                 length_biased: bool = False) -> None:
         self.native = native
         self.window = window  # RolloutCost.group_makespan_s: > 1 prices asynchronous, staleness-bounded rollout
         self.reprefill = reprefill
+        self.slot = {"slot_output": slot_output, "slot_wait_s": slot_wait_s}  # async in-flight slots
         self.costs = dict(sorted(costs.items()))
         self.p = np.asarray(prompts, dtype=float)
         self.o = np.asarray(outputs, dtype=float)
@@ -88,6 +90,10 @@ class RolloutDP:
         self.mean_p = (cwp[b_idx] - cwp[a_idx]) / W
         self.mean_o = (cwo[b_idx] - cwo[a_idx]) / W
         self.mean_f = self.mean_p + self.mean_o
+        if length_biased:  # resident generated tokens of a running request: E[o^2] / 2E[o] (length-biased)
+            cwo2 = np.concatenate([[0.0], np.cumsum(self.w * self.o * self.o)])
+            mo2 = (cwo2[b_idx] - cwo2[a_idx]) / W
+            self.slot["resident_output"] = np.where(self.mean_o > 0, mo2 / np.maximum(2.0 * self.mean_o, 1e-9), 0.0)
         max_o = np.empty_like(W)
         for b in range(1, n + 1):  # suffix maxima of outputs ending at b
             s = b * (b - 1) // 2
@@ -112,11 +118,19 @@ class RolloutDP:
             ks = grid.astype(float)[:, None]
             n_req = np.maximum(W[None, :] / ks, np.minimum(1.0, W)[None, :])
             tab = rc.group_makespan_s(n_req, self.mean_p[None, :], self.mean_o[None, :], self.max_o[None, :],
-                                      self.max_f[None, :], window=window, reprefill=reprefill)
+                                      self.max_f[None, :], window=window, reprefill=reprefill, **self._slot(None))
             tab = np.where(ok[None, :], tab, np.inf)
             tab = np.minimum.accumulate(tab, axis=0)  # guard monotonicity in k against float noise
             self.tables[tp] = np.ascontiguousarray(tab)
         self._cols = np.arange(len(W))
+
+    def _slot(self, j: int | None) -> dict:
+        """The slot and resident-KV arguments of group_makespan_s for interval j (all intervals: None)."""
+        out = dict(self.slot)
+        res = out.get("resident_output")
+        if res is not None:
+            out["resident_output"] = res[None, :] if j is None else float(res[j])
+        return out
 
     # ---------------------------------------------------------------- probes
     def value_range(self) -> tuple[float, float] | None:
@@ -211,7 +225,8 @@ class RolloutDP:
         # as the table, window and re-prefill included, and never above the grid point below (the table's
         # monotonicity guard).
         c = float(self.costs[tp].group_makespan_s(n_req, self.mean_p[j], self.mean_o[j], self.max_o[j],
-                                                  self.max_f[j], window=self.window, reprefill=self.reprefill))
+                                                  self.max_f[j], window=self.window, reprefill=self.reprefill,
+                                                  **self._slot(j)))
         return min(c, float(tab[pos - 1, j])) if pos > 0 else c
 
     def solution(self, groups: list[tuple[int, int, int, int]]) -> RolloutSolution:

@@ -25,12 +25,20 @@ from areal_libra.planner.train_tree import TreeConfig, TreeResult, search
 from areal_libra.planner.types import DEFAULT_TP, Interval, Plan, PlanError, PlannerConfig, RolloutInstance
 
 
+def tail_rows(n: int, global_batch: int) -> int:
+    """How many of `n` history rows form the tail sample: the top n / (B + 1), the share of the history at
+    and above the expected longest request of one batch of B (the B/(B+1) quantile). The critical path a
+    step pays is one batch's longest request, not the longest of the whole history, which grows with its
+    size (a 2,000-trajectory history holds the longest of 15 batches of 128)."""
+    return max(1, min(n - 1, int(round(n / (global_batch + 1.0)))))
+
+
 def sample_history(history: Sequence[tuple[int, int]] | np.ndarray, n_samples: int, global_batch: int):
-    """Stratified sample of (prompt_tokens, final_length) pairs: sort by final length; the longest request is
-    a sample of its own (the tail sets the critical path), the rest is cut into n_samples - 1 strata of
-    nearly equal size, each represented by its mean prompt and final length (keeps the total work).
-    Weights: real requests of one rollout batch per sample. Returns prompts, outputs, weights, stratum
-    min and max final length, all sorted by final length."""
+    """Stratified sample of (prompt_tokens, final_length) pairs: sort by final length; the tail (the top
+    `tail_rows` requests, at least the longest one) is a sample of its own (the tail sets the critical
+    path), the rest is cut into n_samples - 1 strata of nearly equal size, each stratum represented by its
+    mean prompt and final length (keeps the total work). Weights: real requests of one rollout batch per
+    sample. Returns prompts, outputs, weights, stratum min and max final length, all sorted by final length."""
     arr = np.asarray(history, dtype=float).reshape(-1, 2)
     arr = arr[np.argsort(arr[:, 1], kind="stable")]
     n = len(arr)
@@ -38,17 +46,21 @@ def sample_history(history: Sequence[tuple[int, int]] | np.ndarray, n_samples: i
         w = np.full(n, global_batch / n)
         f = arr[:, 1].astype(int)
         return arr[:, 0], arr[:, 1] - arr[:, 0], w, f, f.copy()
-    body, k = n - 1, n_samples - 1
+    m = tail_rows(n, global_batch)
+    body, k = n - m, n_samples - 1
+    if body < k:  # not enough rows below the tail for every stratum: a shorter tail
+        body, m = k, n - k
     bounds = (np.arange(k + 1) * body) // k  # strata of nearly equal size, like np.array_split
-    cp = np.concatenate([[0.0], np.cumsum(arr[:body, 0])])
-    cf = np.concatenate([[0.0], np.cumsum(arr[:body, 1])])
+    bounds = np.append(bounds, n)  # the last stratum: the tail
+    cp = np.concatenate([[0.0], np.cumsum(arr[:, 0])])
+    cf = np.concatenate([[0.0], np.cumsum(arr[:, 1])])
     a, b = bounds[:-1], bounds[1:]
     size = (b - a).astype(float)
-    prompts = np.append((cp[b] - cp[a]) / size, arr[-1, 0])
-    finals = np.append((cf[b] - cf[a]) / size, arr[-1, 1])
-    weights = np.append(size, 1.0) / n * global_batch
-    lo = np.append(arr[a, 1], arr[-1, 1]).astype(int)
-    hi = np.append(arr[b - 1, 1], arr[-1, 1]).astype(int)
+    prompts = (cp[b] - cp[a]) / size
+    finals = (cf[b] - cf[a]) / size
+    weights = size / n * global_batch
+    lo = arr[a, 1].astype(int)
+    hi = arr[b - 1, 1].astype(int)
     return prompts, finals - prompts, weights, lo, hi
 
 
@@ -195,7 +207,8 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     pareto = _pareto(frontier)
     max_roll = n - pareto[0][0]
     dp = RolloutDP(costs, prompts, outputs, weights, max_roll, window=cfg.rollout_window,
-                   reprefill=cfg.reprefill_on_sync)
+                   reprefill=cfg.reprefill_on_sync, slot_output=cfg.slot_output, slot_wait_s=cfg.slot_wait_s,
+                   length_biased=cfg.length_biased_kv)
     rng = dp.value_range()
     if rng is None or dp.min_gpus(rng[1])[0] > max_roll:
         need = dp.min_gpus(rng[1])[0] if rng else math.inf

@@ -51,6 +51,14 @@ class PlannerConfig:
     # slower than modelled gets more GPUs. 1.0: the model as it is.
     train_factor: float = 1.0
     rollout_factor: float = 1.0
+    # async mode: the in-flight slot statistics of the history's GRPO groups (RolloutCost.group_makespan_s
+    # `slot_output`, `slot_wait_s`; areal_libra.planner.slots): E over groups of their longest member's
+    # generated tokens and of its tool waits. None: the critical path of the single longest request instead.
+    slot_output: float | None = None
+    slot_wait_s: float = 0.0
+    # async mode: a running request's resident KV is length-biased (E[o^2] / 2E[o] of its interval's
+    # generated tokens, RolloutCost.group_makespan_s `resident_output`) instead of half the mean
+    length_biased_kv: bool = True
 
     @property
     def rollout_window(self) -> float:

@@ -89,6 +89,7 @@ def planner_config(env: Env, **fields):
     _, PlannerConfig, _ = _planner()
     per_step = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
     if env.knobs.planner_mode == "async":
+        fields.setdefault("length_biased_kv", LENGTH_BIASED_KV)
         return PlannerConfig(global_batch=per_step, mode="async", staleness=env.staleness, **fields)
     return PlannerConfig(global_batch=per_step * (env.staleness + 1), **fields)
 
@@ -111,6 +112,45 @@ def planner_cluster(env: Env):
         env._calibrated = cached
         env.calibration_error = err
     return cached
+
+
+# Price the asynchronous loop's in-flight slots (areal_libra.planner.slots: a group holds its slots for its
+# longest member's decode and tool waits, E over finished groups; Little's law over the eta + 1 batches in
+# flight) instead of the critical path of the history's single longest request. Off: measured at 60 steps,
+# seed 0, it gains on Search-R1 (12,271 -> 12,792) and loses on R2E-Gym (4,110 -> 3,983) with the
+# length-biased KV below (docs/pricing.md); kept in the code for the calibrated planner.
+SLOT_PRICING = False
+# A running request's resident KV priced length-biased (PlannerConfig.length_biased_kv, its default): on
+# DAPO-Math the first plan moves from 22 rollout GPUs to 3xTP8 (16,650 -> 18,830 tokens/s).
+LENGTH_BIASED_KV = True
+
+
+def traj_tool_wait_s(env: Env, tr, run_scale: float = 1.0) -> float:
+    """The tool waits of a finished trajectory as the loop measured them: each call's wall time in this
+    simulation (the workload's latency at the run's and the cluster's tool speed)."""
+    scale = run_scale * env.truth.c.tool_latency_scale
+    return sum(s.tool.latency_s for s in tr.segments if s.tool is not None) * scale
+
+
+def traj_gen_tokens(tr) -> int:
+    """Generated tokens as the planner's history counts them (HISTORY_TRIPLES: model tokens only)."""
+    return tr.model_tokens if HISTORY_TRIPLES else tr.final_length - tr.prompt_tokens
+
+
+def group_slot_fields(env: Env, trajs, group_size: int, run_scale: float = 1.0) -> dict:
+    """PlannerConfig's slot fields from finished trajectories: complete groups (same prompt and policy
+    version, `group_size` members) only; {} when SLOT_PRICING is off or no group is complete."""
+    if not SLOT_PRICING:
+        return {}
+    from areal_libra.planner.slots import slot_stats
+
+    groups: dict = {}
+    for tr in trajs:
+        groups.setdefault((tr.prompt_id, tr.step), []).append(tr)
+    done = [[(traj_gen_tokens(t), traj_tool_wait_s(env, t, run_scale)) for t in g]
+            for g in groups.values() if len(g) >= group_size]
+    out, wait = slot_stats(done)
+    return {} if out is None else {"slot_output": out, "slot_wait_s": wait}
 
 
 def plan_for(env: Env, history, homogeneous: bool, factors=None, **restrict):
@@ -138,8 +178,20 @@ def plan_for(env: Env, history, homogeneous: bool, factors=None, **restrict):
 
 
 # Give the planner (prompt, final, model_tokens) triples (tool payloads prefilled, only model tokens
-# decoded) or plain (prompt, final) pairs.
+# decoded) or plain (prompt, final) pairs. Off: measured (docs/pricing.md), triples move R2E-Gym's first
+# plan to TP2xDP12 + 4xTP4 + 1xTP8 (4,110 -> 4,086 tokens/s) and change nothing on the other two.
 HISTORY_TRIPLES = False
+
+
+# The first plan's profile: the groups of this many training steps of the initial policy (at least
+# env.profile_groups), with their whole tail; 0 keeps env.profile_groups. Off: a profile of 3 or 5 steps
+# holds R2E-Gym's 40,960-token trajectories, for which the planner's memory model rules out TP2 training
+# (R2E-Gym 4,110 -> 3,284, Search-R1 12,271 -> 11,619; docs/pricing.md).
+PROFILE_STEPS = 0
+
+
+def profile_groups(env: Env) -> int:
+    return max(env.profile_groups, PROFILE_STEPS * env.workload.cfg.batch_prompts)
 
 
 def profile_history(trajs) -> list[tuple[int, ...]]:
@@ -271,14 +323,15 @@ def make_hybrid(layout: Layout, max_units: int, dp_div: int = 2) -> tuple[Layout
 class SimPlanSource:
     """The planner bound to the simulated cluster's spec (areal_libra.control.PlanSource)."""
 
-    def __init__(self, env: Env, homogeneous: bool) -> None:
+    def __init__(self, env: Env, homogeneous: bool, slots=None) -> None:
         self.env, self.homogeneous = env, homogeneous
+        self.slots = slots or (lambda: {})  # the slot fields of the finished groups (group_slot_fields)
 
     def solve(self, history):
-        return plan_for(self.env, history, self.homogeneous)
+        return plan_for(self.env, history, self.homogeneous, **self.slots())
 
     def solve_calibrated(self, history, factors):
-        return plan_for(self.env, history, self.homogeneous, factors)
+        return plan_for(self.env, history, self.homogeneous, factors, **self.slots())
 
     def price(self, plan, history) -> float:
         t_train, t_roll, _ = self.price_terms(plan, history)
@@ -287,7 +340,7 @@ class SimPlanSource:
     def price_terms(self, plan, history) -> tuple[float, float, float]:
         from areal_libra.planner.evaluate import price
 
-        cfg = planner_config(self.env)
+        cfg = planner_config(self.env, **self.slots())
         p = price(plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name, history, cfg)
         tokens = cfg.global_batch * sum(h[1] for h in history) / max(1, len(history))
         return p.t_train_s, p.t_rollout_s, tokens
@@ -320,6 +373,14 @@ class SimCluster:
     # ------------------------------------------------------------ Cluster interface
     def history(self, n: int) -> list[tuple[int, ...]]:
         return history_of(self.sim, n)
+
+    def slot_fields(self) -> dict:
+        """The planner's slot fields from the groups among the trajectories the run has finished."""
+        sim = self.sim
+        if sim is None:
+            return {}
+        return group_slot_fields(self.env, sim.finished_trajs, self.env.workload.cfg.group_size,
+                                 sim.cfg.tool_latency_scale)
 
     def same_layout(self, a, b) -> bool:
         return _same(self._layout(a), self._layout(b))
@@ -498,13 +559,14 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
 def libra_system(name: str, env: Env) -> SystemSpec:
     knobs = env.knobs
     opts = RUNGS[name]
-    prof = env.workload.profile(env.profile_groups)
+    prof = env.workload.profile(profile_groups(env))
     hist = profile_history(prof)
-    plan = plan_for(env, hist, opts.homogeneous)
+    slots = group_slot_fields(env, prof, env.workload.cfg.group_size)
+    plan = plan_for(env, hist, opts.homogeneous, **slots)
     layout = layout_from_plan(plan, env.workload.cfg.max_len, knobs.train_micro_batch)
     core, units = make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic else (layout, [])
     cluster = SimCluster(env, opts, units)
-    lc = LibraController(control_config(knobs), SimPlanSource(env, opts.homogeneous), plan)
+    lc = LibraController(control_config(knobs), SimPlanSource(env, opts.homogeneous, cluster.slot_fields), plan)
     ctl = SimLibraControl(lc, cluster)
     # Filled while the run goes (the same objects): each decision's prediction against the next steps, and
     # the calibration factors in force at the end.

@@ -155,8 +155,17 @@ def test_stratified_sample_keeps_work_and_tail():
     hist = _random_history(rng, n=1000, tail=0.02)
     p, o, w, lo, hi = sample_history(hist, 64, 512)
     assert len(p) == 64 and w.sum() == pytest.approx(512)
-    assert p[-1] + o[-1] == max(f for _, f in hist)
+    finals = sorted(f for _, f in hist)
+    # The tail sample is the top n / (B + 1) requests (2 of 1,000 for B = 512): their mean, the expected
+    # longest request of one batch, not the longest of the whole history; its stratum ends at the longest.
+    assert p[-1] + o[-1] == pytest.approx((finals[-1] + finals[-2]) / 2)
+    assert hi[-1] == finals[-1] and lo[-1] == finals[-2]
     assert all((p + o)[i] <= (p + o)[i + 1] for i in range(63))
+    assert (p * w).sum() / 512 == pytest.approx(sum(q for q, _ in hist) / len(hist))  # work kept
+    assert (o * w).sum() / 512 == pytest.approx(sum(f - q for q, f in hist) / len(hist))
+    # A history of about one batch keeps the longest request as its own sample.
+    p1, o1, w1, _, _ = sample_history(hist[:300], 64, 300)
+    assert p1[-1] + o1[-1] == max(f for _, f in hist[:300]) and w1[-1] == pytest.approx(1.0)
 
 
 def test_training_time_is_for_the_global_batch():
