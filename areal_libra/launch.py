@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_libra.config import Composed, ConfigError, compose, libra_config, save
+from areal_libra.rollout.sglang_args import SGLangArgsError, SGLangUnavailable, parse_command_lines
 
 # libra mode: how long every rollout server may be dead while the trainer starts replacements
 # (rollout/revive.py) before the launcher gives up.
@@ -774,8 +775,6 @@ def sglang_parse(argvs: list[list[str]]) -> str:
     """Every server command line through the installed SGLang's own ServerArgs (rollout/sglang_args.py):
     'parsed ...' or why it could not be; LaunchError when SGLang refuses one."""
     from importlib.metadata import version
-
-    from areal_libra.rollout.sglang_args import SGLangArgsError, SGLangUnavailable, parse_command_lines
 
     try:
         parse_command_lines([argv[3:] for argv in argvs])  # after `python -m sglang.launch_server`
