@@ -128,6 +128,8 @@ class Simulation:
         self.batch = workload.cfg.batch_prompts
         self.t = 0.0
         self.events: list = []
+        self._deferred: list = []  # (server, sequence number, epoch) of deferred chunks (_kick, _flush)
+        self._defer = False  # _kick defers the chunks it starts (while placing many requests at one instant)
         self._seq = 0
         self.servers: list[RolloutServer] = []
         self._sid = 0
@@ -197,6 +199,7 @@ class Simulation:
         self.servers.remove(s)
         self._retired_busy += s.busy_s * s.tp
         self._retired_gpu_s += (self.t - self._gpu_time_origin.pop(s.sid)) * s.tp
+        defer, self._defer = self._defer, True
         for req, ctx in s.remove_all():
             if ctx >= 0:  # was decoding: keep what it generated
                 req.done_tokens = ctx - req.ctx
@@ -205,6 +208,8 @@ class Simulation:
             req.migrated_tokens += full
             self.migrated_tokens += full
             self._place(req, req.bucket, prior=0, new=full)
+        self._defer = defer
+        self._flush()
 
     def apply_layout(self, layout: Layout, train_changed: bool, start_delay: float | None = None) -> None:
         """Reconfigure to `layout`: keep matching servers, retire the rest, start the new ones."""
@@ -262,18 +267,43 @@ class Simulation:
             done = s.interrupt(self.t)
             if done:
                 self._handle_done(s, done)
-        if s.chunk is None and not s.retired:
-            r = s.start_chunk(self.t)
-            if r is not None:
-                self._seq += 1  # _push, inlined (once per arrival and tool return)
-                heapq.heappush(self.events, (r[0], self._seq, CHUNK, s, r[1]))
+        if s.chunk is None and not s.retired and s.start_chunk_deferred(self.t):
+            self._seq += 1  # _push, inlined (once per arrival and tool return)
+            if self._defer:
+                # Many arrivals at this instant (_admit, retire_server): the chunk's event keeps its place in
+                # the order (its sequence number) and enters the queue when _flush materializes the chunk,
+                # unless the next arrival on this server ends it first (RolloutServer.start_chunk_deferred).
+                self._deferred.append((s, self._seq, s.epoch))
+            else:
+                t_end, epoch = s.materialize()
+                heapq.heappush(self.events, (t_end, self._seq, CHUNK, s, epoch))
+
+    def _flush(self) -> None:
+        """Materialize the deferred chunks still running and queue their end events."""
+        ev = self.events
+        for s, seq, epoch in self._deferred:
+            if s.epoch == epoch and not s.retired:
+                t_end, _ = s.materialize()
+                heapq.heappush(ev, (t_end, seq, CHUNK, s, epoch))
+        self._deferred.clear()
 
     def _pick_server(self, bucket: int) -> RolloutServer:
-        bucket = min(bucket, max(s.bucket for s in self.servers))
-        cands = [s for s in self.servers if s.bucket == bucket]
-        if not cands:
-            cands = self.servers
-        return min(cands, key=lambda s: (s.load() / s.tp, s.sid))
+        """Least loaded per GPU (then lowest id) among the bucket's servers (the highest bucket's when the
+        bucket is past it; every server when none is in it)."""
+        servers = self.servers
+        top = max(s.bucket for s in servers)
+        if bucket > top:
+            bucket = top
+        # min(key=(load() / tp, sid)) as a plain loop (once per placement): RolloutServer.load() inlined.
+        best, bx, bsid = None, 0.0, 0
+        for s in servers:
+            if s.bucket == bucket:
+                x = (len(s.active) + len(s.queue)) / s.tp
+                if best is None or x < bx or (x == bx and s.sid < bsid):
+                    best, bx, bsid = s, x, s.sid
+        if best is None:
+            return min(servers, key=lambda s: (s.load() / s.tp, s.sid))
+        return best
 
     def _place(self, req: SimRequest, bucket: int, prior: int, new: int, server: RolloutServer | None = None) -> None:
         s = server or self._pick_server(bucket)
@@ -285,6 +315,14 @@ class Simulation:
     def _admit(self) -> None:
         cap = (self.version + self.cfg.max_staleness + 1) * self.batch
         limit = self.truth.c.max_in_flight
+        defer, self._defer = self._defer, True
+        try:
+            self._admit_groups(cap, limit)
+        finally:
+            self._defer = defer
+        self._flush()
+
+    def _admit_groups(self, cap: int, limit: int) -> None:
         while self.started_groups < cap:
             if limit and self.in_flight >= limit:
                 break  # the environment runs no more trajectories at once; _traj_done admits again
@@ -343,8 +381,12 @@ class Simulation:
         old = req.server
         b = self.router.tool_return(req)
         if b == req.bucket and old is not None and not old.retired:
-            req.ctx += payload
-            self._place(req, b, prior=req.ctx - payload, new=payload, server=old)
+            # _place(req, b, prior=context before the payload, new=payload, server=old), inlined
+            prior = req.ctx
+            req.ctx = prior + payload
+            req.bucket = old.bucket
+            old.queue.append((req, prior, payload))  # old.enqueue (req.server is old already)
+            self._kick(old)
             return
         if old is not None:
             old.drop_cache(req)
@@ -464,7 +506,12 @@ class Simulation:
             raise SimError("steps must be >= 1")
         self._admit()
         ev = self.events
-        while ev and self.version < steps:
+        deferred = self._deferred
+        while self.version < steps:
+            if deferred:
+                self._flush()
+            if not ev:
+                break
             t, _, kind, obj, epoch = heapq.heappop(ev)
             if kind == CHUNK:
                 if obj.epoch != epoch or obj.retired:
