@@ -10,10 +10,13 @@ finished trajectories and measured times — and may re-plan, reconfigure or mov
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import random
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from areal_libra.elastic.measure import pressure, rollout_time
@@ -22,6 +25,21 @@ from areal_libra.sim.server import RolloutServer, SimRequest
 from areal_libra.sim.workloads import Workload
 
 CHUNK, TOOL, TRAIN_END, TRAIN_TRY, CALL = range(5)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (reference counting still frees everything). A paper-scale
+    run allocates millions of short-lived objects while holding hundreds of thousands of long-lived ones
+    (trajectories, requests), so the collector kept re-scanning the live heap: 15-25% of the CPU time, for
+    almost no cyclic garbage (a few hundred objects a run). Results do not depend on it."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def workload_rng(seed: int) -> random.Random:
@@ -504,6 +522,10 @@ class Simulation:
     def run(self, steps: int, wall_limit_s: float | None = None) -> dict:
         if steps < 1:
             raise SimError("steps must be >= 1")
+        with gc_paused():
+            return self._run(steps)
+
+    def _run(self, steps: int) -> dict:
         self._admit()
         ev = self.events
         deferred = self._deferred

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
+from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout, gc_paused
 from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import SimRequest
 from areal_libra.sim.workloads import Workload
@@ -327,7 +327,8 @@ class RecordedReplay(Workload):
         self.name = replay.name
         rng = workload_rng(seed)
         self.state0 = rng.getstate()
-        self.groups = [replay.sample_group(0, rng) for _ in range(n_groups)]
+        with gc_paused():
+            self.groups = [replay.sample_group(0, rng) for _ in range(n_groups)]
         self.state_end = rng.getstate()
         self.live = copy.deepcopy(replay)  # its counters as they are after the recording
         self._i = 0
