@@ -369,7 +369,8 @@ class Simulation:
             if tool is not None:
                 s.park(req, after_gen)
                 req.ctx = after_gen
-                self._push(t + tool.latency_s * scale * truth_scale, TOOL, req)
+                self._seq += 1  # _push, inlined
+                heapq.heappush(self.events, (t + tool.latency_s * scale * truth_scale, self._seq, TOOL, req, 0))
             else:
                 self._traj_done(req, t)
 
@@ -379,9 +380,10 @@ class Simulation:
         self.in_flight -= 1
         if self.truth.c.max_in_flight:
             self.call_at(t, self._admit)  # a slot freed; admit after this event, not inside a server's update
-        self.finished.append((tr.prompt_tokens, tr.final_length, tr.model_tokens))
+        final = tr.final_length
+        self.finished.append((tr.prompt_tokens, final, tr.model_tokens))
         self.finished_trajs.append(tr)
-        self.total_final += tr.final_length
+        self.total_final += final
         self.traj_durations.append(t - req.t_start)
         self.traj_versions.append(req.start_version)
         g = req.group

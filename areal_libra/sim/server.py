@@ -184,13 +184,17 @@ class RolloutServer:
         self.epoch += 1
         done = []
         heap = self.heap
-        while heap and heap[0][0] <= self.it:
-            end_it, seq, req = heapq.heappop(heap)
-            if req.heap_seq != seq or req not in self.active:
-                continue
-            self.sum_base -= self.active.pop(req)
-            req.heap_seq = -1
-            done.append(req)
+        it = self.it
+        if heap and heap[0][0] <= it:
+            active = self.active
+            pop = heapq.heappop
+            while heap and heap[0][0] <= it:
+                end_it, seq, req = pop(heap)
+                if req.heap_seq != seq or req not in active:
+                    continue
+                self.sum_base -= active.pop(req)
+                req.heap_seq = -1
+                done.append(req)
         return done
 
     def enqueue(self, req: SimRequest, prior: int, new: int, front: bool = False) -> None:
@@ -289,40 +293,43 @@ class RolloutServer:
             idle_cache = self.idle_cache
             max_running = self.max_running
             heap = self.heap
+            push = heapq.heappush
             prefill_s = self.truth.prefill_s
             tp = self.tp
+            # Integer counters kept in locals through the loop and stored back after it.
+            idle_tokens, prefill_tokens, sum_base, seq = self.idle_tokens, self.prefill_tokens, self.sum_base, self._seq
             while q and len(active) < max_running:
                 req, prior, new = q[0]
                 cached = req in idle_cache
                 need = prior + new
                 if cached:
-                    self.idle_tokens -= idle_cache.pop(req)
-                while kv + self.idle_tokens + need > cap and idle_cache:
+                    idle_tokens -= idle_cache.pop(req)
+                while kv + idle_tokens + need > cap and idle_cache:
                     _, tok = idle_cache.popitem(last=False)  # evict least recently parked
-                    self.idle_tokens -= tok
+                    idle_tokens -= tok
                 if kv + need > cap and active:
                     if cached:
                         idle_cache[req] = prior
-                        self.idle_tokens += prior
+                        idle_tokens += prior
                     break
                 q.popleft()
                 if cached:
                     prefill += prefill_s(tp, new, prior)
-                    self.prefill_tokens += new
+                    prefill_tokens += new
                 else:
                     prefill += prefill_s(tp, need, 0)
-                    self.prefill_tokens += need
+                    prefill_tokens += need
                 base = need - it
                 active[req] = base
-                self.sum_base += base
-                self._seq += 1
-                seq = self._seq
+                sum_base += base
+                seq += 1
                 req.heap_seq = seq
                 req.admit_order = seq
                 left = req.traj.segments[req.seg].gen_tokens - req.done_tokens
                 req.end_it = end_it = it + (left if left > 1 else 1)
-                heapq.heappush(heap, (end_it, seq, req))
+                push(heap, (end_it, seq, req))
                 kv += need
+            self.idle_tokens, self.prefill_tokens, self.sum_base, self._seq = idle_tokens, prefill_tokens, sum_base, seq
             if prefill > 0:
                 spent = prefill * self.speed
                 self.clock += spent
@@ -339,8 +346,10 @@ class RolloutServer:
             room = (cap - kv) // B
             k = self.heap[0][0] - it
         k = max(1, min(k, room)) if room >= 1 else max(1, k)
-        a, b = self._coeffs(B)
-        self.chunk = (self.clock, k, a, b, kv, B, None, None)
+        c = self._coef.get(B)  # _coeffs(B), inlined
+        if c is None:
+            c = self._coef[B] = self.truth.decode_coeffs(self.tp, B)
+        self.chunk = (self.clock, k, c[0], c[1], kv, B, None, None)
         self.epoch += 1
         return True
 
