@@ -131,6 +131,10 @@ class Group:
 
 
 class Simulation:
+    # Chunks started while many requests arrive at one instant (_admit, retire_server) are deferred (_kick);
+    # False starts each at once, as before (the tests compare both).
+    defer_arrivals = True
+
     def __init__(self, truth: HardwareTruth, workload: Workload, n_gpus: int, layout: Layout,
                  run: RunConfig | None = None, router: Router | None = None,
                  controller: Controller | None = None, seed: int = 0):
@@ -217,7 +221,7 @@ class Simulation:
         self.servers.remove(s)
         self._retired_busy += s.busy_s * s.tp
         self._retired_gpu_s += (self.t - self._gpu_time_origin.pop(s.sid)) * s.tp
-        defer, self._defer = self._defer, True
+        defer, self._defer = self._defer, self.defer_arrivals
         for req, ctx in s.remove_all():
             if ctx >= 0:  # was decoding: keep what it generated
                 req.done_tokens = ctx - req.ctx
@@ -333,7 +337,7 @@ class Simulation:
     def _admit(self) -> None:
         cap = (self.version + self.cfg.max_staleness + 1) * self.batch
         limit = self.truth.c.max_in_flight
-        defer, self._defer = self._defer, True
+        defer, self._defer = self._defer, self.defer_arrivals
         try:
             self._admit_groups(cap, limit)
         finally:
