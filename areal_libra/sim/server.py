@@ -136,6 +136,18 @@ class RolloutServer:
                 self.clock = t
             return []
         t0, k, a, b, kv0, B, xi, t_end = ch
+        if xi is None:  # a deferred chunk (start_chunk_deferred)
+            if t < t0 and a + b * kv0 - b * B / 2.0 > 0:
+                # Nothing of it has run (the same j = 0 as below, exactly): it ends here, as a started chunk
+                # would, after spending its noise draw (gauss consumes the generator alike whatever its
+                # arguments) so that the server's later draws stay the same.
+                self.rng.gauss(0.0, 1.0)
+                self.clock = t0
+                self.chunk = None
+                self.epoch += 1
+                return []
+            t_end = self.materialize()[0]
+            xi = self.chunk[6]
         if t >= t_end:
             return self.finish_chunk()
         # An arrival can interrupt a chunk that starts later (after a weight-sync pause): nothing has run.
@@ -172,13 +184,17 @@ class RolloutServer:
         self.epoch += 1
         done = []
         heap = self.heap
-        while heap and heap[0][0] <= self.it:
-            end_it, seq, req = heapq.heappop(heap)
-            if req.heap_seq != seq or req not in self.active:
-                continue
-            self.sum_base -= self.active.pop(req)
-            req.heap_seq = -1
-            done.append(req)
+        it = self.it
+        if heap and heap[0][0] <= it:
+            active = self.active
+            pop = heapq.heappop
+            while heap and heap[0][0] <= it:
+                end_it, seq, req = pop(heap)
+                if req.heap_seq != seq or req not in active:
+                    continue
+                self.sum_base -= active.pop(req)
+                req.heap_seq = -1
+                done.append(req)
         return done
 
     def enqueue(self, req: SimRequest, prior: int, new: int, front: bool = False) -> None:
@@ -214,6 +230,8 @@ class RolloutServer:
         self.idle_cache.clear()
         self.idle_tokens = 0
         self.sum_base = 0
+        if self.chunk is not None and self.chunk[6] is None:
+            self.rng.gauss(0.0, 1.0)  # a deferred chunk's draw, as if it had started
         self.chunk = None
         self.epoch += 1
         return out
@@ -236,6 +254,25 @@ class RolloutServer:
 
     def start_chunk(self, now: float) -> tuple[float, int] | None:
         """Admit queued requests (prefill), then start decoding. Returns (end time, epoch) or None if idle."""
+        if not self.start_chunk_deferred(now):
+            return None
+        return self.materialize()
+
+    def materialize(self) -> tuple[float, int]:
+        """Draw a deferred chunk's noise and fix its end time. Returns (end time, epoch)."""
+        t0, k, a, b, kv, B, _, _ = self.chunk
+        xi = self.speed * math.exp(self.rng.gauss(0.0, self.sigma / math.sqrt(k)))
+        t_end = t0 + xi * (k * a + b * (k * kv + B * k * (k - 1) / 2.0))  # _chunk_time, inlined
+        self.chunk = (t0, k, a, b, kv, B, xi, t_end)
+        return t_end, self.epoch
+
+    def start_chunk_deferred(self, now: float) -> bool:
+        """start_chunk without the chunk's noise draw and end time (materialize() adds them; False: idle).
+
+        At the paper's scale a step's new groups reach each server one request at a time at the same
+        instant, and every arrival interrupts the chunk the previous one started before any of it ran. A
+        deferred chunk that ends that way costs only its draw (interrupt); the Simulation materializes
+        the chunks still running before it takes its next event. Same chunks, draws and results."""
         if self.chunk is not None:
             raise RuntimeError("start_chunk while a chunk runs")
         # The hot path of paper-scale runs (one call per chunk): attributes read once into locals, the
@@ -256,47 +293,50 @@ class RolloutServer:
             idle_cache = self.idle_cache
             max_running = self.max_running
             heap = self.heap
+            push = heapq.heappush
             prefill_s = self.truth.prefill_s
             tp = self.tp
+            # Integer counters kept in locals through the loop and stored back after it.
+            idle_tokens, prefill_tokens, sum_base, seq = self.idle_tokens, self.prefill_tokens, self.sum_base, self._seq
             while q and len(active) < max_running:
                 req, prior, new = q[0]
                 cached = req in idle_cache
                 need = prior + new
                 if cached:
-                    self.idle_tokens -= idle_cache.pop(req)
-                while kv + self.idle_tokens + need > cap and idle_cache:
+                    idle_tokens -= idle_cache.pop(req)
+                while kv + idle_tokens + need > cap and idle_cache:
                     _, tok = idle_cache.popitem(last=False)  # evict least recently parked
-                    self.idle_tokens -= tok
+                    idle_tokens -= tok
                 if kv + need > cap and active:
                     if cached:
                         idle_cache[req] = prior
-                        self.idle_tokens += prior
+                        idle_tokens += prior
                     break
                 q.popleft()
                 if cached:
                     prefill += prefill_s(tp, new, prior)
-                    self.prefill_tokens += new
+                    prefill_tokens += new
                 else:
                     prefill += prefill_s(tp, need, 0)
-                    self.prefill_tokens += need
+                    prefill_tokens += need
                 base = need - it
                 active[req] = base
-                self.sum_base += base
-                self._seq += 1
-                seq = self._seq
+                sum_base += base
+                seq += 1
                 req.heap_seq = seq
                 req.admit_order = seq
                 left = req.traj.segments[req.seg].gen_tokens - req.done_tokens
                 req.end_it = end_it = it + (left if left > 1 else 1)
-                heapq.heappush(heap, (end_it, seq, req))
+                push(heap, (end_it, seq, req))
                 kv += need
+            self.idle_tokens, self.prefill_tokens, self.sum_base, self._seq = idle_tokens, prefill_tokens, sum_base, seq
             if prefill > 0:
                 spent = prefill * self.speed
                 self.clock += spent
                 self.busy_s += spent
         B = len(active)
         if B == 0:
-            return None
+            return False
         k = self.heap[0][0] - it
         room = (cap - kv) // B
         while room < 1 and len(active) > 1:
@@ -306,13 +346,12 @@ class RolloutServer:
             room = (cap - kv) // B
             k = self.heap[0][0] - it
         k = max(1, min(k, room)) if room >= 1 else max(1, k)
-        a, b = self._coeffs(B)
-        xi = self.speed * math.exp(self.rng.gauss(0.0, self.sigma / math.sqrt(k)))
-        t0 = self.clock
-        t_end = t0 + xi * (k * a + b * (k * kv + B * k * (k - 1) / 2.0))  # _chunk_time, inlined
-        self.chunk = (t0, k, a, b, kv, B, xi, t_end)
+        c = self._coef.get(B)  # _coeffs(B), inlined
+        if c is None:
+            c = self._coef[B] = self.truth.decode_coeffs(self.tp, B)
+        self.chunk = (self.clock, k, c[0], c[1], kv, B, None, None)
         self.epoch += 1
-        return t_end, self.epoch
+        return True
 
     def _preempt(self) -> None:
         """KV pool full: retract the most recently admitted request; it re-prefills its context later."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
+from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout, gc_paused
 from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import SimRequest
 from areal_libra.sim.workloads import Workload
@@ -107,9 +107,12 @@ class PolicyRouter(Router):
     def __init__(self, policy, spill_cfg=None):
         self.policy = policy
         self.n_buckets = len(policy.buckets)
-        from areal_libra.cmlfq import RequestInfo
+        from areal_libra.cmlfq import LeastLoadedPolicy, RequestInfo
 
         self._info = RequestInfo
+        # A policy whose tool_return is least-loaded's keeps every trajectory in its bucket and reads nothing
+        # of the request: tool_return skips building the request for it (once per tool return).
+        self._keeps_bucket = type(policy).tool_return is LeastLoadedPolicy.tool_return
         # Load-aware spill-over (areal_libra.cmlfq.spill, as the live Dispatcher's `spill` switch):
         # placements go to a neighbouring bucket when the chosen one is much more loaded per GPU.
         self.spill_cfg = spill_cfg
@@ -153,10 +156,12 @@ class PolicyRouter(Router):
         return self._spill(self.policy.start(self._req(req, req.traj.prompt_tokens)))
 
     def tool_return(self, req: SimRequest) -> int:
-        payload = req.tool_state[-1].payload_tokens if req.tool_state else 0
         # After a re-plan with fewer buckets, a request may still sit on a bucket index that is gone.
         cur = min(req.bucket, self.n_buckets - 1)
         self._count()
+        if self._keeps_bucket:
+            return cur  # = self._spill(cur, cur)
+        payload = req.tool_state[-1].payload_tokens if req.tool_state else 0
         return self._spill(self.policy.tool_return(self._req(req, req.ctx + payload), cur), cur)
 
     def finish(self, req: SimRequest) -> None:
@@ -322,7 +327,8 @@ class RecordedReplay(Workload):
         self.name = replay.name
         rng = workload_rng(seed)
         self.state0 = rng.getstate()
-        self.groups = [replay.sample_group(0, rng) for _ in range(n_groups)]
+        with gc_paused():
+            self.groups = [replay.sample_group(0, rng) for _ in range(n_groups)]
         self.state_end = rng.getstate()
         self.live = copy.deepcopy(replay)  # its counters as they are after the recording
         self._i = 0

@@ -8,13 +8,14 @@ can be a workload too.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
 import random
 from bisect import bisect_right
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from areal_libra.trace import Segment, ToolReturn, TraceError, Trajectory, read_traces
@@ -42,6 +43,44 @@ def lognormal(rand, mu: float, sigma: float) -> float:
 
 
 _NV_MAGICCONST = random.NV_MAGICCONST
+
+_new_object = object.__new__
+
+
+def _frozen_maker(cls, names: tuple[str, ...]):
+    """A fast constructor for the frozen dataclass `cls` with exactly the fields `names` (positional): the
+    object's __dict__ filled in one call instead of one object.__setattr__ per field (the workloads build
+    a Segment and a ToolReturn per turn, a hot path of paper-scale runs). The same object either way; the
+    plain class when its fields differ."""
+    if tuple(f.name for f in fields(cls)) != names or hasattr(cls, "__post_init__") or "__slots__" in vars(cls):
+        return cls
+    if len(names) == 2:
+        a, b = names
+
+        def make2(x, y):
+            o = _new_object(cls)
+            d = o.__dict__
+            d[a] = x
+            d[b] = y
+            return o
+
+        return make2
+    a, b, c, e = names
+
+    def make4(w, x, y, z):
+        o = _new_object(cls)
+        d = o.__dict__
+        d[a] = w
+        d[b] = x
+        d[c] = y
+        d[e] = z
+        return o
+
+    return make4
+
+
+_segment = _frozen_maker(Segment, ("gen_tokens", "tool"))
+_tool = _frozen_maker(ToolReturn, ("name", "payload_tokens", "status", "latency_s"))
 
 
 @dataclass
@@ -122,6 +161,14 @@ class TraceWorkload(Workload):
             sizes = sorted(len(g) for gs in self.groups.values() for g in gs)
             cfg.group_size = sizes[len(sizes) // 2]
 
+    def __deepcopy__(self, memo: dict) -> TraceWorkload:
+        """A copy with its own config and counters that shares the trace's trajectories: they are only read
+        (sample_group builds new ones), and copying 10,240 of them cost seconds per sweep candidate."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.cfg = copy.deepcopy(self.cfg, memo)
+        return new
+
     def sample_group(self, version: int, rng: random.Random) -> list[Trajectory]:
         step = self.steps[min(max(version, 0), len(self.steps) - 1)]
         src = rng.choice(self.groups[step])
@@ -130,7 +177,7 @@ class TraceWorkload(Workload):
         picks = src if n == len(src) else [src[i % len(src)] for i in range(n)]
         out = []
         for t in picks:
-            segs = [Segment(max(1, round(s.gen_tokens * scale)), s.tool) for s in t.segments]
+            segs = [_segment(max(1, round(s.gen_tokens * scale)), s.tool) for s in t.segments]
             segs_c, fr = self._cap(t.prompt_tokens, segs)
             if t.finish_reason == "length" and fr == "stop":
                 fr = "length"
@@ -236,7 +283,7 @@ class R2EGym(Workload):
             for k in range(n_turns):
                 gen = max(8, int(lognormal(uniform, log180, 0.7) * ls * slow))
                 if k == n_turns - 1:
-                    segs.append(Segment(gen, None))
+                    segs.append(_segment(gen, None))
                     break
                 name = names[bisect_right(cum, uniform() * total, 0, hi)]
                 _, _, med, sig, lat = spec[name]
@@ -249,12 +296,12 @@ class R2EGym(Workload):
                     status = "success"
                     payload = int(lognormal(uniform, math.log(med), sig))
                     latency = lognormal(uniform, math.log(lat * slow), 0.6)
-                segs.append(Segment(gen, ToolReturn(name, payload, status, latency)))
+                segs.append(_segment(gen, _tool(name, payload, status, latency)))
                 if status != "success" and len(segs) < max_turns - 1:
                     # A failed call is retried: one more short turn that repeats the call.
-                    retry = ToolReturn(name, int(lognormal(uniform, math.log(med), sig)), "success",
+                    retry = _tool(name, int(lognormal(uniform, math.log(med), sig)), "success",
                                        lognormal(uniform, math.log(lat), 0.6))
-                    segs.append(Segment(max(8, int(gen * 0.4)), retry))
+                    segs.append(_segment(max(8, int(gen * 0.4)), retry))
             segs_c, fr = self._cap(prompt, segs)
             out.append(Trajectory(self._tid(version, pid), pid, version, prompt, segs_c, fr))
         return out

@@ -70,3 +70,84 @@ def test_gen_before_follows_the_segments():
         assert req.gen_before() == sum(s.gen_tokens for s in segs[:k])
     req.seg = 1  # a reset (not done by the simulator) still gives the prefix sum
     assert req.gen_before() == 10
+
+
+def _run_pair(monkeypatch, defer: bool):
+    """A paper-like batch (16 groups of 16 at once on few servers) for 3 steps, then a layout change that
+    retires servers mid-step, then 2 more steps; returns what the run reports and how many chunks it
+    materialized (drew noise for and queued)."""
+    from areal_libra.sim.cluster import Layout, RunConfig, Simulation
+    from areal_libra.sim.report import make_env
+    from areal_libra.sim.systems import policy_router, split_layout
+
+    count = [0]
+    real = RolloutServer.materialize
+
+    def counting(self):
+        count[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(RolloutServer, "materialize", counting)
+    env = make_env("r2e_gym", "a800x48", "qwen3-14b", seed=1, batch_prompts=16, group_size=16)
+    lay = split_layout(env, 16, 4)
+    sim = Simulation(env.truth, env.workload, env.n_gpus, lay, RunConfig(max_staleness=2),
+                     policy_router("least_loaded")(lay), seed=1)
+    sim.defer_arrivals = defer
+    sim.run(3)
+    sim.apply_layout(Layout(lay.train, [(2, 0)] * 8, lay.bucket_limits), train_changed=False)
+    out = sim.run(5)
+    states = [s.rng.getstate() for s in sim.servers]
+    return (out, sim.records, sim.t, states, sim.migrated_tokens), count[0]
+
+
+def test_deferred_chunks_change_nothing(monkeypatch):
+    eager, n_eager = _run_pair(monkeypatch, defer=False)
+    deferred, n_deferred = _run_pair(monkeypatch, defer=True)
+    assert deferred == eager  # same records, clock, migrations and every server's generator state
+    assert n_deferred < 0.9 * n_eager  # and the deferral did skip chunks
+
+
+def test_gc_paused_restores_the_collector():
+    import gc
+
+    from areal_libra.sim.cluster import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # left as it was
+    finally:
+        gc.enable()
+
+
+def test_trace_workload_copy_shares_only_the_trace():
+    import copy
+
+    from areal_libra.sim.workloads import make_workload
+
+    wl = make_workload("search_r1")
+    wl.sample_group(0, random.Random(0))
+    twin = copy.deepcopy(wl)
+    assert twin.groups is wl.groups and twin.cfg is not wl.cfg and twin.cfg == wl.cfg
+    a, b = wl.sample_group(3, random.Random(5)), twin.sample_group(3, random.Random(5))
+    assert a == b  # same trajectories, ids included (the copy's counter continues from the original's)
+    twin.cfg.length_scale = 2.0
+    n = wl._n
+    twin.sample_group(0, random.Random(9))
+    assert wl.cfg.length_scale != 2.0 and wl._n == n  # the copy's config and counter are its own
+
+
+def test_fast_segment_constructors_build_the_plain_objects():
+    from areal_libra.sim.workloads import _segment, _tool
+
+    assert _segment is not Segment and _tool is not ToolReturn  # the fast path is in use
+    plain = Segment(7, ToolReturn("bash", 12, "failure", 1.25))
+    fast = _segment(7, _tool("bash", 12, "failure", 1.25))
+    assert fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
+    assert vars(fast) == vars(plain) and list(vars(fast.tool)) == list(vars(plain.tool))
+    assert type(fast) is Segment and type(fast.tool) is ToolReturn
