@@ -36,6 +36,7 @@ from areal_libra.cost.training import TrainParallel
 from areal_libra.elastic.measure import rollout_time
 from areal_libra.live.recover import plan_from_state
 from areal_libra.planner import Plan, PlanError, PlannerConfig, price, solve
+from areal_libra.rollout.emulation import profiled_hardware
 from areal_libra.rollout.groups import RolloutGroup, groups_from_plan, resolve_groups
 from areal_libra.utils import append_jsonl, first_line
 
@@ -205,9 +206,11 @@ class LiveControl:
 
     def __init__(self, cfg: ControlConfig, source: LivePlanSource, cluster: LiveCluster, profile_steps: int = 1,
                  pressure_fn: Any = None, events_path: Path | None = None, fleet: Any = None,
-                 elastic_policy: Any = None) -> None:
+                 elastic_policy: Any = None, pool_factory: Any = None) -> None:
         """`elastic_policy`: the controller's join/release policy when not its measured ElasticPolicy (the
-        scripted elastic.policy.ScheduledPolicy)."""
+        scripted elastic.policy.ScheduledPolicy); `pool_factory(plan, cluster)`: the Elastic Hybrid Pool sized
+        with the first plan (live.elastic_live.plan_pool_factory; None: none, or one built at launch)."""
+        self.pool_factory = pool_factory
         self.events_path = events_path
         self.elastic_policy = elastic_policy
         self.fleet = fleet
@@ -294,6 +297,12 @@ class LiveControl:
                 self._record({"step": step, "event": "reconfig_failed", "detail": (
                     f"first plan {plan.rollout_alloc()} not applied: {first_line(e)}; the launch layout "
                     f"{self.allocation()} keeps serving")})
+        if self.pool_factory is not None and self.cluster.elastic is None:
+            pool = self.pool_factory(plan, self.cluster)
+            if pool is not None:  # its own step observation carries the pressure window from now on
+                self.cluster.elastic, self.pressure_fn = pool, None
+            self._record({"step": step, "event": "pool", "detail": getattr(
+                pool, "describe", lambda: "no hybrid: the plan's training layout leaves none")()})
         self.ctl = LibraController(self.cfg, self.source, plan, self.elastic_policy)
 
     def _resume(self, step: int) -> None:
@@ -352,13 +361,12 @@ class LiveControl:
         train = None
         emu = getattr(self.cluster, "emulation", None)
         if emu is not None:
+            el = self.cluster.elastic
             try:
-                train = emu.check_layout(self.cluster.groups)[1]
+                train = emu.trainer_now(self.cluster.groups, int(el.training_hybrids()) if el is not None and
+                                        hasattr(el, "training_hybrids") else 0)
             except ValueError:
                 train = None
-            el = self.cluster.elastic
-            if train is not None and el is not None and hasattr(el, "training_hybrids"):
-                train += int(el.training_hybrids())
         elif self.accelerators is not None:
             train = self.accelerators - rollout
         return {"rollout_gpus": rollout, "train_gpus": train, "alloc": self.allocation()}
@@ -498,6 +506,9 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any 
                         staleness=int(areal_cfg.rollout.max_head_offpolicyness), max_running=max_running,
                         rollout_backend="embedded" if str(libra.device) == "cpu" else "sglang")
     if emulated is not None:  # plan for the emulated model on the emulated accelerators
+        if emulated.profile_planner:  # as a profiling pass measures them (the simulator's Libra plans so)
+            cluster = replace(cluster, hardware=profiled_hardware(str(emulated.model), str(emulated.gpu),
+                                                                  int(emulated.seed)))
         return LivePlanSource(cluster, load_model(str(emulated.model)), cfg)
     if str(libra.device) != "cuda":  # the CPU trainer is one FSDP process: no tensor or pipeline parallelism
         cfg = replace(cfg, train_tp=(1,), max_pp=1, train_backend="fsdp")
