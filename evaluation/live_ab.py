@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-scale", type=float, default=1.0, help="real seconds per emulated second (--workload)")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator (no sim_ratio)")
+    ap.add_argument("--modes", default="libra,static",
+                    help="the live runs: libra,static (default) or one of them (libra alone: its decisions only)")
     args = ap.parse_args(argv)
     if args.steps <= args.skip:
         print(f"error: --steps must be > --skip ({args.skip})", file=sys.stderr)
@@ -145,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None and v < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in ("libra", "static") for m in modes) or len(set(modes)) != len(modes):
+        print(f"error: --modes must name libra and/or static, got {args.modes!r}", file=sys.stderr)
+        return 2
     if not args.time_scale > 0:
         print("error: --time-scale must be > 0", file=sys.stderr)
         return 2
@@ -172,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"train_dataset.batch_size={args.batch_prompts}", f"gconfig.n_samples={args.group_size}",
                      f"seed={args.seed}", f"libra.rollout_alloc=embedded:d{max(1, n_roll // tp)}t{tp}",
                      *(sim["control"] if sim else []), *extra]
-        paths = {mode: run_one(mode, args.steps, root, extra, log, base) for mode in ("libra", "static")}
+        paths = {mode: run_one(mode, args.steps, root, extra, log, base) for mode in modes}
         res: dict = {mode: summarize(p, args.skip, scale) for mode, p in paths.items()}
-        if sim is not None:
+        if sim is not None and "libra" in paths:
             # The simulator's decisions next to the live run's control_events.jsonl, and the two side by side.
             live_events = paths["libra"].parent / "control_events.jsonl"
             write_events(paths["libra"].parent / "sim_control_events.jsonl", sim["events"])
@@ -186,9 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # the simulator's setting (unknown workload, cluster, model)
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    ratio = round(res["libra"]["tokens_per_s"] / max(1e-9, res["static"]["tokens_per_s"]), 3)
-    worst = max(res[m].get("pacing_error", 0.0) for m in ("libra", "static"))
-    if worst > PACING_ERROR_LIMIT:
+    worst = max(res[m].get("pacing_error", 0.0) for m in modes)
+    ratio = (round(res["libra"]["tokens_per_s"] / max(1e-9, res["static"]["tokens_per_s"]), 3)
+             if len(modes) == 2 else None)
+    if ratio is None:
+        res["ratio"] = None
+        res["ratio_withheld"] = f"only {modes[0]} ran (--modes)"
+    elif worst > PACING_ERROR_LIMIT:
         res["ratio"] = None
         res["ratio_withheld"] = (f"pacing error {worst:.3f} > {PACING_ERROR_LIMIT}: the runs did not keep the "
                                  f"emulated hardware's time (unpaced ratio {ratio})")
@@ -202,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        for mode in ("libra", "static"):
+        for mode in modes:
             r = res[mode]
             pe = f"  pacing error {r['pacing_error']:.3f}" if "pacing_error" in r else ""
             print(f"{mode:7s} {r['tokens_per_s']:10.1f} tokens/s  {r['step_s']:.2f} s/step{pe}")

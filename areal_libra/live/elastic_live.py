@@ -213,6 +213,7 @@ class LiveElastic:
         # hybrids to bring into training once their workers are ready: after a restart (resume), or all of a
         # pool that starts training
         self.rejoin: list[str] = list(self.rids) if start_training else []
+        self.starting: set[str] = set(self.rejoin)  # joining for the first time (training_hybrids)
         self.unit, self.host_tp, self.start_training = unit, host_tp, start_training
         (self.dir / "config.json").write_text(json.dumps(asdict(cfg)))
 
@@ -284,8 +285,14 @@ class LiveElastic:
         return self.pool.ready(rid)
 
     def training_hybrids(self) -> int:
-        """Hybrid replicas training now (an emulated trainer counts their accelerators)."""
-        return len(self.core.pool.in_state(ReplicaState.TRAINING))
+        """Hybrid replicas training now (an emulated trainer counts their accelerators). A pool that starts
+        training counts its hybrids from the first plan on: they are the plan's training replicas, and their
+        workers' start (a CPU process building its engine) is this machine's time, not the emulated hardware's."""
+        pool = self.core.pool
+        training = {h.rid for h in pool.in_state(ReplicaState.TRAINING)}
+        joining = {h.rid for h in pool.in_state(*JOINING)}
+        self.starting = {r for r in self.starting if r not in training and (r in self.rejoin or r in joining)}
+        return len(training) + len(self.starting)
 
     def describe(self) -> str:
         """One line for control_events.jsonl: the pool's size and where its hybrids start."""

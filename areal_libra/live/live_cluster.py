@@ -494,8 +494,9 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any 
         groups = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))
         n = int(libra.trainer_threads) + sum(g.tp * g.count for g in groups)
     if emulated is not None:
-        # The hybrid pool's accelerators are the elastic pool's, not the plan's (rollout.emulation).
-        hybrids = int(libra.elastic.hybrids) if libra.elastic.enabled else 0
+        # A fixed pool's accelerators are the elastic pool's, not the plan's (rollout.emulation); a pool sized with
+        # the plan is made of the plan's own training replicas.
+        hybrids = int(libra.elastic.hybrids) if libra.elastic.enabled and not libra.elastic.size_with_plan else 0
         n = int(emulated.accelerators) - hybrids
     if n > 0:
         cluster = ClusterSpec(cluster.hardware, nodes=1, gpus_per_node=n, name=f"{cluster.hardware.name}x{n}")
