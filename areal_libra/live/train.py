@@ -38,6 +38,8 @@ from areal_libra.rollout.fleet import build_fleet
 from areal_libra.rollout.pressure import PressureSampler
 from areal_libra.rollout.revive import ServerReviver, rollout_counters
 from areal_libra.rollout.router import GROUPS_FILE, build_router, publish_metrics, read_groups_file
+from areal_libra.stack_sampler import ENV as SAMPLER_ENV
+from areal_libra.stack_sampler import StackSampler
 
 
 def build_dataset(libra: LibraConfig | Any, areal_cfg: Any) -> Any:
@@ -234,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("areal_libra"):
             logging.getLogger(name).disabled = False
 
+    # A diagnostic: where the trainer's time goes, every thread's stack sampled (areal_libra/stack_sampler.py).
+    sampler = StackSampler(os.environ[SAMPLER_ENV]).start() if os.environ.get(SAMPLER_ENV) else None
     config, _ = load_expr_config(["--config", str(run_dir / "areal_config.yaml")], GRPOConfig)
     libra = load_run_config(run_dir)  # the typed config the launch validated
     dataset = build_dataset(libra, config)
@@ -293,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                 router.close()
             if pressure is not None:
                 pressure.close()
+            if sampler is not None:
+                sampler.stop()
     return 0
 
 
