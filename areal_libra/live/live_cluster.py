@@ -501,7 +501,8 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any 
     if n > 0:
         cluster = ClusterSpec(cluster.hardware, nodes=1, gpus_per_node=n, name=f"{cluster.hardware.name}x{n}")
     batch = int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples)
-    servers = list(libra.rollout_groups or [])
+    # The servers the run starts (libra.rollout_alloc wins over rollout_groups, as at launch): their batch cap.
+    servers = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))
     max_running = int(servers[0].max_running) if servers else 256
     cfg = PlannerConfig(allowed_tp=tuple(int(t) for t in c.allowed_tp), global_batch=batch, mode="async",
                         staleness=int(areal_cfg.rollout.max_head_offpolicyness), max_running=max_running,
