@@ -148,6 +148,10 @@ class LiveElasticConfig:
     # built when the first plan is applied and training from then on (each joins once its worker is ready);
     # off in static mode (the static system has none). The emulated host's default (cluster=emulated_host).
     size_with_plan: bool = False
+    # T_rollout from the rollout side's idle time (RolloutIdleClock; the live default, for a small staleness
+    # bound where no backlog forms); false: the simulator's rule on the trainer's wait and the backlog of
+    # finished groups (elastic.measure.rollout_time), e.g. on the emulated host at the simulator's staleness 4.
+    rollout_clock: bool = True
 
     def __post_init__(self) -> None:
         if (self.join_at_step is not None and self.join_at_step < 0) or (

@@ -228,7 +228,7 @@ class LiveElastic:
             manager = executor.staleness_manager if executor is not None else None
         except RuntimeError:  # not initialised: no idle measurement, the backlog rule applies
             manager = None
-        self.idle_measured = follow_in_flight(manager, self.idle)
+        self.idle_measured = follow_in_flight(manager, self.idle) if self.cfg.rollout_clock else False
 
         def prepare_batch(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()

@@ -34,6 +34,8 @@ def test_on_by_default_in_libra_mode_on_the_emulated_host_and_off_in_static() ->
     base = ["experiment=emulated", "cluster=emulated_host"]
     libra = libra_config(compose(base).libra)
     assert libra.elastic.enabled and libra.elastic.size_with_plan and libra.elastic.hybrids == 3
+    assert not libra.elastic.rollout_clock  # T_rollout by the simulator's rule (wait and backlog)
+    assert libra_config(compose(["experiment=emulated", "cluster=emulated"]).libra).elastic.rollout_clock
     assert not libra_config(compose([*base, "libra.mode=static"]).libra).elastic.enabled
     # Explicitly asked in static mode (a pool not sized with the plan): still refused.
     with pytest.raises(Exception, match="needs libra.mode=libra"):
