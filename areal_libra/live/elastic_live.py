@@ -251,7 +251,10 @@ class LiveElastic:
         self.idle_s = idle if self.idle_measured else None
         self.interval_s = t_iter
         if self.wait_s is not None:
-            t_roll = rollout_time(t_train_s, self.wait_s, self.backlog, self.batch_size, idle_s=self.idle_s,
+            # Finished groups left beyond the batch: the trainer's wait was its own (taking and collating
+            # the batch on this machine's CPU), not for the batch to fill (the simulator's waited_for "count").
+            t_roll = rollout_time(t_train_s, self.wait_s, self.backlog, self.batch_size,
+                                  waited_for_count=self.backlog == 0, idle_s=self.idle_s,
                                   interval_s=t_iter)
         else:  # no prepare_batch seen: the rest of the iteration is the rollout side's share
             t_roll = max(t_iter - t_train_s, 1e-6)

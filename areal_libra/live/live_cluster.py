@@ -188,6 +188,7 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
         full = max(train, measured.train_s)
         if inputs is not None:
             rollout = rollout_time(full, float(inputs["wait_s"]), int(inputs["backlog"]), int(inputs["batch"]),
+                                   waited_for_count=int(inputs["backlog"]) == 0,
                                    idle_s=inputs.get("idle_s"), interval_s=inputs.get("interval_s"))
         elif measured.rollout_s > measured.train_s:  # the trainer waited: T_rollout = T_train + wait
             rollout = full + (measured.rollout_s - measured.train_s)

@@ -85,3 +85,18 @@ class _Recorder:
 
     def drain(self) -> list:
         return []
+
+
+def test_a_wait_with_groups_left_over_is_not_rollout_behind() -> None:
+    # Without the idle clock (the emulated host measures as the simulator): a trainer that waited 3 s for its
+    # batch while 170 finished groups were left beyond it spent the wait on its own work (taking and collating
+    # the batch), so rollout is ahead (the backlog rule); with none left over, rollout was behind by the wait.
+    from areal_libra.control import StepObservation
+    from areal_libra.live.live_cluster import observation
+
+    rec = {"step_time_s": 28.0, "timeperf/train_step": 20.0, "timeperf/update_weights": 3.0}
+    measured = StepObservation(step=5, interval_s=28.0, train_s=20.0, rollout_s=23.0)
+    ahead = observation(5, rec, measured=measured, inputs={"wait_s": 3.0, "backlog": 170, "batch": 64})
+    behind = observation(5, rec, measured=measured, inputs={"wait_s": 3.0, "backlog": 0, "batch": 64})
+    assert ahead.train_s == 23.0 and ahead.rollout_s == 0.5 * 23.0
+    assert behind.rollout_s == 23.0 + 3.0
