@@ -29,4 +29,7 @@ def test_the_busy_thread_is_where_the_samples_are(tmp_path) -> None:
     spin = sum(n for k, n in out["inclusive"].items() if k.startswith("busy: _spin"))
     assert spin >= 0.5 * out["threads"]["busy"]
     assert out["threads"]["idle"] > 10
+    # The CPU went to the busy thread, charged to its own function.
+    assert out["thread_cpu_s"]["busy"] > 0.05 and out["thread_cpu_s"].get("idle", 0.0) < 0.05
+    assert max(out["cpu_inclusive_s"], key=out["cpu_inclusive_s"].get).startswith("busy: ")
     assert not any(k.startswith("idle:") for k in out["busy_leaf"])  # a wait does not compute
