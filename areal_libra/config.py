@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import getpass
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +143,15 @@ class LiveElasticConfig:
     server_max_running: int = 64
     rollout_group: str = ""  # router group a hybrid's server joins ("": the one with the largest max_len)
     serve_ack_timeout_s: float = 30.0  # a draining hybrid waits this long for the trainer to stop routing to it
+    # The pool sized with the first plan, as the simulator's Libra sizes it (sim/libra.py hybrid_from_train):
+    # min(hybrids, (DP - 1) // 2) of the plan's training replicas (tp x pp accelerators each) are hybrids,
+    # built when the first plan is applied and training from then on (each joins once its worker is ready);
+    # off in static mode (the static system has none). The emulated host's default (cluster=emulated_host).
+    size_with_plan: bool = False
+    # T_rollout from the rollout side's idle time (RolloutIdleClock; the live default, for a small staleness
+    # bound where no backlog forms); false: the simulator's rule on the trainer's wait and the backlog of
+    # finished groups (elastic.measure.rollout_time), e.g. on the emulated host at the simulator's staleness 4.
+    rollout_clock: bool = True
 
     def __post_init__(self) -> None:
         if (self.join_at_step is not None and self.join_at_step < 0) or (
@@ -217,6 +226,10 @@ class EmulatedConfig:
     # The trainer's real PPO update runs on this many sequences of each batch (0: all of them); the pacing
     # counts the whole batch. A stand-in keeps AReaL's loop, staleness and weight updates with negligible compute.
     train_sample: int = 0
+    # The planner plans on the emulated accelerators as a profiling pass measures them (the cost preset fitted
+    # to samples of the emulated hardware: rollout.emulation.profiled_hardware), as the simulator's Libra does;
+    # false: the preset's spec sheet as it is.
+    profile_planner: bool = False
 
 
 @dataclass
@@ -259,6 +272,8 @@ class LibraConfig:
         if self.train_backend == "megatron" and self.elastic.enabled:
             raise ValueError("libra.elastic supports a single-rank fsdp trainer only (fsdp:d1, whose gradient domain "
                              "its replicas join); use train_backend=fsdp or auto, or libra.elastic.enabled=false")
+        if self.mode == "static" and self.elastic.enabled and self.elastic.size_with_plan:
+            self.elastic = replace(self.elastic, enabled=False)  # libra mode's pool: none in static
         if self.mode == "static" and self.elastic.enabled:
             raise ValueError("libra.elastic.enabled needs libra.mode=libra: the LibraController decides the "
                              "pool's joins and releases")

@@ -10,6 +10,11 @@ start from the static layout the simulator's AReaL-Static-Optimal chose for the 
 model and seed, and the simulator's own libra / static ratio on the same setting is printed next to the live
 one (`sim_ratio`). Each run's `pacing_error` (emul/pacing_error, the maximum of the trainer's and the host's)
 is reported; when either exceeds 0.10 the ratio is withheld (null, with `ratio_withheld` saying why).
+The live libra run's controller takes the simulator's settings (`control_overrides`: its gate cost, no online
+calibration, every TP), its planner the profiled emulated hardware (libra.emulated.profile_planner), and
+"decisions" holds both decision logs side by side (evaluation.decisions: the first plan, each re-plan and
+elastic move with its step, and whether they agree within 2 steps); the simulator's log is written next to
+the live run's control_events.jsonl as sim_control_events.jsonl.
 
 Runs `python -m areal_libra.launch experiment=dapo_math cluster=emulated` twice, with libra.mode=libra and
 libra.mode=static and everything else equal (seed, steps, workload growth), and compares what the runs
@@ -21,13 +26,21 @@ Prints {"libra": {"tokens_per_s", "step_s"}, "static": {...}, "ratio"} with --js
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
+from areal_libra.config import ControlSettings
+from areal_libra.control import ControlConfig
 from areal_libra.rollout.emulation import PACING_ERROR_LIMIT
+from areal_libra.sim.libra import control_config
+from evaluation.decisions import compare, read_events, run_sim_libra, table, write_events
 from evaluation.launch_run import RunError, launch_run
+
+SIM_ALLOWED_TP = (1, 2, 4, 8)  # the TP degrees the simulator's Libra plans with (sim/libra.py plan_for)
 
 LEGACY = ("experiment=dapo_math", "cluster=emulated")  # without --workload: the tiny model's own trajectories
 HOST = ("experiment=emulated", "cluster=emulated_host")  # --workload: the emulated host
@@ -72,14 +85,34 @@ def simulate(workload: str, accelerators: int, gpu: str, model: str, batch_promp
     from areal_libra.sim.report import make_env, run_many
 
     env = make_env(workload, f"{gpu}x{accelerators}", model, seed, batch_prompts, group_size)
-    res, _ = run_many(["areal_static_optimal", "libra"], env, steps)
-    st, lb = res["areal_static_optimal"], res["libra"]
+    res, _ = run_many(["areal_static_optimal"], env, steps)
+    lb, events = run_sim_libra(env, steps)  # Libra with its decision log (the first plan, then each decision)
+    st = res["areal_static_optimal"]
     choice = st.get("baseline_choice") or {}
-    return {"static_tokens_per_s": round(st["tokens_per_s"], 3), "libra_tokens_per_s": round(lb["tokens_per_s"], 3),
+    return {"events": events, "control": control_overrides(control_config(env.knobs)),"static_tokens_per_s": round(st["tokens_per_s"], 3), "libra_tokens_per_s": round(lb["tokens_per_s"], 3),
             "static_step_s": round(st["mean_step_s"], 3), "libra_step_s": round(lb["mean_step_s"], 3),
             "ratio": round(lb["tokens_per_s"] / max(1e-9, st["tokens_per_s"]), 4),
             "static_rollout_gpus": int(choice.get("rollout_gpus", accelerators // 2)),
             "static_tp": int(choice.get("tp", 1)), "libra_reconfigurations": lb.get("reconfigurations", 0)}
+
+
+def control_overrides(cfg: ControlConfig) -> list[str]:
+    """`libra.control.*` overrides that give the live controller the simulator's settings (each field of
+    ControlConfig where the live default differs, nested ones as dotted keys; the simulator plans with every
+    TP its planner allows: allowed_tp), so the live run decides by the same rules."""
+    out: list[str] = []
+
+    def walk(prefix: str, sim_v: Any, live_v: Any) -> None:
+        if dataclasses.is_dataclass(sim_v):
+            for f in dataclasses.fields(sim_v):
+                walk(f"{prefix}.{f.name}", getattr(sim_v, f.name), getattr(live_v, f.name))
+        elif sim_v != live_v and sim_v is not None:
+            out.append(f"{prefix}={str(sim_v).lower() if isinstance(sim_v, bool) else sim_v}")
+
+    live = ControlSettings()
+    for f in dataclasses.fields(ControlConfig):
+        walk(f"libra.control.{f.name}", getattr(cfg, f.name), getattr(live, f.name))
+    return [*out, f"libra.control.allowed_tp=[{','.join(str(t) for t in SIM_ALLOWED_TP)}]"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-scale", type=float, default=1.0, help="real seconds per emulated second (--workload)")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator (no sim_ratio)")
+    ap.add_argument("--modes", default="libra,static",
+                    help="the live runs: libra,static (default) or one of them (libra alone: its decisions only)")
     args = ap.parse_args(argv)
     if args.steps <= args.skip:
         print(f"error: --steps must be > --skip ({args.skip})", file=sys.stderr)
@@ -112,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None and v < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in ("libra", "static") for m in modes) or len(set(modes)) != len(modes):
+        print(f"error: --modes must name libra and/or static, got {args.modes!r}", file=sys.stderr)
+        return 2
     if not args.time_scale > 0:
         print("error: --time-scale must be > 0", file=sys.stderr)
         return 2
@@ -137,18 +176,29 @@ def main(argv: list[str] | None = None) -> int:
                      f"libra.emulated.model={args.model}", f"libra.emulated.workload={args.workload}",
                      f"libra.emulated.seed={args.seed}", f"libra.emulated.time_scale={args.time_scale}",
                      f"train_dataset.batch_size={args.batch_prompts}", f"gconfig.n_samples={args.group_size}",
-                     f"seed={args.seed}", f"libra.rollout_alloc=embedded:d{max(1, n_roll // tp)}t{tp}", *extra]
-        res: dict = {mode: summarize(run_one(mode, args.steps, root, extra, log, base), args.skip, scale)
-                     for mode in ("libra", "static")}
+                     f"seed={args.seed}", f"libra.rollout_alloc=embedded:d{max(1, n_roll // tp)}t{tp}",
+                     *(sim["control"] if sim else []), *extra]
+        paths = {mode: run_one(mode, args.steps, root, extra, log, base) for mode in modes}
+        res: dict = {mode: summarize(p, args.skip, scale) for mode, p in paths.items()}
+        if sim is not None and "libra" in paths:
+            # The simulator's decisions next to the live run's control_events.jsonl, and the two side by side.
+            live_events = paths["libra"].parent / "control_events.jsonl"
+            write_events(paths["libra"].parent / "sim_control_events.jsonl", sim["events"])
+            res["decisions"] = {"sim": sim["events"], "live": read_events(live_events),
+                                **compare(sim["events"], read_events(live_events))}
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:  # the simulator's setting (unknown workload, cluster, model)
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    ratio = round(res["libra"]["tokens_per_s"] / max(1e-9, res["static"]["tokens_per_s"]), 3)
-    worst = max(res[m].get("pacing_error", 0.0) for m in ("libra", "static"))
-    if worst > PACING_ERROR_LIMIT:
+    worst = max(res[m].get("pacing_error", 0.0) for m in modes)
+    ratio = (round(res["libra"]["tokens_per_s"] / max(1e-9, res["static"]["tokens_per_s"]), 3)
+             if len(modes) == 2 else None)
+    if ratio is None:
+        res["ratio"] = None
+        res["ratio_withheld"] = f"only {modes[0]} ran (--modes)"
+    elif worst > PACING_ERROR_LIMIT:
         res["ratio"] = None
         res["ratio_withheld"] = (f"pacing error {worst:.3f} > {PACING_ERROR_LIMIT}: the runs did not keep the "
                                  f"emulated hardware's time (unpaced ratio {ratio})")
@@ -156,13 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         res["ratio"] = ratio
     if sim is not None:
         res["sim_ratio"] = sim["ratio"]
-        res["sim"] = sim
+        res["sim"] = {k: v for k, v in sim.items() if k != "events"}
     if args.workload is not None:
         res["time_scale"] = scale
     if args.json:
         print(json.dumps(res))
     else:
-        for mode in ("libra", "static"):
+        for mode in modes:
             r = res[mode]
             pe = f"  pacing error {r['pacing_error']:.3f}" if "pacing_error" in r else ""
             print(f"{mode:7s} {r['tokens_per_s']:10.1f} tokens/s  {r['step_s']:.2f} s/step{pe}")
@@ -172,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ratio libra/static: {res['ratio']:.3f}")
         if "sim_ratio" in res:
             print(f"simulator's ratio: {res['sim_ratio']:.3f}")
+        if "decisions" in res:
+            print(table(res["decisions"]))
     return 0
 
 

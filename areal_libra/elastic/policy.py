@@ -209,3 +209,18 @@ def _projected(ratio: float, replicas: int | None, rollout_gpus: int | None, uni
     if new_rep < 1 or new_roll < 1 or replicas < 1 or rollout_gpus < 1:
         return None
     return ratio * (replicas / new_rep) * (new_roll / rollout_gpus)
+
+
+# ------------------------------------------------------------------ the pool's size, chosen with the plan
+def hybrid_count(train_dp: int, max_units: int, dp_div: int = 2) -> int:
+    """How many of a plan's training data-parallel replicas are Elastic Hybrid Pool workers: at most
+    `max_units`, never the last replica, and at most (dp - 1) // dp_div, so the core keeps more than half of the
+    replicas with 2 and one release never halves the trainer (the simulator's Libra and the live pool sized
+    with the plan both size it so)."""
+    return max(0, min(int(max_units), (int(train_dp) - 1) // max(1, int(dp_div))))
+
+
+def hybrid_server_tp(unit_gpus: int, bucket_tp: int) -> int:
+    """The TP of the rollout servers a hybrid worker of `unit_gpus` accelerators runs while released: the
+    largest power of two that fits the worker and does not exceed the TP of the bucket it serves."""
+    return 1 << (max(1, min(int(bucket_tp), int(unit_gpus))).bit_length() - 1)

@@ -33,13 +33,14 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from areal_libra.config import LiveElasticConfig, libra_config
 from areal_libra.control.controller import PoolView, StepObservation
 from areal_libra.elastic.measure import RolloutIdleClock, rollout_time
+from areal_libra.elastic.policy import hybrid_count, hybrid_server_tp
 from areal_libra.elastic.state import JOINING, Pool, ReplicaState
 from areal_libra.elastic_runtime.core import ElasticCore
 from areal_libra.live.elastic_hook import FSDPElasticHook
@@ -82,9 +83,11 @@ class ElasticPoolControl:
     """pool_view / join / release over the core's pool, for the shared LibraController (via the LiveCluster)."""
 
     def __init__(self, core: ElasticCore, cfg: LiveElasticConfig, router: Any = None, inference: Any = None,
-                 registry: Any = None, device: str = "cpu") -> None:
+                 registry: Any = None, device: str = "cpu", unit: int | None = None) -> None:
+        """`unit`: accelerators of one hybrid (a pool sized with the plan: the plan's tp x pp); None: one
+        server's size (one TP1 server's accelerators, its threads on CPU)."""
         self.core, self.cfg, self.router, self.inference = core, cfg, router, inference
-        self.registry, self.device = registry, device
+        self.registry, self.device, self.unit = registry, device, unit
         self.asked = {"join": 0, "release": 0}
         # The trainer's core in hybrid units (an emulated cluster: its trainer accelerators); None: one
         # data-parallel replica, the single-rank FSDP core.
@@ -101,7 +104,7 @@ class ElasticPoolControl:
         pool = self.core.pool
         training = pool.in_state(ReplicaState.TRAINING)
         idle = [h for h in pool.in_state(ReplicaState.ROLLOUT) if self.ready(h.rid)]
-        unit = self._server_size(1, self.cfg.server_threads)
+        unit = self.unit or self._server_size(1, self.cfg.server_threads)
         rollout = 0
         if self.router is not None:
             hybrid = {addr for addr, _ in self.registry.serving().values()} if self.registry is not None else set()
@@ -137,12 +140,17 @@ class ElasticPoolControl:
 class LiveElastic:
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
                  router: Any = None, batch_size: int = 1, device: str = "cpu",
-                 pacing: dict[str, Any] | None = None, fleet: Any = None, pressure: Any = None) -> None:
+                 pacing: dict[str, Any] | None = None, fleet: Any = None, pressure: Any = None,
+                 unit: int | None = None, host_tp: int | None = None, start_training: bool = False) -> None:
         """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
         do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained);
         pacing: a hybrid's server's pacing, ServerPacing fields (an emulated cluster: rollout.emulation);
         fleet: the rollout ServerFleet, through which the hybrids' servers attach and detach; pressure:
-        the run's rollout.pressure.PressureSampler (its owner closes it; None: pressure reads 0)."""
+        the run's rollout.pressure.PressureSampler (its owner closes it; None: pressure reads 0).
+        A pool sized with the plan: `unit` accelerators a hybrid; `host_tp`: on an emulated host a hybrid
+        in rollout serves as one emulated server of that TP inside the host (rollout.emulated_host);
+        `start_training`: every hybrid joins training once its worker is ready (the simulator's pool starts
+        training) and serves rollout only when the controller releases it."""
         import torch.distributed as dist
 
         if int(engine.data_parallel_world_size) != 1:
@@ -182,8 +190,12 @@ class LiveElastic:
             if self.serve:
                 cmd += ["--serve", "--server-threads", str(cfg.server_threads), "--server-max-running",
                         str(cfg.server_max_running), "--ack-timeout", str(cfg.serve_ack_timeout_s)]
-                if pacing:
+                if host_tp is not None:
+                    cmd += ["--emulated-host-tp", str(int(host_tp))]
+                elif pacing:
                     cmd += ["--pacing", json.dumps(pacing)]
+                if start_training:
+                    cmd += ["--serve-after-join"]
             log_f = open(self.dir / f"{rid}.log", "w")  # noqa: SIM115 - lives as long as the worker
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT,
                                                start_new_session=True))
@@ -196,9 +208,13 @@ class LiveElastic:
         self.idle_s: float | None = None  # the rollout side's idle time in the last step (None: not measured)
         self.interval_s: float | None = None  # the last step's wall time, as the pool timed it
         self.last_obs: StepObservation | None = None
-        self.pool = ElasticPoolControl(self.core, cfg, router, inference, self.registry, device)
+        self.pool = ElasticPoolControl(self.core, cfg, router, inference, self.registry, device, unit)
         self._routed0: dict[str, int] = {}
-        self.rejoin: list[str] = []  # hybrids to bring back to training after a restart (resume)
+        # hybrids to bring into training once their workers are ready: after a restart (resume), or all of a
+        # pool that starts training
+        self.rejoin: list[str] = list(self.rids) if start_training else []
+        self.starting: set[str] = set(self.rejoin)  # joining for the first time (training_hybrids)
+        self.unit, self.host_tp, self.start_training = unit, host_tp, start_training
         (self.dir / "config.json").write_text(json.dumps(asdict(cfg)))
 
     # -- measurements ------------------------------------------------------------------------------
@@ -212,7 +228,7 @@ class LiveElastic:
             manager = executor.staleness_manager if executor is not None else None
         except RuntimeError:  # not initialised: no idle measurement, the backlog rule applies
             manager = None
-        self.idle_measured = follow_in_flight(manager, self.idle)
+        self.idle_measured = follow_in_flight(manager, self.idle) if self.cfg.rollout_clock else False
 
         def prepare_batch(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -235,7 +251,10 @@ class LiveElastic:
         self.idle_s = idle if self.idle_measured else None
         self.interval_s = t_iter
         if self.wait_s is not None:
-            t_roll = rollout_time(t_train_s, self.wait_s, self.backlog, self.batch_size, idle_s=self.idle_s,
+            # Finished groups left beyond the batch: the trainer's wait was its own (taking and collating
+            # the batch on this machine's CPU), not for the batch to fill (the simulator's waited_for "count").
+            t_roll = rollout_time(t_train_s, self.wait_s, self.backlog, self.batch_size,
+                                  waited_for_count=self.backlog == 0, idle_s=self.idle_s,
                                   interval_s=t_iter)
         else:  # no prepare_batch seen: the rest of the iteration is the rollout side's share
             t_roll = max(t_iter - t_train_s, 1e-6)
@@ -269,8 +288,21 @@ class LiveElastic:
         return self.pool.ready(rid)
 
     def training_hybrids(self) -> int:
-        """Hybrid replicas training now (an emulated trainer counts their accelerators)."""
-        return len(self.core.pool.in_state(ReplicaState.TRAINING))
+        """Hybrid replicas training now (an emulated trainer counts their accelerators). A pool that starts
+        training counts its hybrids from the first plan on: they are the plan's training replicas, and their
+        workers' start (a CPU process building its engine) is this machine's time, not the emulated hardware's."""
+        pool = self.core.pool
+        training = {h.rid for h in pool.in_state(ReplicaState.TRAINING)}
+        joining = {h.rid for h in pool.in_state(*JOINING)}
+        self.starting = {r for r in self.starting if r not in training and (r in self.rejoin or r in joining)}
+        return len(training) + len(self.starting)
+
+    def describe(self) -> str:
+        """One line for control_events.jsonl: the pool's size and where its hybrids start."""
+        unit = self.unit or 1
+        serve = f"; released, each serves as one TP{self.host_tp} emulated server" if self.host_tp else ""
+        start = "training (each joins once its worker is ready)" if self.start_training else "rollout"
+        return f"{len(self.rids)} hybrid replica(s) of {unit} accelerator(s), starting in {start}{serve}"
 
     # -- resuming after a restart (live.recover) ----------------------------------------------
     def resume(self, state: dict) -> list[str]:
@@ -340,7 +372,7 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fleet
     `pressure`: the run's one pressure sampler (train.rollout_pressure)."""
 
     cfg = load_config(libra)
-    if not cfg.enabled:
+    if not cfg.enabled or cfg.size_with_plan:  # sized with the plan: built at the first plan (plan_pool_factory)
         return None
     rollout = getattr(trainer, "rollout", None)
     inference = getattr(rollout, "_engine", rollout)  # RemoteSGLangEngine wraps the RemoteInfEngine
@@ -358,3 +390,45 @@ def install_elastic(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fleet
     live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
     metrics.add_source(live.step_metrics)
     return live
+
+
+def plan_pool_factory(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fleet: Any = None,
+                      pressure: Any = None) -> Any:
+    """libra.elastic.size_with_plan: `build(plan, cluster)` makes the pool when the first plan is applied (the
+    LiveControl calls it): hybrid_count(plan DP, libra.elastic.hybrids) of the plan's training replicas, tp x pp
+    accelerators each (elastic.policy, as the simulator's Libra), starting in training; on an emulated host a
+    released hybrid serves as one emulated server of hybrid_server_tp(unit, TP of the largest rollout group)
+    inside the host. None when the pool is off or not sized with the plan."""
+    cfg = load_config(libra)
+    if not (cfg.enabled and cfg.size_with_plan):
+        return None
+    libra = libra_config(libra)
+
+    def build(plan: Any, cluster: Any) -> LiveElastic | None:
+        t = plan.train
+        n, unit = hybrid_count(t.dp, cfg.hybrids), int(t.tp) * int(t.pp)
+        if n <= 0:
+            return None
+        groups = list(cluster.groups)
+        big = max(groups, key=lambda g: (g.tp * g.count, g.tp), default=None)
+        host_tp = hybrid_server_tp(unit, big.tp if big is not None else 1) if libra.emulated.host else None
+        emu = getattr(cluster, "emulation", None)
+        if emu is not None:
+            emu.set_plan_pool(n, unit)
+        rollout = getattr(trainer, "rollout", None)
+        inference = getattr(rollout, "_engine", rollout)
+        if inference is not None and not hasattr(inference, "addresses"):
+            inference = None
+        router = getattr(inference, "request_router", None) if inference is not None else None
+        batch = int(trainer.config.train_dataset.batch_size) if hasattr(trainer, "config") else 1
+        live = LiveElastic(trainer.actor, Path(run_dir), replace(cfg, hybrids=n), inference=inference,
+                           router=router, batch_size=batch, device=libra.device, fleet=fleet, pressure=pressure,
+                           unit=unit, host_tp=host_tp, start_training=True,
+                           pacing=emu.pacing(host_tp or 1).as_dict() if emu is not None and host_tp is None else None)
+        if emu is not None:  # the pool's overshoot projection counts the trainer's core in hybrid units
+            live.pool.core_fn = lambda: emu.check_layout(cluster.groups)[1] - n * unit
+        live.watch_rollout(trainer.actor, getattr(rollout, "workflow_executor", None))
+        metrics.add_source(live.step_metrics)
+        return live
+
+    return build

@@ -24,7 +24,9 @@ from areal_libra.elastic_runtime.kv import KV, connect
 from areal_libra.elastic_runtime.modeswitch import HttpRollout
 from areal_libra.live.elastic_hook import AReaLEngineReplica
 from areal_libra.live.elastic_serving import inprocess_launch, serve_channel
+from areal_libra.rollout.emulated_host import EmulatedHostBackend
 from areal_libra.rollout.emulation import ServerPacing
+from areal_libra.rollout.launcher import ServerSpec
 from areal_libra.utils import free_port
 
 
@@ -40,6 +42,34 @@ def build_engine(engine_config: Any, dataset_size: int = 1024, batch_size: int =
     engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=dataset_size,
                                          train_batch_size=batch_size))
     return engine
+
+
+def emulated_launch(backend: EmulatedHostBackend, tp: int, max_running: int, rid: str) -> Any:
+    """`launch(replica)` for HttpRollout on an emulated host: one emulated server of TP `tp` inside the host
+    (no weights to save: it runs no model; the next weight update reaches it through the fleet)."""
+
+    def launch(replica: Any) -> tuple[str, Any]:
+        (h,) = backend.start("", [ServerSpec(tp=tp, max_running=max_running, group=f"hybrid-{rid}")], "")
+        return f"http://{h.addr}", lambda: backend.stop(h)
+
+    return launch
+
+
+class AfterFirstJoin:
+    """A hybrid's rollout side that starts in training: the worker's first start (before any join) serves
+    nothing; every start after a release serves."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.started = inner, False
+
+    def start(self, replica: Any) -> None:
+        if not self.started:
+            self.started = True
+            return
+        self.inner.start(replica)
+
+    def drain(self) -> list[Any]:
+        return self.inner.drain()
 
 
 def run_worker(host: str, port: int, rid: str, rank: int, snapshot_dir: str, engine: Any,
@@ -62,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ack-timeout", type=float, default=30.0)
     ap.add_argument("--pacing", default=None,
                     help="the served server's pacing as JSON, ServerPacing fields (an emulated cluster)")
+    ap.add_argument("--emulated-host-tp", type=int, default=None,
+                    help="serve as one emulated server of this TP inside the run's emulated host (rollout.emulated_host)")
+    ap.add_argument("--serve-after-join", action="store_true",
+                    help="start in training: serve rollout only after the first release")
     ap.add_argument("--runtime", default="{}", help="RuntimeConfig fields as JSON (the trainer's)")
     args = ap.parse_args(argv)
     host, _, port = args.store.rpartition(":")
@@ -98,9 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         register, unregister = serve_channel(KV(connect(host, int(port)), rt.namespace), args.rid,
                                              args.server_threads, args.server_max_running, args.ack_timeout)
         root = os.path.join(os.path.dirname(os.path.abspath(args.snapshot_dir)), f"serve_{args.rid}")
-        rollout = HttpRollout(inprocess_launch(engine, root, args.server_threads, args.server_max_running,
-                                               pacing=pacing),
-                              register, unregister, ready_timeout_s=120.0)
+        if args.emulated_host_tp is not None:  # the run directory holds the config and the host's address
+            backend = EmulatedHostBackend.from_run_dir(os.path.dirname(os.path.abspath(args.config)))
+            if backend is None:
+                print("areal_worker: --emulated-host-tp: the run has no emulated host", file=sys.stderr)
+                return 2
+            launch = emulated_launch(backend, args.emulated_host_tp, args.server_max_running, args.rid)
+        else:
+            launch = inprocess_launch(engine, root, args.server_threads, args.server_max_running, pacing=pacing)
+        rollout = HttpRollout(launch, register, unregister, ready_timeout_s=120.0)
+        if args.serve_after_join:
+            rollout = AfterFirstJoin(rollout)
     run_worker(host, int(port), args.rid, args.rank, args.snapshot_dir, engine, rollout=rollout, cfg=rt)
     return 0
 

@@ -36,6 +36,7 @@ from areal_libra.cost.training import TrainParallel
 from areal_libra.elastic.measure import rollout_time
 from areal_libra.live.recover import plan_from_state
 from areal_libra.planner import Plan, PlanError, PlannerConfig, price, solve
+from areal_libra.rollout.emulation import profiled_hardware
 from areal_libra.rollout.groups import RolloutGroup, groups_from_plan, resolve_groups
 from areal_libra.utils import append_jsonl, first_line
 
@@ -187,6 +188,7 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
         full = max(train, measured.train_s)
         if inputs is not None:
             rollout = rollout_time(full, float(inputs["wait_s"]), int(inputs["backlog"]), int(inputs["batch"]),
+                                   waited_for_count=int(inputs["backlog"]) == 0,
                                    idle_s=inputs.get("idle_s"), interval_s=inputs.get("interval_s"))
         elif measured.rollout_s > measured.train_s:  # the trainer waited: T_rollout = T_train + wait
             rollout = full + (measured.rollout_s - measured.train_s)
@@ -205,9 +207,11 @@ class LiveControl:
 
     def __init__(self, cfg: ControlConfig, source: LivePlanSource, cluster: LiveCluster, profile_steps: int = 1,
                  pressure_fn: Any = None, events_path: Path | None = None, fleet: Any = None,
-                 elastic_policy: Any = None) -> None:
+                 elastic_policy: Any = None, pool_factory: Any = None) -> None:
         """`elastic_policy`: the controller's join/release policy when not its measured ElasticPolicy (the
-        scripted elastic.policy.ScheduledPolicy)."""
+        scripted elastic.policy.ScheduledPolicy); `pool_factory(plan, cluster)`: the Elastic Hybrid Pool sized
+        with the first plan (live.elastic_live.plan_pool_factory; None: none, or one built at launch)."""
+        self.pool_factory = pool_factory
         self.events_path = events_path
         self.elastic_policy = elastic_policy
         self.fleet = fleet
@@ -294,6 +298,12 @@ class LiveControl:
                 self._record({"step": step, "event": "reconfig_failed", "detail": (
                     f"first plan {plan.rollout_alloc()} not applied: {first_line(e)}; the launch layout "
                     f"{self.allocation()} keeps serving")})
+        if self.pool_factory is not None and self.cluster.elastic is None:
+            pool = self.pool_factory(plan, self.cluster)
+            if pool is not None:  # its own step observation carries the pressure window from now on
+                self.cluster.elastic, self.pressure_fn = pool, None
+            self._record({"step": step, "event": "pool", "detail": getattr(
+                pool, "describe", lambda: "no hybrid: the plan's training layout leaves none")()})
         self.ctl = LibraController(self.cfg, self.source, plan, self.elastic_policy)
 
     def _resume(self, step: int) -> None:
@@ -352,13 +362,12 @@ class LiveControl:
         train = None
         emu = getattr(self.cluster, "emulation", None)
         if emu is not None:
+            el = self.cluster.elastic
             try:
-                train = emu.check_layout(self.cluster.groups)[1]
+                train = emu.trainer_now(self.cluster.groups, int(el.training_hybrids()) if el is not None and
+                                        hasattr(el, "training_hybrids") else 0)
             except ValueError:
                 train = None
-            el = self.cluster.elastic
-            if train is not None and el is not None and hasattr(el, "training_hybrids"):
-                train += int(el.training_hybrids())
         elif self.accelerators is not None:
             train = self.accelerators - rollout
         return {"rollout_gpus": rollout, "train_gpus": train, "alloc": self.allocation()}
@@ -486,18 +495,23 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any 
         groups = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))
         n = int(libra.trainer_threads) + sum(g.tp * g.count for g in groups)
     if emulated is not None:
-        # The hybrid pool's accelerators are the elastic pool's, not the plan's (rollout.emulation).
-        hybrids = int(libra.elastic.hybrids) if libra.elastic.enabled else 0
+        # A fixed pool's accelerators are the elastic pool's, not the plan's (rollout.emulation); a pool sized with
+        # the plan is made of the plan's own training replicas.
+        hybrids = int(libra.elastic.hybrids) if libra.elastic.enabled and not libra.elastic.size_with_plan else 0
         n = int(emulated.accelerators) - hybrids
     if n > 0:
         cluster = ClusterSpec(cluster.hardware, nodes=1, gpus_per_node=n, name=f"{cluster.hardware.name}x{n}")
     batch = int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples)
-    servers = list(libra.rollout_groups or [])
+    # The servers the run starts (libra.rollout_alloc wins over rollout_groups, as at launch): their batch cap.
+    servers = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))
     max_running = int(servers[0].max_running) if servers else 256
     cfg = PlannerConfig(allowed_tp=tuple(int(t) for t in c.allowed_tp), global_batch=batch, mode="async",
                         staleness=int(areal_cfg.rollout.max_head_offpolicyness), max_running=max_running,
                         rollout_backend="embedded" if str(libra.device) == "cpu" else "sglang")
     if emulated is not None:  # plan for the emulated model on the emulated accelerators
+        if emulated.profile_planner:  # as a profiling pass measures them (the simulator's Libra plans so)
+            cluster = replace(cluster, hardware=profiled_hardware(str(emulated.model), str(emulated.gpu),
+                                                                  int(emulated.seed)))
         return LivePlanSource(cluster, load_model(str(emulated.model)), cfg)
     if str(libra.device) != "cuda":  # the CPU trainer is one FSDP process: no tensor or pipeline parallelism
         cfg = replace(cfg, train_tp=(1,), max_pp=1, train_backend="fsdp")

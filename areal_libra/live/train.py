@@ -22,7 +22,7 @@ from typing import Any
 
 from areal_libra.config import LibraConfig, libra_config, load_run_config
 from areal_libra.elastic.policy import ScheduledPolicy
-from areal_libra.live.elastic_live import hybrids_serve, install_elastic
+from areal_libra.live.elastic_live import hybrids_serve, install_elastic, plan_pool_factory
 from areal_libra.live.live_cluster import LiveCluster, LiveControl, plan_source
 from areal_libra.live.rank_follower import LayoutFollower
 from areal_libra.live.recover import (
@@ -38,6 +38,8 @@ from areal_libra.rollout.fleet import build_fleet
 from areal_libra.rollout.pressure import PressureSampler
 from areal_libra.rollout.revive import ServerReviver, rollout_counters
 from areal_libra.rollout.router import GROUPS_FILE, build_router, publish_metrics, read_groups_file
+from areal_libra.stack_sampler import ENV as SAMPLER_ENV
+from areal_libra.stack_sampler import StackSampler
 
 
 def build_dataset(libra: LibraConfig | Any, areal_cfg: Any) -> Any:
@@ -123,7 +125,7 @@ def install_fleet(trainer, libra: LibraConfig, run_dir: Path, metrics, router):
 
 
 def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics, router, elastic, sinks: list,
-                    fleet=None, pressure=None):
+                    fleet=None, pressure=None, pool_factory=None):
     """libra mode: the shared LibraController drives this run (areal_libra.live.live_cluster); `fleet`
     (install_fleet) switches its layouts; `pressure`: the run's sampler; with an elastic pool the pool's step
     observation carries its window instead."""
@@ -153,7 +155,7 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
     if router is not None and hasattr(router, "set_pricing"):  # C-MLFQ prices moves on the planner's spec
         router.set_pricing(src.cluster.hardware, src.model)
     control = LiveControl(libra.control, src, cluster,
-                          fleet=fleet, elastic_policy=script,
+                          fleet=fleet, elastic_policy=script, pool_factory=pool_factory,
                           profile_steps=libra.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")
     if snap is not None:
@@ -207,7 +209,10 @@ def install_emulation(trainer, libra: LibraConfig, run_dir: Path, metrics, contr
     if control is not None:
         control.cluster.emulation = emu
     groups_fn = (lambda: control.cluster.groups) if control is not None else (lambda: static_groups)
-    hybrids_fn = elastic.training_hybrids if elastic is not None else (lambda: 0)
+    def hybrids_fn() -> int:  # the pool built at launch, or the one sized with the first plan
+        pool = elastic if elastic is not None else getattr(getattr(control, "cluster", None), "elastic", None)
+        return int(pool.training_hybrids()) if pool is not None else 0
+
     if elastic is not None:  # the pool sees the trainer's core in emulated accelerators (hybrid units)
         elastic.pool.core_fn = lambda: emu.check_layout(groups_fn())[1]
     host = EmulatedHostBackend.from_run_dir(run_dir)  # libra.emulated.host: its pacing error too
@@ -231,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("areal_libra"):
             logging.getLogger(name).disabled = False
 
+    # A diagnostic: where the trainer's time goes, every thread's stack sampled (areal_libra/stack_sampler.py).
+    sampler = StackSampler(os.environ[SAMPLER_ENV]).start() if os.environ.get(SAMPLER_ENV) else None
     config, _ = load_expr_config(["--config", str(run_dir / "areal_config.yaml")], GRPOConfig)
     libra = load_run_config(run_dir)  # the typed config the launch validated
     dataset = build_dataset(libra, config)
@@ -265,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         if router is not None and not _rank0() and libra.mode == "libra":  # a multi-rank trainer (cluster=ray*)
             follower = LayoutFollower(trainer.rollout, router, run_dir).start()  # rank 0's fleet's layout
         elastic = install_elastic(trainer, libra, run_dir, metrics, fleet, pressure)  # None unless libra.elastic.enabled
-        control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks, fleet, pressure)
+        pool_factory = plan_pool_factory(trainer, libra, run_dir, metrics, fleet, pressure)  # size_with_plan
+        control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks, fleet, pressure,
+                                  pool_factory)
         install_emulation(trainer, libra, run_dir, metrics, control, elastic)
 
         metrics.add_source(lambda: rollout_counters(trainer.rollout))  # nothing lost: accepted vs rejected
@@ -279,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 follower.write_counters(rollout_counters(trainer.rollout))  # this rank's accepted/rejected
             if control is not None:
                 control.close(run_dir / "allocation.png")
+                elastic = elastic or control.cluster.elastic  # a pool sized with the plan
             if elastic is not None:
                 elastic.close()
             if fleet is not None:
@@ -287,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                 router.close()
             if pressure is not None:
                 pressure.close()
+            if sampler is not None:
+                sampler.stop()
     return 0
 
 

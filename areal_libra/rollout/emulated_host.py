@@ -506,15 +506,30 @@ class EmulatedHost:
         if address_file:
             atomic_write_text(address_file, json.dumps({"addr": addr, "pid": os.getpid()}) + "\n")
         print(f"emulated host serving on {addr}", flush=True)
+        profile_to = os.environ.get(PROFILE_ENV)  # where the host's time goes (a diagnostic): cProfile stats
+        prof = None
+        if profile_to:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         try:
+            tick = 0
             while parent_pid is None or pid_alive(parent_pid):
                 await asyncio.sleep(1.0)
+                tick += 1
+                if prof is not None and tick % 20 == 0:  # the host may be SIGKILLed: dump as it goes
+                    prof.dump_stats(profile_to)
         finally:
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(profile_to)
             for a in list(self.servers):
                 await self.stop_server(a)
             await runner.cleanup()
 
 
+PROFILE_ENV = "AREAL_LIBRA_PROFILE_HOST"  # a path: the host process writes its cProfile stats there
 HOST_FILE = "emulated_host.json"  # in the run directory: the host's control address and pid
 
 

@@ -32,6 +32,7 @@ from areal_libra.trace import Segment, Trajectory
 from areal_libra.workflows.sink import emit, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
 from areal_libra.workflows.tensors import Episode
 
+_SHARED: dict[tuple, tuple] = {}  # (workload, seed, group size, max_len) -> (generator, RNG, group queues)
 PROMPT_IDS = [TOKEN_ID] * 2  # the real prompt: two ids; its emulated length is the workload's
 
 
@@ -49,13 +50,18 @@ class EmulatedWorkflow(RolloutWorkflow):
                  time_scale: float = 1.0, group_size: int | None = None, max_len: int | None = None,
                  tokenizer_path: str | None = None, max_turns: int | None = None, **_: Any) -> None:
         self.gconfig = gconfig.new(n_samples=1)
-        self.workload = make_workload(workload)
-        self.workload.cfg.group_size = int(group_size or gconfig.n_samples)
-        if max_len:
-            self.workload.cfg.max_len = int(max_len)
-        self.rng = random.Random(seed)
+        # AReaL builds the workflow anew at every prepare_batch: one generator, RNG and group queue per setting
+        # and process, so the draws continue across steps (a fresh Random(seed) each step repeated them) and
+        # the workload's trace is read once.
+        key = (str(workload), int(seed), int(group_size or gconfig.n_samples), int(max_len or 0))
+        if key not in _SHARED:
+            wl = make_workload(workload)
+            wl.cfg.group_size = key[2]
+            if max_len:
+                wl.cfg.max_len = int(max_len)
+            _SHARED[key] = (wl, random.Random(seed), defaultdict(deque))
+        self.workload, self.rng, self._groups = _SHARED[key]
         self.time_scale = float(time_scale)
-        self._groups: dict[Any, deque] = defaultdict(deque)
 
     @classmethod
     def libra_kwargs(cls, libra: Any) -> dict[str, Any]:

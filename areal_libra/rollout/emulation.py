@@ -37,6 +37,7 @@ from areal_libra.cost.presets import PresetError, load_hardware, load_model
 from areal_libra.rollout.backend import LocalProcessBackend
 from areal_libra.rollout.launcher import ServerSpec
 from areal_libra.server.embedded_server import parse_args, run
+from areal_libra.sim.calib import calibrated_hardware
 from areal_libra.sim.hardware import HardwareTruth, truth_from_specs
 
 DEFAULT_MODEL = "qwen3-14b"
@@ -94,6 +95,16 @@ def emulated_truth(model: str, gpu: str) -> HardwareTruth:
 
     try:
         return truth_from_specs(load_hardware(gpu), load_model(model))
+    except PresetError as e:
+        raise EmulationError(str(e)) from None
+
+
+def profiled_hardware(model: str, gpu: str, seed: int = 0) -> Any:
+    """The emulated accelerators as a profiling pass measures them: the cost preset of `gpu` (a HardwareSpec)
+    fitted by the Cost Evaluator's own calibration to decode, prefill (and training) samples of the emulated
+    hardware (the simulator's profiling pass, sim.calib), the hardware the simulator's Libra plans on."""
+    try:
+        return calibrated_hardware(emulated_truth(model, gpu), load_hardware(gpu), load_model(model), seed)[0]
     except PresetError as e:
         raise EmulationError(str(e)) from None
 
@@ -249,6 +260,7 @@ class ClusterEmulation:
     # while in rollout.
     hybrid_accelerators: int = 0
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _pool: dict = field(default_factory=dict, compare=False, repr=False)  # the pool sized with the plan
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "time_scale", _check_scale(self.time_scale))
@@ -279,13 +291,16 @@ class ClusterEmulation:
         em = cfg.emulated
         if not em.enabled:
             return None
-        if em.host and cfg.elastic.enabled:
-            raise EmulationError("the emulated host (libra.emulated.host) does not run the Elastic Hybrid Pool yet; "
-                                 "set libra.elastic.enabled=false")
+        if em.host and cfg.elastic.enabled and not cfg.elastic.size_with_plan:
+            raise EmulationError("the emulated host (libra.emulated.host) runs the Elastic Hybrid Pool sized with the "
+                                 "plan only: set libra.elastic.size_with_plan=true")
+        # A pool sized with the plan is inside the plan's training accelerators (set_plan_pool); one of fixed
+        # size is outside the plan, one accelerator per hybrid.
+        outside = cfg.elastic.enabled and not cfg.elastic.size_with_plan
         return cls(accelerators=em.accelerators, model=em.model, gpu=em.gpu, time_scale=em.time_scale,
                    trainer_accelerators=em.trainer_accelerators, server_threads=em.server_threads,
                    length_growth=float(em.length_growth), growth_horizon=int(em.growth_horizon),
-                   hybrid_accelerators=cfg.elastic.hybrids if cfg.elastic.enabled else 0)
+                   hybrid_accelerators=cfg.elastic.hybrids if outside else 0)
 
     def multiplier(self, version: int | str | None) -> float:
         return length_multiplier(version, self.length_growth, self.growth_horizon)
@@ -340,6 +355,21 @@ class ClusterEmulation:
                 f"but the emulated cluster has {n} (libra.emulated.accelerators)"
             )
         return rollout, train
+
+    def set_plan_pool(self, units: int, unit_gpus: int) -> None:
+        """The Elastic Hybrid Pool sized with the plan (libra.elastic.size_with_plan): `units` of the plan's
+        training replicas, `unit_gpus` accelerators each, are hybrids: inside the plan's training accelerators,
+        so a hybrid that is not training takes its accelerators from the trainer."""
+        self._pool.update(units=int(units), unit=max(1, int(unit_gpus)))
+
+    def trainer_now(self, groups: Sequence[Any], training_hybrids: int = 0) -> int:
+        """The trainer's accelerators now: the layout's, with the pool's. A pool outside the plan adds one per
+        hybrid training; a pool sized with the plan removes the unit of each hybrid not training."""
+        t = self.check_layout(groups)[1]
+        units, unit = self._pool.get("units", 0), self._pool.get("unit", 1)
+        if units:
+            return max(1, t - (units - int(training_hybrids)) * unit)
+        return t + int(training_hybrids)
 
     def hybrid_pacing(self) -> ServerPacing:
         """The pacing of a hybrid replica's in-process server: a TP1 server of this cluster."""
@@ -523,7 +553,7 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
         if train_sample > 0 and args:
             args = (stand_in_batch(args[0], train_sample), *args[1:])
         out = original(*args, **kwargs)
-        n_train = emulation.check_layout(groups_fn())[1] + int(hybrids_fn())
+        n_train = emulation.trainer_now(groups_fn(), int(hybrids_fn()))
         last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
         last["emul/length_multiplier"] = m
         total["target"] += last["emul/train_target_s"]

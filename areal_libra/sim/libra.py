@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
+from areal_libra.elastic.policy import hybrid_count, hybrid_server_tp
 from areal_libra.planner.replan import ReplanConfig
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
 from areal_libra.sim.systems import AREAL_STALENESS, Env, PolicyRouter, SimKnobs, SystemSpec
@@ -296,7 +297,7 @@ def hybrid_from_train(layout: Layout, max_units: int, dp_div: int = 2) -> tuple[
     swing between release and join every few steps when the plan had DP 2)."""
     t = layout.train
     unit = t.tp * t.pp
-    n = min(max_units, (t.dp - 1) // dp_div)
+    n = hybrid_count(t.dp, max_units, dp_div)
     if n <= 0 or not layout.servers:
         return layout, []
     per_bucket: dict[int, int] = {}
@@ -304,7 +305,7 @@ def hybrid_from_train(layout: Layout, max_units: int, dp_div: int = 2) -> tuple[
         per_bucket[b] = per_bucket.get(b, 0) + tp
     b = max(per_bucket, key=lambda k: (per_bucket[k], k))
     tp_b = max(tp for tp, bb in layout.servers if bb == b)
-    tp_u = 1 << (min(tp_b, unit).bit_length() - 1)
+    tp_u = hybrid_server_tp(unit, tp_b)
     specs = [(tp_u, b)] * (unit // tp_u) + [(1, b)] * (unit % tp_u)
     return layout, [HybridUnit(list(specs), training=True) for _ in range(n)]
 

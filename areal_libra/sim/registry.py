@@ -36,8 +36,10 @@ def build_system(name: str, env: Env) -> SystemSpec:
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS + LADDER)}")
 
 
-def run_system(name: str, env: Env, steps: int) -> tuple[dict, Simulation]:
-    spec = build_system(name, env)
+def run_system(name: str, env: Env, steps: int, spec: SystemSpec | None = None) -> tuple[dict, Simulation]:
+    """Run system `name` for `steps`; `spec`: the one build_system(name, env) made (a caller that reads its
+    controller's starting state, e.g. Libra's first plan)."""
+    spec = spec if spec is not None else build_system(name, env)
     sim = Simulation(env.truth, env.workload, env.n_gpus, spec.layout, spec.run, spec.router_factory(spec.layout),
                      spec.controller, seed=env.seed)
     attach = getattr(spec.controller, "attach", None)

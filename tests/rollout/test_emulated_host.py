@@ -192,10 +192,13 @@ def test_train_pacing_window_stand_in_and_error():
     assert out["emul/pacing_error"] == out["emul/train_pacing_error"] > 0.05
 
 
-def test_host_refuses_the_elastic_pool():
+def test_host_runs_the_elastic_pool_sized_with_the_plan_only():
     from areal_libra.rollout.emulation import ClusterEmulation, EmulationError
 
     ok = ClusterEmulation.from_libra({"emulated": {"enabled": True, "host": True}})
     assert ok is not None and ok.accelerators == 16
-    with pytest.raises(EmulationError, match="Elastic Hybrid Pool"):
+    with pytest.raises(EmulationError, match="sized with the plan only"):
         ClusterEmulation.from_libra({"emulated": {"enabled": True, "host": True}, "elastic": {"enabled": True}})
+    pool = ClusterEmulation.from_libra({"emulated": {"enabled": True, "host": True},
+                                        "elastic": {"enabled": True, "size_with_plan": True}})
+    assert pool is not None and pool.hybrid_accelerators == 0  # its hybrids are inside the plan

@@ -1,0 +1,35 @@
+"""areal_libra/stack_sampler.py: a busy thread's function tops the samples, a waiting one is not busy."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from areal_libra.stack_sampler import StackSampler
+
+
+def _spin(seconds: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        sum(i * i for i in range(200))
+
+
+def test_the_busy_thread_is_where_the_samples_are(tmp_path) -> None:
+    busy = threading.Thread(target=_spin, args=(0.6,), name="busy")
+    idle = threading.Thread(target=threading.Event().wait, args=(0.6,), name="idle")
+    sampler = StackSampler(tmp_path / "s.json", interval_s=0.005).start()
+    busy.start()
+    idle.start()
+    busy.join()
+    idle.join()
+    sampler.stop()
+    out = json.loads((tmp_path / "s.json").read_text())
+    assert out["samples"] > 10
+    spin = sum(n for k, n in out["inclusive"].items() if k.startswith("busy: _spin"))
+    assert spin >= 0.5 * out["threads"]["busy"]
+    assert out["threads"]["idle"] > 10
+    # The CPU went to the busy thread, charged to its own function.
+    assert out["thread_cpu_s"]["busy"] > 0.05 and out["thread_cpu_s"].get("idle", 0.0) < 0.05
+    assert max(out["cpu_inclusive_s"], key=out["cpu_inclusive_s"].get).startswith("busy: ")
+    assert not any(k.startswith("idle:") for k in out["busy_leaf"])  # a wait does not compute
