@@ -122,7 +122,7 @@ def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatc
     import subprocess
     import sys
 
-    from areal.api.cli_args import InferenceEngineConfig
+    from areal.api.cli_args import InferenceEngineConfig, SGLangConfig
     from areal.engine.sglang_remote import RemoteSGLangEngine
 
     from areal_libra.config import DispatchConfig
@@ -154,7 +154,8 @@ def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatc
                            health=False)
     eng = RemoteSGLangEngine(InferenceEngineConfig(backend="sglang:d2t1", experiment_name="x", trial_name="t"))
     (tmp_path / "model").mkdir()  # the checkpoint new servers would load
-    trainer = SimpleNamespace(rollout=eng, config=SimpleNamespace(actor=SimpleNamespace(path=str(tmp_path / "model"))))
+    trainer = SimpleNamespace(rollout=eng, config=SimpleNamespace(actor=SimpleNamespace(path=str(tmp_path / "model")),
+                                                                  sglang=SGLangConfig(mem_fraction_static=0.6)))
     monkeypatch.setenv(ROLLOUT_DEVICES_ENV, ",".join(p.pool))
     fleet = build_fleet(trainer, router, tmp_path)
     assert fleet.backend.name == "sglang" and [s.gpus for s in fleet.servers] == [("1",), ("2", "3")]
@@ -164,6 +165,9 @@ def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatc
         asked.append(placement.servers)
         # the fleet's SGLang servers: seeds after the launch's two, ports of their own
         assert [s.seed for s in specs] == [2] and len({*ports[0]}) == 2
+        # and AReaL's sglang: section, as the launch's servers carry it
+        flags = specs[0].extra_args
+        assert flags[flags.index("--mem-fraction-static") + 1] == "0.6"
         raise ServerLaunchError("captured")
 
     monkeypatch.setattr(backend_mod, "launch_servers", launch)  # the fleet's local process backend starts them
