@@ -100,7 +100,7 @@ def test_a_live_emulated_run_next_to_the_simulator(tmp_path: Path, capsys: pytes
 
     rc = live_ab(["--workload", "search_r1", "--accelerators", "16", "--gpu", "h200", "--model", "qwen3-14b",
                   "--batch-prompts", "8", "--group-size", "8", "--seed", "0", "--steps", "4", "--json",
-                  "--fileroot", str(tmp_path)])
+                  "--modes", "libra", "--fileroot", str(tmp_path)])  # the decisions are libra's: no static run
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     d = res["decisions"]
