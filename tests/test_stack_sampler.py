@@ -9,18 +9,27 @@ import time
 from areal_libra.stack_sampler import StackSampler
 
 
-def _spin(seconds: float) -> None:
+def _spin(until: threading.Event) -> None:
     t0 = time.monotonic()
-    while time.monotonic() - t0 < seconds:
-        sum(i * i for i in range(200))
+    x = 0
+    while not until.is_set() and time.monotonic() - t0 < 30:
+        for i in range(200):  # a plain loop: a generator's frame would not link back to _spin
+            x += i * i
 
 
 def test_the_busy_thread_is_where_the_samples_are(tmp_path) -> None:
-    busy = threading.Thread(target=_spin, args=(0.6,), name="busy")
-    idle = threading.Thread(target=threading.Event().wait, args=(0.6,), name="idle")
+    # Run until the sampler has its samples, not for a fixed time: on a loaded machine the sampler thread
+    # gets the GIL less often than its interval.
+    done = threading.Event()
+    busy = threading.Thread(target=_spin, args=(done,), name="busy")
+    idle = threading.Thread(target=done.wait, args=(30,), name="idle")
     sampler = StackSampler(tmp_path / "s.json", interval_s=0.005).start()
     busy.start()
     idle.start()
+    t0 = time.monotonic()
+    while (sampler.samples <= 20 or time.monotonic() - t0 < 0.3) and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    done.set()
     busy.join()
     idle.join()
     sampler.stop()
