@@ -49,6 +49,22 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
         f.flush()
 
 
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Every JSON object of a JSONL file, oldest first; a missing file is empty, a bad line (one cut by a kill)
+    is skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct ports that were free a moment ago (all held open together so they differ)."""
     socks = []

@@ -44,3 +44,15 @@ def test_pid_alive_counts_a_zombie_as_dead():
     assert os.path.exists(f"/proc/{child.pid}")  # still a zombie: not reaped until wait()
     child.wait()
     assert not pid_alive(child.pid)
+
+
+def test_read_jsonl_skips_a_cut_line_and_a_missing_file_is_empty(tmp_path):
+    from areal_libra.utils import append_jsonl, read_jsonl
+
+    p = tmp_path / "x.jsonl"
+    assert read_jsonl(p) == []
+    append_jsonl(p, {"a": 1})
+    with open(p, "a") as f:
+        f.write('{"a": 2\n')  # cut by a kill
+    append_jsonl(p, {"a": 3})
+    assert read_jsonl(p) == [{"a": 1}, {"a": 3}]

@@ -39,11 +39,10 @@ from areal_libra.rollout.launcher import (
     ServerLaunchError,
     ServerSpec,
     build_command,
-    is_healthy,
     server_env_overlay,
-    tail,
+    wait_healthy,
 )
-from areal_libra.utils import append_jsonl, free_port
+from areal_libra.utils import append_jsonl, free_port, read_jsonl
 
 NAMESPACE_ENV = "AREAL_LIBRA_RAY_NAMESPACE"
 ADDRESS_ENV = "AREAL_LIBRA_RAY_ADDRESS"
@@ -239,7 +238,7 @@ class RayBackend:
             for s, info in zip(made, ray.get(infos, timeout=timeout)):
                 s.addr, s.server_pid, s.log_path, s.node_id = (info["addr"], info["pid"], info["log_path"],
                                                                info["node_id"])
-            wait_healthy(made, timeout)
+            wait_healthy(made, timeout, how=lambda s: f"on Ray node {s.node_id[:12]}")
         except BaseException:
             for s in made:
                 self.stop(s)
@@ -319,38 +318,9 @@ class RayBackend:
         return s
 
 
-def read_ray_servers(run_dir: str) -> list[dict]:
+def read_ray_servers(run_dir: str | os.PathLike) -> list[dict]:
     """Every server started on Ray in this run (the launcher's and the trainer's), oldest first."""
-    import json
-
-    try:
-        lines = open(os.path.join(run_dir, RAY_SERVERS_FILE), encoding="utf-8").read().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def wait_healthy(servers: Sequence[RayServer], timeout: float) -> None:
-    """Every server answers /health on its node's address; the culprit's log tail otherwise."""
-    deadline = time.monotonic() + timeout
-    pending = list(servers)
-    while pending:
-        for s in list(pending):
-            if is_healthy(s.addr):
-                pending.remove(s)
-            elif not s.alive():
-                raise ServerLaunchError(f"server {s.addr} ({s.spec.group}) on Ray node {s.node_id[:12]} exited "
-                                        f"during start-up; last lines of {s.log_path}:\n{tail(s.log_path)}")
-        if pending and time.monotonic() > deadline:
-            s = pending[0]
-            raise ServerLaunchError(f"server {s.addr} not healthy after {timeout:.0f}s; see {s.log_path}")
-        time.sleep(0.25)
+    return read_jsonl(os.path.join(run_dir, RAY_SERVERS_FILE))
 
 
 def connect(address: str, namespace: str, timeout_s: float = 60.0) -> None:

@@ -50,6 +50,7 @@ from areal_libra.ray.backend import (
     RayServer,
     free_accel_per_node,
     host_options,
+    read_ray_servers,
     remove_run,
     wait_ready,
 )
@@ -217,9 +218,8 @@ def write_placement(log_dir: Path, trainer: list[dict], servers: list[RayServer]
     from areal_libra.rollout.fleet import read_registry
 
     known = {s.addr: s.record() for s in servers}
-    with contextlib.suppress(OSError, ValueError):
-        for line in (log_dir / RAY_SERVERS_FILE).read_text().splitlines():
-            rec = json.loads(line)
+    for rec in read_ray_servers(log_dir):
+        if "addr" in rec:
             known[rec["addr"]] = rec
     procs = [dict(t) for t in trainer]
     for entry in read_registry(log_dir):

@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,20 +239,24 @@ def is_healthy(addr: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def wait_healthy(handles: Sequence[ServerHandle], timeout: float) -> None:
-    """Block until every server answers /health 200; raise with the culprit's log tail otherwise."""
+def _exit_code(h: Any) -> str:
+    return f"with code {h.proc.poll()}"
+
+
+def wait_healthy(servers: Sequence[Any], timeout: float, how: Callable[[Any], str] = _exit_code) -> None:
+    """Block until every server (addr, spec, log_path, alive(): a ServerHandle or any backend's handle) answers
+    /health 200; raise with the culprit's log tail otherwise. `how` words an exit ("with code 1")."""
     deadline = time.monotonic() + timeout
-    pending = list(handles)
+    pending = list(servers)
     while pending:
         for h in list(pending):
-            code = h.proc.poll()
-            if code is not None:
-                raise ServerLaunchError(
-                    f"server {h.addr} (group {h.spec.group}) exited with code {code} during start-up; "
-                    f"last lines of {h.log_path}:\n{tail(h.log_path)}"
-                )
             if is_healthy(h.addr):
                 pending.remove(h)
+            elif not h.alive():
+                raise ServerLaunchError(
+                    f"server {h.addr} (group {h.spec.group}) exited {how(h)} during start-up; "
+                    f"last lines of {h.log_path}:\n{tail(h.log_path)}"
+                )
         if not pending:
             return
         if time.monotonic() > deadline:
