@@ -95,6 +95,10 @@ class RunConfig:
     reconfig_train_s: float = 60.0  # re-shard the training job after a topology change
     max_running: int = 256
     strict_staleness: bool = False  # also bound each consumed group's staleness (waits for stragglers)
+    # Servers admit waiting requests oldest start version first (areal_libra.cmlfq.aging); False: FIFO.
+    edf: bool = False
+    # Batches admission may run ahead of training; None: max_staleness (AReaL's rule).
+    admit_lead: int | None = None
 
 
 class Router:
@@ -209,6 +213,7 @@ class Simulation:
         self._sid += 1
         s.available_at = available_at
         s.clock = available_at
+        s.edf = self.cfg.edf
         self._gpu_time_origin[s.sid] = self.t
         self.servers.append(s)
         return s
@@ -335,7 +340,8 @@ class Simulation:
 
     # ---------------- trajectories ----------------
     def _admit(self) -> None:
-        cap = (self.version + self.cfg.max_staleness + 1) * self.batch
+        lead = self.cfg.max_staleness if self.cfg.admit_lead is None else self.cfg.admit_lead
+        cap = (self.version + lead + 1) * self.batch
         limit = self.truth.c.max_in_flight
         defer, self._defer = self._defer, self.defer_arrivals
         try:
@@ -409,7 +415,10 @@ class Simulation:
             prior = req.ctx
             req.ctx = prior + payload
             req.bucket = old.bucket
-            old.queue.append((req, prior, payload))  # old.enqueue (req.server is old already)
+            if old.edf:
+                old.enqueue(req, prior, payload)
+            else:
+                old.queue.append((req, prior, payload))  # old.enqueue (req.server is old already)
             self._kick(old)
             return
         if old is not None:

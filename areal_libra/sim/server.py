@@ -14,6 +14,7 @@ import math
 import random
 from collections import OrderedDict, deque
 
+from areal_libra.cmlfq.aging import edf_insert
 from areal_libra.elastic.measure import ServerLoad
 from areal_libra.sim.hardware import HardwareTruth
 
@@ -86,6 +87,9 @@ class RolloutServer:
         self.heap: list = []
         self.sum_base = 0
         self.queue: deque = deque()  # (req, prior_tokens, new_tokens)
+        # Earliest deadline first (areal_libra.cmlfq.aging): the queue is kept ordered by the trajectories'
+        # start versions, FIFO within one; off: FIFO.
+        self.edf = False
         self.idle_cache: OrderedDict = OrderedDict()  # req -> cached context tokens (waiting on a tool)
         self.idle_tokens = 0
         self.chunk = None  # (t0, k, a, b, kv0, B, xi, t_end)
@@ -201,6 +205,8 @@ class RolloutServer:
         req.server = self
         if front:
             self.queue.appendleft((req, prior, new))
+        elif self.edf:
+            edf_insert(self.queue, (req, prior, new), req.start_version, _start_version)
         else:
             self.queue.append((req, prior, new))
 
@@ -363,4 +369,11 @@ class RolloutServer:
         victim.done_tokens += ctx - (victim.ctx + victim.done_tokens)
         victim.heap_seq = -1
         self.preemptions += 1
-        self.queue.appendleft((victim, 0, ctx))
+        if self.edf:
+            edf_insert(self.queue, (victim, 0, ctx), victim.start_version, _start_version)
+        else:
+            self.queue.appendleft((victim, 0, ctx))
+
+
+def _start_version(item: tuple) -> int:
+    return item[0].start_version

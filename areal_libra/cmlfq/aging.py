@@ -1,0 +1,45 @@
+"""Version aging: a rollout server serves the requests of older trajectories first (earliest deadline first).
+
+Libra trains no trajectory more than eta policy versions after it started (the trainer waits for a group
+that would otherwise exceed eta: `RunConfig.strict_staleness` in the simulator). Every trajectory thus has a
+deadline, the training step start_version + eta; with one eta for all, earliest-deadline-first is
+oldest-start-version-first. A server that admits its waiting requests in that order lets a straggler's next
+segment (a tool return, a re-prefill after a migration) overtake the newly admitted prompts of later
+versions, so the trainer rarely has to wait for it. Within one version the order stays first come, first
+served.
+
+One key for both sides:
+- the simulator's server queue (areal_libra.sim.server.RolloutServer, `edf`) inserts by `priority`;
+- a live SGLang server runs with SGLANG_FLAGS and each generate request carries `priority` (SGLang's own
+  priority scheduler then orders its waiting queue the same way, lowest value first, FIFO on ties).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+# SGLang (>= 0.5) server flags that make its waiting queue order requests by the request's `priority`,
+# lowest value first; priority preemption off (the simulator's servers never preempt a running request
+# for a waiting one of higher priority, only for KV room).
+SGLANG_FLAGS: tuple[str, ...] = ("--enable-priority-scheduling", "--schedule-low-priority-values-first",
+                                 "--disable-priority-preemption")
+
+
+def priority(start_version: int) -> int:
+    """The request's scheduling priority (lower is served first): the policy version its trajectory started
+    with, i.e. its deadline start_version + eta less the common eta."""
+    return int(start_version)
+
+
+def edf_insert(queue: deque, item: Any, key: int, key_of) -> None:
+    """Insert `item` (priority `key`) into `queue`, kept ordered by `key_of(element)`, after every element of
+    the same or a lower key (FIFO among equals). The common case, a request of the newest version, appends;
+    an older one walks back only past the newer requests queued."""
+    if not queue or key_of(queue[-1]) <= key:
+        queue.append(item)
+        return
+    i = len(queue) - 1
+    while i > 0 and key_of(queue[i - 1]) > key:
+        i -= 1
+    queue.insert(i, item)
