@@ -52,6 +52,22 @@ class StepCalibration:
         self.since_change = 0
         self.observed = 0
 
+    def to_state(self) -> dict:
+        """What a restarted run resumes from (JSON-able)."""
+        return {"train": list(self.train), "roll_bound": list(self.roll_bound), "roll_upper": list(self.roll_upper),
+                "fixed": list(self.fixed), "factors": self.factors.as_dict(), "since_change": self.since_change,
+                "observed": self.observed}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from to_state(); KeyError/TypeError/ValueError on a malformed state."""
+        for name in ("train", "roll_bound", "roll_upper", "fixed"):
+            q = getattr(self, name)
+            q.clear()
+            q.extend(float(x) for x in state[name])
+        f = state["factors"]
+        self.factors = Factors(float(f["train"]), float(f["rollout"]), float(f["fixed_s"]))
+        self.since_change, self.observed = int(state["since_change"]), int(state["observed"])
+
     def layout_changed(self) -> None:
         """The plan in force changed: measurements of the old layout no longer describe it."""
         self.since_change = 0

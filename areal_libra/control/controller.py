@@ -37,6 +37,7 @@ class StepObservation:
     active_pressure: float = 0.0  # fraction of rollout capacity in use
     wait_s: float = 0.0  # time the trainer sat ready waiting for rollout (0: rollout kept up)
     tokens: float = 0.0  # final-length tokens of the batch trained (0: unknown; calibration then per step)
+    rollout_busy: float | None = None  # share of the rollout GPU time in the step spent serving (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,10 @@ class LibraController:
         self.intervals: deque[float] = deque(maxlen=cfg.interval_window)
         self.t_train: deque[float] = deque(maxlen=4)
         self.t_roll: deque[float] = deque(maxlen=4)
+        # Measured use of each side over the window (train time / interval, rollout busy share): a re-plan that
+        # takes GPUs from a side must leave it the capacity it measurably used (_capacity_ok).
+        self.train_use: deque[float] = deque(maxlen=cfg.interval_window)
+        self.roll_use: deque[float] = deque(maxlen=cfg.interval_window)
         self.verdicts: deque[str] = deque(maxlen=cfg.elastic_persist)
         self.last_change: int | None = None
         self.events: list[ControlEvent] = []
@@ -186,8 +191,12 @@ class LibraController:
         caller's to keep (the plan is the cluster's object, the events an append-only log)."""
         rp = self.replan_policy
         return {"intervals": list(self.intervals), "t_train": list(self.t_train), "t_roll": list(self.t_roll),
+                "train_use": list(self.train_use), "roll_use": list(self.roll_use),
                 "verdicts": list(self.verdicts), "last_change": self.last_change, "last_replan": self.last_replan,
                 "replans": self.replans, "last_predicted_s": self.last_predicted_s,
+                "calibration": None if self.calib is None else self.calib.to_state(),
+                "measured": [[list(k), list(v)] for k, v in self.measured.items()],
+                "pool_training0": self._pool_training0,
                 "replan_trigger": None if rp is None else rp.last_trigger,
                 "replan_reason": "" if rp is None else rp.last_reason}
 
@@ -202,6 +211,17 @@ class LibraController:
             ctl.t_train.extend(float(x) for x in state["t_train"])
             ctl.t_roll.extend(float(x) for x in state["t_roll"])
             ctl.verdicts.extend(str(x) for x in state["verdicts"])
+            # absent in a state written before the measured-use check: it refills in interval_window steps
+            ctl.train_use.extend(float(x) for x in state.get("train_use", ()))
+            if ctl.calib is not None and state.get("calibration") is not None:
+                ctl.calib.load_state(state["calibration"])
+                ctl.factor_record.update(ctl.calib.factors.as_dict())
+            for k, v in state.get("measured", ()):
+                ctl.measured[(str(k[0]), str(k[1]))] = deque((float(x) for x in v),
+                                                             maxlen=2 * cfg.replan_policy.every_k)
+            p0 = state.get("pool_training0")
+            ctl._pool_training0 = None if p0 is None else int(p0)
+            ctl.roll_use.extend(float(x) for x in state.get("roll_use", ()))
             lc = state["last_change"]
             ctl.last_change = None if lc is None else int(lc)
             ctl.last_replan = int(state["last_replan"])
@@ -222,6 +242,10 @@ class LibraController:
         self.intervals.append(obs.interval_s)
         self.t_train.append(obs.train_s)
         self.t_roll.append(obs.rollout_s)
+        if obs.interval_s > 0:
+            self.train_use.append(min(1.0, obs.train_s / obs.interval_s))
+        if obs.rollout_busy is not None:
+            self.roll_use.append(obs.rollout_busy)
         self._score_predictions(obs)
         if self.calib is not None and obs.step >= self.cfg.warmup_steps:
             self._calibrate(obs, cluster)
@@ -284,6 +308,24 @@ class LibraController:
     def factors(self) -> Factors:
         return self.calib.factors if self.calib is not None else Factors()
 
+    def _horizon(self, step: int) -> int:
+        """Steps a plan applied now is credited with in the gate: until the next periodic decision (every_k),
+        at most the steps the run has left."""
+        rp = self.replan_policy
+        assert rp is not None
+        horizon = rp.cfg.every_k
+        if self.cfg.total_steps is not None:
+            horizon = max(0, min(horizon, self.cfg.total_steps - step - 1))
+        return horizon
+
+    def _cost(self, cluster: Cluster, new: Any) -> float:
+        """What the cluster says moving to `new` costs (a training-layout change apart from a rollout-only
+        one), else the policy's configured cost."""
+        cost_fn = getattr(cluster, "reconfig_cost_s", None)
+        rp = self.replan_policy
+        assert rp is not None
+        return float(cost_fn(self.plan, new)) if cost_fn is not None else rp.cfg.reconfig_cost_s
+
     def _replan(self, step: int, cluster: Cluster) -> bool:
         if self.calib is not None:
             return self._replan_calibrated(step, cluster)
@@ -332,6 +374,19 @@ class LibraController:
             return False
         return True
 
+    def _capacity_ok(self, new: Any) -> tuple[bool, str]:
+        """A new plan may take GPUs from a side only if that side's measured use (median over the window) fits
+        in what it keeps: use x GPUs now / GPUs after <= 1. The model's prices move with the history's tail
+        and completion order; the measured use says which side had room, so a plan that would starve the side
+        that was busy is refused whatever the prices say."""
+        for name, use, now, after in (("rollout", self.roll_use, self.plan.rollout_gpus, new.rollout_gpus),
+                                      ("training", self.train_use, self.plan.train_gpus, new.train_gpus)):
+            if after < now and use:
+                need = median(use) * now / max(1, after)
+                if need > 1.0:
+                    return False, f"{name} measured {median(use):.2f} busy on {now} GPUs, {need:.2f} on {after}"
+        return True, ""
+
     def _replan_calibrated(self, step: int, cluster: Cluster) -> bool:
         """The gate on the calibrated evaluator: the new plan is solved on one half of the history and both
         plans are priced on the other half by the same evaluator and factors (a plan fitted to a moment's
@@ -361,15 +416,15 @@ class LibraController:
             t_new = median(seen_new) * cur_terms[2]
         rp = self.replan_policy
         assert rp is not None
-        horizon = rp.cfg.every_k
-        if self.cfg.total_steps is not None:
-            horizon = max(0, min(horizon, self.cfg.total_steps - step - 1))
-        cost_fn = getattr(cluster, "reconfig_cost_s", None)
-        cost = float(cost_fn(self.plan, new)) if cost_fn is not None else rp.cfg.reconfig_cost_s
+        horizon = self._horizon(step)
+        cost = self._cost(cluster, new)
         gain = t_cur - t_new
         detail = (f"predicted {t_cur:.1f}s now vs {t_new:.1f}s new (factors train {f.train:.2f} rollout "
                   f"{f.rollout:.2f} fixed {f.fixed_s:.1f}s), gain x {horizon} steps vs cost {cost:.0f}s")
-        if gain <= 0 or gain * horizon <= cost or gain / max(1e-9, t_cur) < rp.cfg.min_gain:
+        fits, why = self._capacity_ok(new)
+        if not fits:
+            detail += f"; refused: {why}"
+        if not fits or gain <= 0 or gain * horizon <= cost or gain / max(1e-9, t_cur) < rp.cfg.min_gain:
             self.events.append(ControlEvent(step, "kept", detail))
             self._predict(step, "kept", t_cur)
             self.last_predicted_s = t_cur

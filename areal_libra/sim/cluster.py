@@ -97,8 +97,6 @@ class RunConfig:
     strict_staleness: bool = False  # also bound each consumed group's staleness (waits for stragglers)
     # Servers admit waiting requests oldest start version first (areal_libra.cmlfq.aging); False: FIFO.
     edf: bool = False
-    # Batches admission may run ahead of training; None: max_staleness (AReaL's rule).
-    admit_lead: int | None = None
 
 
 class Router:
@@ -340,8 +338,7 @@ class Simulation:
 
     # ---------------- trajectories ----------------
     def _admit(self) -> None:
-        lead = self.cfg.max_staleness if self.cfg.admit_lead is None else self.cfg.admit_lead
-        cap = (self.version + lead + 1) * self.batch
+        cap = (self.version + self.cfg.max_staleness + 1) * self.batch
         limit = self.truth.c.max_in_flight
         defer, self._defer = self._defer, self.defer_arrivals
         try:

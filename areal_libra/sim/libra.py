@@ -68,10 +68,17 @@ def _planner():
 
 CALIBRATE = True
 # The controller's online per-term calibration and the calibrated re-plan gate (areal_libra.control.calibration).
-# Off by default: with one scalar rollout factor the fitted value depends on the TP mix in force (0.85-1.57
-# on DAPO-Math across the layouts it tried), so every periodic decision moved to another layout (4 re-plans
-# in 60 steps) and R2E-Gym lost 16-24% (docs/pricing.md). The live and simulated controllers run it when on.
-CALIBRATE_ONLINE = False
+# On since the gate refuses a plan that takes GPUs from a side beyond what that side measurably used
+# (LibraController._capacity_ok): before, with one scalar rollout factor whose fitted value depends on the TP
+# mix in force (0.85-1.57 on DAPO-Math across the layouts it tried), every periodic decision moved to another
+# layout and R2E-Gym lost 16-24% (docs/pricing.md); now the three workloads keep their plans (issue 23) and the
+# 4x growth trace moves GPUs to training. The live and simulated controllers run it when on.
+CALIBRATE_ONLINE = True
+# Libra bounds every trained trajectory's version lag by eta at consumption (RunConfig.strict_staleness: the
+# trainer waits for a group that would otherwise be trained more than eta versions after it started), and its
+# rollout servers serve the oldest start version first (RunConfig.edf, areal_libra.cmlfq.aging), so such a
+# group's requests are not queued behind newer ones. AReaL-Static-Optimal keeps AReaL's rule (issue 23).
+BOUND_LAG = False
 # Plan for the in-flight window of an asynchronous run: with staleness bound eta, eta+1 batches are in
 # flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
 # instead of once per step, as it is in the running system.
@@ -491,7 +498,8 @@ class SimLibraControl(Controller):
         obs = StepObservation(step=rec["step"], interval_s=rec["interval_s"], train_s=rec["train_s"],
                               rollout_s=rec["t_rollout_s"],
                               queue_pressure=rec["queue_pressure"], active_pressure=rec["active_pressure"],
-                              wait_s=rec["wait_s"], tokens=rec["final_tokens"])
+                              wait_s=rec["wait_s"], tokens=rec["final_tokens"],
+                              rollout_busy=rec["rollout_busy_frac"])
         self.ctl.on_step(obs, self.cluster)
 
     @property
@@ -572,6 +580,6 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     # Filled while the run goes (the same objects): each decision's prediction against the next steps, and
     # the calibration factors in force at the end.
     extra = {"predictions": lc.predictions, "cost_factors": lc.factor_record}
-    return SystemSpec(name, core, RunConfig(max_staleness=env.staleness),
-                      lambda lay: _router_for(lay, opts, None, prof, knobs, env), ctl, extra=extra)
+    run = RunConfig(max_staleness=env.staleness, strict_staleness=BOUND_LAG, edf=BOUND_LAG)
+    return SystemSpec(name, core, run, lambda lay: _router_for(lay, opts, None, prof, knobs, env), ctl, extra=extra)
 

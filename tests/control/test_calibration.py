@@ -152,5 +152,25 @@ def test_calibrated_gate_keeps_the_plan_when_gain_over_every_k_does_not_beat_the
     assert cl.applied == [] and ctl.events[-1].kind == "kept"
 
 
+def _split(plan, rollout_gpus, train_gpus):
+    plan.rollout_gpus, plan.train_gpus = rollout_gpus, train_gpus
+    return plan
+
+
+@pytest.mark.parametrize("busy, moves", [(0.95, False), (0.5, True)])
+def test_calibrated_gate_never_takes_gpus_from_a_side_beyond_its_measured_use(busy, moves):
+    # As the first test, B wins once calibrated; B gives rollout 3 of A's 4 GPUs' worth of servers less (4 -> 3).
+    # Rollout measured busy 95% of the step on 4 GPUs needs 1.27 of 3: refused whatever the prices say; at 50%
+    # (0.67 of 3) the move goes ahead.
+    a, b = _split(_Plan("A", 10.0, 10.0), 4, 4), _split(_Plan("B", 14.0, 5.0), 3, 5)
+    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=10)), _CalPlanner([a, b]), a)
+    cl = _Cluster()
+    for s in range(1, 11):
+        ctl.on_step(StepObservation(s, 21.0, 10.0, 20.0, wait_s=10.0, tokens=1000.0, rollout_busy=busy), cl)
+    assert cl.applied == ([(10, "B")] if moves else [])
+    if not moves:
+        assert ctl.events[-1].kind == "kept" and "refused: rollout measured 0.95 busy on 4 GPUs" in ctl.events[-1].detail
+
+
 def test_factors_step_time():
     assert Factors(2.0, 0.5, 1.0).step_s(10.0, 30.0) == pytest.approx(21.0)
