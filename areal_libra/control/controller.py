@@ -378,13 +378,24 @@ class LibraController:
         """A new plan may take GPUs from a side only if that side's measured use (median over the window) fits
         in what it keeps: use x GPUs now / GPUs after <= 1. The model's prices move with the history's tail
         and completion order; the measured use says which side had room, so a plan that would starve the side
-        that was busy is refused whatever the prices say."""
-        for name, use, now, after in (("rollout", self.roll_use, self.plan.rollout_gpus, new.rollout_gpus),
-                                      ("training", self.train_use, self.plan.train_gpus, new.train_gpus)):
+        that was busy is refused whatever the prices say, and GPUs go only to the side that measured busier.
+        With calibration a plan that keeps the split (another TP mix or training layout on the same GPUs) is
+        refused too: the per-side factors were fitted on the layout in force and say nothing about another
+        mix on the same side (the rollout factor depends on the TP mix), so its gain is the uncalibrated
+        model's alone, the one that moved on noise."""
+        if self.calib is not None and (new.rollout_gpus, new.train_gpus) == (self.plan.rollout_gpus,
+                                                                             self.plan.train_gpus):
+            return False, "same split (the calibrated factors do not price another mix on the same GPUs)"
+        sides = (("rollout", self.roll_use, self.plan.rollout_gpus, new.rollout_gpus),
+                 ("training", self.train_use, self.plan.train_gpus, new.train_gpus))
+        for (name, use, now, after), (other, o_use, _, _) in zip(sides, sides[::-1]):
             if after < now and use:
                 need = median(use) * now / max(1, after)
                 if need > 1.0:
                     return False, f"{name} measured {median(use):.2f} busy on {now} GPUs, {need:.2f} on {after}"
+            # GPUs go to the side that measured busier (the bottleneck), never to the one that had more room.
+            if after > now and use and o_use and median(use) < median(o_use):
+                return False, f"{name} measured {median(use):.2f} busy, less than {other} {median(o_use):.2f}"
         return True, ""
 
     def _replan_calibrated(self, step: int, cluster: Cluster) -> bool:
@@ -395,16 +406,28 @@ class LibraController:
         hist = cluster.history(self.cfg.history)
         if len(hist) < 2 * self.cfg.min_history:
             return False
-        fit, test = hist[0::2], hist[1::2]
+        halves = (hist[0::2], hist[1::2])
         f = self.factors
+        # Two-fold: a plan solved on each half, priced with the current plan on the other half; the candidate
+        # with the larger out-of-sample gain (relative to the current plan on its half) is the one considered.
+        # The planner's search returns different layouts for two samples of one distribution; one draw may miss
+        # the better one.
+        best = None
         try:
-            new = self.planner.solve_calibrated(fit, f)  # type: ignore[attr-defined]
-            cur_terms = self.planner.price_terms(self.plan, test)  # type: ignore[attr-defined]
-            t_cur = f.step_s(*cur_terms[:2])
-            t_new = f.step_s(*self.planner.price_terms(new, test)[:2])  # type: ignore[attr-defined]
+            for fit, test in (halves, halves[::-1]):
+                cand = self.planner.solve_calibrated(fit, f)  # type: ignore[attr-defined]
+                terms = self.planner.price_terms(self.plan, test)  # type: ignore[attr-defined]
+                cur = f.step_s(*terms[:2])
+                nxt = f.step_s(*self.planner.price_terms(cand, test)[:2])  # type: ignore[attr-defined]
+                if best is None or (not cluster.same_layout(self.plan, cand)
+                                    and (cluster.same_layout(self.plan, best[0])
+                                         or nxt / max(1e-9, cur) < best[3] / max(1e-9, best[2]))):
+                    best = (cand, terms, cur, nxt)
         except ValueError as e:  # PlanError: keep running on the current plan
             self.events.append(ControlEvent(step, "replan_failed", str(e)))
             return False
+        assert best is not None
+        new, cur_terms, t_cur, t_new = best
         if cluster.same_layout(self.plan, new):
             self._predict(step, "same", t_cur)
             self.last_predicted_s = t_cur
@@ -419,7 +442,8 @@ class LibraController:
         horizon = self._horizon(step)
         cost = self._cost(cluster, new)
         gain = t_cur - t_new
-        detail = (f"predicted {t_cur:.1f}s now vs {t_new:.1f}s new (factors train {f.train:.2f} rollout "
+        detail = (f"predicted {t_cur:.1f}s now vs {t_new:.1f}s new ({new.rollout_alloc()} train {new.train_alloc()}; "
+                  f"factors train {f.train:.2f} rollout "
                   f"{f.rollout:.2f} fixed {f.fixed_s:.1f}s), gain x {horizon} steps vs cost {cost:.0f}s")
         fits, why = self._capacity_ok(new)
         if not fits:

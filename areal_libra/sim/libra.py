@@ -78,7 +78,7 @@ CALIBRATE_ONLINE = True
 # trainer waits for a group that would otherwise be trained more than eta versions after it started), and its
 # rollout servers serve the oldest start version first (RunConfig.edf, areal_libra.cmlfq.aging), so such a
 # group's requests are not queued behind newer ones. AReaL-Static-Optimal keeps AReaL's rule (issue 23).
-BOUND_LAG = False
+BOUND_LAG = True
 # Plan for the in-flight window of an asynchronous run: with staleness bound eta, eta+1 batches are in
 # flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
 # instead of once per step, as it is in the running system.

@@ -73,6 +73,11 @@ class _Plan:
         return "megatron:d4"
 
 
+def _split(plan, rollout_gpus, train_gpus):
+    plan.rollout_gpus, plan.train_gpus = rollout_gpus, train_gpus
+    return plan
+
+
 class _CalPlanner:
     """The new plan is the one that is best once the factors are applied."""
 
@@ -122,7 +127,7 @@ class _Cluster:
 def test_calibrated_gate_moves_when_the_measured_term_is_slow_and_scores_its_prediction():
     # Model: training-heavy plan A (train 10, rollout 10) vs rollout-heavy B (train 14, rollout 5). Measured:
     # rollout is 2x the model (the trainer waits 10 s every step on A), so B wins once calibrated.
-    a, b = _Plan("A", 10.0, 10.0), _Plan("B", 14.0, 5.0)
+    a, b = _Plan("A", 10.0, 10.0), _split(_Plan("B", 14.0, 5.0), 5, 3)
     planner = _CalPlanner([a, b])
     cfg = ControlConfig(replan_policy=ReplanConfig(every_k=10))
     ctl = LibraController(cfg, planner, a)
@@ -142,7 +147,7 @@ def test_calibrated_gate_moves_when_the_measured_term_is_slow_and_scores_its_pre
 
 
 def test_calibrated_gate_keeps_the_plan_when_gain_over_every_k_does_not_beat_the_cost():
-    a, b = _Plan("A", 10.0, 10.0), _Plan("B", 14.0, 5.0)
+    a, b = _Plan("A", 10.0, 10.0), _split(_Plan("B", 14.0, 5.0), 3, 5)
     planner = _CalPlanner([a, b])
     planner.solve_calibrated = lambda history, factors: b  # a solve that proposes B whatever the factors
     ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=10)), planner, a)
@@ -152,16 +157,11 @@ def test_calibrated_gate_keeps_the_plan_when_gain_over_every_k_does_not_beat_the
     assert cl.applied == [] and ctl.events[-1].kind == "kept"
 
 
-def _split(plan, rollout_gpus, train_gpus):
-    plan.rollout_gpus, plan.train_gpus = rollout_gpus, train_gpus
-    return plan
-
-
-@pytest.mark.parametrize("busy, moves", [(0.95, False), (0.5, True)])
+@pytest.mark.parametrize("busy, moves", [(0.95, False), (0.4, True)])
 def test_calibrated_gate_never_takes_gpus_from_a_side_beyond_its_measured_use(busy, moves):
-    # As the first test, B wins once calibrated; B gives rollout 3 of A's 4 GPUs' worth of servers less (4 -> 3).
-    # Rollout measured busy 95% of the step on 4 GPUs needs 1.27 of 3: refused whatever the prices say; at 50%
-    # (0.67 of 3) the move goes ahead.
+    # B wins once calibrated (as in the first test, factors aside); B takes one of rollout's 4 GPUs (4 -> 3).
+    # Rollout measured busy 95% of the step on 4 GPUs needs 1.27 of 3: refused whatever the prices say; at 40%
+    # (0.53 of 3, and less busy than training's 10 s of 21) the move goes ahead.
     a, b = _split(_Plan("A", 10.0, 10.0), 4, 4), _split(_Plan("B", 14.0, 5.0), 3, 5)
     ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=10)), _CalPlanner([a, b]), a)
     cl = _Cluster()
@@ -170,6 +170,27 @@ def test_calibrated_gate_never_takes_gpus_from_a_side_beyond_its_measured_use(bu
     assert cl.applied == ([(10, "B")] if moves else [])
     if not moves:
         assert ctl.events[-1].kind == "kept" and "refused: rollout measured 0.95 busy on 4 GPUs" in ctl.events[-1].detail
+
+
+def test_calibrated_gate_gives_gpus_only_to_the_side_that_measured_busier():
+    # B takes a GPU from training (4 -> 3) for rollout; training measured busier than rollout: refused.
+    a, b = _split(_Plan("A", 10.0, 10.0), 4, 4), _split(_Plan("B", 14.0, 5.0), 5, 3)
+    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=10)), _CalPlanner([a, b]), a)
+    cl = _Cluster()
+    for s in range(1, 11):  # train 10 s of a 21 s step (0.48) while rollout is busy 0.3 of it
+        ctl.on_step(StepObservation(s, 21.0, 10.0, 20.0, wait_s=10.0, tokens=1000.0, rollout_busy=0.3), cl)
+    assert cl.applied == []
+    assert "refused: rollout measured 0.30 busy, less than training 0.48" in ctl.events[-1].detail
+
+
+def test_calibrated_gate_keeps_the_split_it_measured():
+    # B differs from A only in its mix on the same GPUs: the calibrated factors do not price it.
+    a, b = _Plan("A", 10.0, 10.0), _Plan("B", 14.0, 5.0)  # 4 + 4 GPUs both
+    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=10)), _CalPlanner([a, b]), a)
+    cl = _Cluster()
+    for s in range(1, 11):
+        ctl.on_step(StepObservation(s, 21.0, 10.0, 20.0, wait_s=10.0, tokens=1000.0), cl)
+    assert cl.applied == [] and "same split" in ctl.events[-1].detail
 
 
 def test_factors_step_time():

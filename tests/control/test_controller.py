@@ -82,15 +82,22 @@ class PoolReplay:
         return self.moves.pop(0)
 
 
-# Two simulated runs that between them make every kind of decision: R2E-Gym on 16 A800s re-plans at step
-# 16 (and keeps the plan at others); Search-R1 on 16 releases hybrid replicas at step 2, joins them at 11 and
-# releases them at 22. (DAPO-Math on 48, used before issue 23's planner changes, now first moves at step 111.)
-RUNS = {"r2e_gym": ("r2e_gym", "a800x16", 20), "search_r1": ("search_r1", "a800x16", 25)}
+# Two simulated runs that between them make every kind of decision: a synthetic trace whose lengths grow (the
+# per-step drift of `synth_trace --growth 4` over 60 steps) on 48 A800s re-plans at step 10, moving GPUs to
+# training (and keeps the plan at others); Search-R1 on 16 releases a hybrid replica at step 2, joins it at 11.
+# (R2E-Gym on 16, used before issue 23's measured-use gate, now keeps its plan.)
+RUNS = {"growth": ("growth", "a800x48", 20), "search_r1": ("search_r1", "a800x16", 25)}
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
-def recorded(request):
+def recorded(request, tmp_path_factory):
     workload, cluster, steps = RUNS[request.param]
+    if workload == "growth":
+        from evaluation.synth_trace import main as synth_main
+
+        workload = str(tmp_path_factory.mktemp("growth"))
+        assert synth_main(["--out", workload, "--steps", str(steps), "--seed", "0",
+                           "--set", "gen_drift=0.019", "--set", "calls_drift=0.019"]) == 0
     env = make_env(workload, cluster, "qwen3-14b", 0)
     spec = build_system("libra", env)
     ctl = spec.controller
@@ -114,7 +121,7 @@ def recorded(request):
 def test_sim_runs_exercise_every_decision(recorded):
     _, ctl, _ = recorded
     kinds = {e.kind for e in ctl.ctl.events}
-    assert kinds & {"replan", "release"}, kinds  # r2e_gym: kept + replan; search_r1: release, join, release
+    assert kinds & {"replan", "release"}, kinds  # growth: replan (+ kept); search_r1: release, join (+ kept)
 
 
 def test_live_adapter_makes_the_same_decisions(recorded):
