@@ -20,10 +20,11 @@ from collections import deque
 from typing import Any
 
 # SGLang (>= 0.5) server flags that make its waiting queue order requests by the request's `priority`,
-# lowest value first; priority preemption off (the simulator's servers never preempt a running request
-# for a waiting one of higher priority, only for KV room).
-SGLANG_FLAGS: tuple[str, ...] = ("--enable-priority-scheduling", "--schedule-low-priority-values-first",
-                                 "--disable-priority-preemption")
+# lowest value first, arrival order on ties (SchedulePolicy._sort_by_priority_and_fcfs, under the fcfs
+# schedule policy); priority preemption off (the simulator's servers never preempt a running request for a
+# waiting one of higher priority, only for KV room). Not passed by the launcher yet (docs/simulator.md).
+SGLANG_FLAGS: tuple[str, ...] = ("--schedule-policy", "fcfs", "--enable-priority-scheduling",
+                                 "--schedule-low-priority-values-first", "--disable-priority-preemption")
 
 
 def priority(start_version: int) -> int:
