@@ -15,8 +15,13 @@ from evaluation.decisions import compare, layout, main, read_events, run_sim_lib
 
 
 def test_the_simulators_log_is_its_controllers_decisions(tmp_path: Path) -> None:
-    # R2E-Gym on 16 A800s re-plans, Search-R1 releases and joins (tests/control/test_controller.py's runs).
-    env = make_env("r2e_gym", "a800x16", "qwen3-14b", 0)
+    # A trace whose lengths grow (the first 20 steps of `synth_trace --growth 4 --steps 60`) re-plans on 48
+    # A800s, Search-R1 on 16 releases and joins (tests/control/test_controller.py's runs).
+    from evaluation.synth_trace import main as synth_main
+
+    assert synth_main(["--out", str(tmp_path / "growth"), "--steps", "20", "--seed", "0",
+                       "--set", "gen_drift=0.019", "--set", "calls_drift=0.019"]) == 0
+    env = make_env(str(tmp_path / "growth"), "a800x48", "qwen3-14b", 0)
     first = plan_for(env, profile_history(env.workload.profile(env.profile_groups)), False)
     res, events = run_sim_libra(env, 20)
     assert events[0]["event"] == "initial_plan" and events[0]["step"] == 0
