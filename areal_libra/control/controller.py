@@ -399,10 +399,12 @@ class LibraController:
         return True, ""
 
     def _replan_calibrated(self, step: int, cluster: Cluster) -> bool:
-        """The gate on the calibrated evaluator: the new plan is solved on one half of the history and both
-        plans are priced on the other half by the same evaluator and factors (a plan fitted to a moment's
-        completion-order noise is not priced on the sample it was fitted to); the per-step gain is credited
-        over every_k steps (at most the remaining ones) against the cost the cluster reports for this change."""
+        """The gate on the calibrated evaluator: a new plan is solved on each half of the history and priced
+        with the current plan on the other half by the same evaluator and factors (a plan fitted to a moment's
+        completion-order noise is not priced on the sample it was fitted to; the better out-of-sample candidate
+        is considered); the per-step gain is credited over every_k steps (at most the remaining ones) against
+        the cost the cluster reports for this change, and the move must fit what each side measured
+        (_capacity_ok)."""
         hist = cluster.history(self.cfg.history)
         if len(hist) < 2 * self.cfg.min_history:
             return False
