@@ -89,13 +89,19 @@ class ElasticPolicy:
             raise ValueError(f"replica counts must be >= 0, got n_active={n_active} n_idle={n_idle}")
         if not (math.isfinite(t_train_s) and math.isfinite(t_rollout_s)) or t_train_s < 0 or t_rollout_s < 0:
             return Decision("hold", 0, "no valid time measurement")
-        # Protection comes first and ignores the cooldown: an overloaded rollout side is an emergency.
-        if rollout_pressure >= c.protect_pressure:
+        cooling = steps_since_change is not None and steps_since_change < c.cooldown_steps
+        # Protection comes first (an overloaded rollout side is an emergency) but waits out the cooldown: the
+        # pressure a move relieves falls only once its servers have started and the queue has drained, so a
+        # release per step on the same pressure overshoots (DAPO-Math at 128 x 16: releases at steps 2, 3
+        # and 4 took training from 28 to 16 GPUs, whose 1,330-1,580 s steps lasted until step 14).
+        # It is an emergency only while rollout holds the trainer up (T_rollout > T_train: the trainer waited): a
+        # full pool the trainer never waits for is rollout running ahead, as the staleness bound lets it.
+        if rollout_pressure >= c.protect_pressure and not cooling and t_rollout_s > t_train_s:
             if n_active > 0:
                 n = min(n_active, c.max_release_per_decision)
                 return Decision("release", n, f"rollout pressure {rollout_pressure:.2f} >= {c.protect_pressure:.2f}")
             return Decision("hold", 0, f"rollout pressure {rollout_pressure:.2f} high, nothing to release")
-        if steps_since_change is not None and steps_since_change < c.cooldown_steps:
+        if cooling:
             return Decision("hold", 0, f"cooldown {steps_since_change}/{c.cooldown_steps} steps")
         if t_rollout_s == 0:
             return Decision("hold", 0, "rollout time is zero")
