@@ -42,9 +42,11 @@ def test_protection_waits_out_the_cooldown():
     """A release relieves the pressure only once its servers run and the queue drains: protection does not
     release again on the same pressure inside the cooldown."""
     p = ElasticPolicy(ElasticConfig(cooldown_steps=4))
-    assert p.decide(1.0, 1.5, 0.95, 2, 1, steps_since_change=1).action == "hold"
-    assert p.decide(1.0, 1.5, 0.95, 2, 1, steps_since_change=4).action == "release"
+    assert p.decide(1.0, 1.5, 0.95, 2, 1, steps_since_change=1, after_release=True).action == "hold"
+    assert p.decide(1.0, 1.5, 0.95, 2, 1, steps_since_change=4, after_release=True).action == "release"
     assert p.decide(1.0, 1.5, 0.95, 2, 1).action == "release"
+    # After a join that starved rollout, at once.
+    assert p.decide(1.0, 1.5, 0.95, 2, 1, steps_since_change=1).action == "release"
 
 
 def test_policy_config_and_plan_requests():
