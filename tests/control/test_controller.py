@@ -83,8 +83,8 @@ class PoolReplay:
 
 
 # Two simulated runs that between them make every kind of decision: R2E-Gym on 16 A800s re-plans at step
-# 16 (and keeps the plan at others); Search-R1 on 16 releases hybrid replicas at step 2, joins them at 11 and
-# releases them at 22. (DAPO-Math on 48, used before issue 23's planner changes, now first moves at step 111.)
+# 16 (and keeps the plan at others); Search-R1 on 16 releases a hybrid replica at step 2 and joins it at 11
+# (no release at 22 since pressure protection needs a waiting trainer: issue 23). (DAPO-Math on 48, used before issue 23's planner changes, now first moves at step 111.)
 RUNS = {"r2e_gym": ("r2e_gym", "a800x16", 20), "search_r1": ("search_r1", "a800x16", 25)}
 
 
