@@ -166,6 +166,7 @@ class LibraController:
         self.roll_use: deque[float] = deque(maxlen=cfg.interval_window)
         self.verdicts: deque[str] = deque(maxlen=cfg.elastic_persist)
         self.last_change: int | None = None
+        self.last_elastic = ""  # the pool's last move (join | release): protection waits only after a release
         self.events: list[ControlEvent] = []
         self.replans = 0
         self.last_predicted_s = plan.makespan_s if plan is not None else 0.0
@@ -363,6 +364,7 @@ class LibraController:
         self.replans += 1
         self.intervals.clear()
         self.last_change = self.last_replan = step
+        self.last_elastic = ""
         return True
 
     def _apply(self, cluster: Cluster, new: Any, step: int) -> bool:
@@ -468,6 +470,7 @@ class LibraController:
         self.intervals.clear()
         self.calib.layout_changed()  # type: ignore[union-attr]
         self.last_change = self.last_replan = step
+        self.last_elastic = ""
         self._pool_training0 = cluster.pool().training
         return True
 
@@ -481,7 +484,8 @@ class LibraController:
                   "unit_gpus": pool.unit_gpus} if self.cfg.elastic_project else {})
         since = None if self.last_change is None else obs.step - self.last_change
         d = self.elastic.decide(_mean(self.t_train), _mean(self.t_roll), obs.active_pressure, pool.training,
-                                pool.idle, since, step=obs.step, **sizes)
+                                pool.idle, since, step=obs.step, after_release=self.last_elastic == "release",
+                                **sizes)
         self.verdicts.append(d.action)
         protect = d.action == "release" and obs.active_pressure >= self.elastic.cfg.protect_pressure
         persisted = not self.elastic.persist_verdicts or (
@@ -492,6 +496,7 @@ class LibraController:
         if not done:
             return
         self.last_change = obs.step
+        self.last_elastic = d.action
         self.events.append(ControlEvent(obs.step, d.action, f"{done}: {d.reason}"))
         self.t_train.clear()
         self.t_roll.clear()

@@ -75,8 +75,10 @@ class ElasticPolicy:
         rollout_gpus: int | None = None,
         unit_gpus: int | None = None,
         step: int | None = None,
+        after_release: bool = False,
     ) -> Decision:
         """n_active: hybrid replicas training now; n_idle: hybrid replicas serving rollout (joinable).
+        `after_release`: the last change (steps_since_change ago) was a release.
         `step` (the training step) is for scripted policies; this one does not read it.
 
         With `train_replicas` (data-parallel replicas training now, core + active hybrid), `rollout_gpus`
@@ -89,13 +91,20 @@ class ElasticPolicy:
             raise ValueError(f"replica counts must be >= 0, got n_active={n_active} n_idle={n_idle}")
         if not (math.isfinite(t_train_s) and math.isfinite(t_rollout_s)) or t_train_s < 0 or t_rollout_s < 0:
             return Decision("hold", 0, "no valid time measurement")
-        # Protection comes first and ignores the cooldown: an overloaded rollout side is an emergency.
-        if rollout_pressure >= c.protect_pressure:
+        cooling = steps_since_change is not None and steps_since_change < c.cooldown_steps
+        # Protection comes first (an overloaded rollout side is an emergency) but waits out the cooldown after a
+        # release: the pressure a release relieves falls only once its servers have started and the queue has
+        # drained, so a release per step on the same pressure overshoots (DAPO-Math at 128 x 16: releases at
+        # steps 2, 3 and 4 took training from 28 to 16 GPUs, whose 1,330-1,580 s steps lasted until step 14).
+        # After a join that starved rollout it acts at once.
+        # It is an emergency only while rollout holds the trainer up (T_rollout > T_train: the trainer waited): a
+        # full pool the trainer never waits for is rollout running ahead, as the staleness bound lets it.
+        if rollout_pressure >= c.protect_pressure and not (cooling and after_release) and t_rollout_s > t_train_s:
             if n_active > 0:
                 n = min(n_active, c.max_release_per_decision)
                 return Decision("release", n, f"rollout pressure {rollout_pressure:.2f} >= {c.protect_pressure:.2f}")
             return Decision("hold", 0, f"rollout pressure {rollout_pressure:.2f} high, nothing to release")
-        if steps_since_change is not None and steps_since_change < c.cooldown_steps:
+        if cooling:
             return Decision("hold", 0, f"cooldown {steps_since_change}/{c.cooldown_steps} steps")
         if t_rollout_s == 0:
             return Decision("hold", 0, "rollout time is zero")
@@ -179,6 +188,7 @@ class ScheduledPolicy:
         rollout_gpus: int | None = None,
         unit_gpus: int | None = None,
         step: int | None = None,
+        after_release: bool = False,
     ) -> Decision:
         if step is None:
             return Decision("hold", 0, "the schedule needs the step")

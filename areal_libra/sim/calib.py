@@ -14,9 +14,12 @@ from areal_libra.sim.hardware import HardwareTruth
 CALIBRATE_TRAIN = False
 
 
-def profile_samples(truth: HardwareTruth, seed: int = 0, tps=(1, 2, 4, 8), train: bool = False) -> list[tuple]:
-    """Measured samples: ('decode', tp, batch, kv_tokens, s), ('prefill', tp, tokens, s) and, with `train`,
-    ('train', (tp, pp, dp), seq_lens, s)."""
+def profile_samples(truth: HardwareTruth, seed: int = 0, tps=(1, 2, 4, 8), train: bool = False,
+                    train_lens: tuple[int, ...] | None = None) -> list[tuple]:
+    """Measured samples: ('decode', tp, batch, kv_tokens, s), ('prefill', tp, tokens, s) and, with `train` or
+    `train_lens`, ('train', (tp, pp, dp), seq_lens, s). `train_lens`: time the training step on the run's own
+    batch (one global batch of the first profile's lengths, micro-batches of one sequence as the planner
+    configures the trainer) instead of the fixed 64-sequence batch."""
     rng = random.Random(seed)
     out: list[tuple] = []
     sig = truth.c.noise_sigma
@@ -33,29 +36,32 @@ def profile_samples(truth: HardwareTruth, seed: int = 0, tps=(1, 2, 4, 8), train
                 out.append(("decode", tp, batch, kv, t))
         for n in (512, 2048, 8192):
             out.append(("prefill", tp, n, truth.prefill_s(tp, n) * math.exp(rng.gauss(0, sig))))
-    if train:
+    if train or train_lens:
         # One timed training step per single-node layout that fits (what a user measures with the trainer
-        # before a run), on a fixed profiling batch of mixed lengths.
-        lens = tuple([1024, 2048, 4096, 8192] * 16)
+        # before a run), on the run's batch when given, else a fixed profiling batch of mixed lengths.
+        lens = tuple(train_lens) if train_lens else tuple([1024, 2048, 4096, 8192] * 16)
         gpn = truth.gpu.gpus_per_node
         for tp in (1, 2, 4, 8):
             for pp in (1, 2, 4):
                 dp = gpn // (tp * pp)
                 if dp < 1 or tp * pp * dp != gpn or not truth.train_memory_ok(tp, pp, dp):
                     continue
-                t = truth.train_step_s(lens, tp, pp, dp) * math.exp(rng.gauss(0, sig))
+                mb = -(-len(lens) // dp) if train_lens else None
+                t = truth.train_step_s(lens, tp, pp, dp, mb) * math.exp(rng.gauss(0, sig))
                 out.append(("train", (tp, pp, dp), lens, t))
     return out
 
 
-def calibrated_hardware(truth: HardwareTruth, hw, model, seed: int = 0):
+def calibrated_hardware(truth: HardwareTruth, hw, model, seed: int = 0,
+                        train_lens: tuple[int, ...] | None = None):
     """Fit `hw` (a cost.presets.HardwareSpec) to the profiling samples with the Cost Evaluator's own
-    calibration; returns (calibrated HardwareSpec, relative errors after the fit)."""
+    calibration; returns (calibrated HardwareSpec, relative errors after the fit). `train_lens`: also time
+    training steps on this batch (profile_samples) and fit the training efficiency to them."""
     from areal_libra.cost.calibrate import Calibration
     from areal_libra.cost.training import TrainParallel
 
     cal = Calibration(hw, model)
-    for s in profile_samples(truth, seed, train=CALIBRATE_TRAIN):
+    for s in profile_samples(truth, seed, train=CALIBRATE_TRAIN, train_lens=train_lens):
         if s[0] == "decode":
             cal.add_decode(s[1], s[2], s[3], s[4])
         elif s[0] == "train":

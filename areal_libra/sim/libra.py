@@ -104,9 +104,27 @@ def planner_config(env: Env, **fields):
     return PlannerConfig(global_batch=per_step * (env.staleness + 1), **fields)
 
 
+# The profiling pass also times one training step of the run's own batch (the first profile's lengths tiled
+# to the global batch) per single-node layout, and the planner's training efficiency is fitted to it
+# (sim/calib.py). Without it the training term is the preset's: at 128 x 16 it priced the steady batch's
+# training 1.10-1.17x above what the trainer then measured (the Cost Evaluator recomputes activations, the
+# trainer here does not), so every first plan gave training 4-8 GPUs too many (docs/pricing.md).
+PROFILE_TRAIN = True
+
+
+def train_profile_lens(env: Env, trajs) -> tuple[int, ...] | None:
+    """One global batch of the profile's final lengths (the batch a user times a training step on)."""
+    if not PROFILE_TRAIN or not trajs:
+        return None
+    lens = [t.final_length for t in trajs]
+    n = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
+    return tuple(lens[i % len(lens)] for i in range(n))
+
+
 def planner_cluster(env: Env):
     """The cluster spec the planner plans on: the preset, with efficiency factors fitted to a profiling pass
-    (areal_libra.cost.calibrate) when CALIBRATE is on."""
+    (areal_libra.cost.calibrate) when CALIBRATE is on (training too, on the run's batch, once libra_system
+    has set the first profile's lengths)."""
     if env.cluster is None:
         return f"{env.truth.gpu.name}x{env.n_gpus}"
     if not CALIBRATE:
@@ -117,7 +135,8 @@ def planner_cluster(env: Env):
 
         from areal_libra.sim.calib import calibrated_hardware
 
-        hw, err = calibrated_hardware(env.truth, env.cluster.hardware, env.model, env.seed)
+        hw, err = calibrated_hardware(env.truth, env.cluster.hardware, env.model, env.seed,
+                                      train_lens=getattr(env, "_train_profile_lens", None))
         cached = dc_replace(env.cluster, hardware=hw)
         env._calibrated = cached
         env.calibration_error = err
@@ -214,6 +233,46 @@ def profile_history(trajs) -> list[tuple[int, ...]]:
 def history_of(sim: Simulation, n: int) -> list[tuple[int, ...]]:
     rows = list(sim.finished)[-n:]
     return rows if HISTORY_TRIPLES else [r[:2] for r in rows]
+
+
+# Re-plan on complete cohorts only: the finished trajectories of the policy versions none of whose groups is
+# still running (every group started before the oldest running one has finished, its whole tail included),
+# not the last n to finish. The last to finish are completion-ordered: at step 2 of a 128 x 16 run they were
+# the batch's short trajectories (the long ones of version 0 were still decoding), the planner re-solved on
+# them and moved GPUs from the starved rollout side to training (R2E-Gym: "measured 859 s -> predicted
+# 204 s"; DAPO-Math back to 20 rollout GPUs). None complete yet: no history, so no re-plan.
+COMPLETE_COHORTS = True
+
+
+class CohortHistory:
+    """Finished trajectories by the policy version their group started at (what the rollout side knows of
+    every request), and the history of the newest complete cohorts."""
+
+    def __init__(self) -> None:
+        self.by_version: dict[int, list[tuple[int, ...]]] = {}
+        self.seen = 0  # finished trajectories ingested (Simulation.traj_durations counts them all)
+
+    def ingest(self, sim: Simulation) -> None:
+        total = len(sim.traj_durations)
+        new = min(total - self.seen, len(sim.finished_trajs))
+        if new > 0:
+            trajs, rows = list(sim.finished_trajs)[-new:], list(sim.finished)[-new:]
+            for tr, row in zip(trajs, rows):
+                self.by_version.setdefault(tr.step, []).append(row if HISTORY_TRIPLES else row[:2])
+        self.seen = total
+
+    def history(self, sim: Simulation, n: int) -> list[tuple[int, ...]]:
+        self.ingest(sim)
+        running = [g.version for g in sim.pending if not g.ready]
+        open_v = min(running) if running else sim.version + 1
+        rows: list[tuple[int, ...]] = []
+        for v in sorted((v for v in self.by_version if v < open_v), reverse=True):
+            rows = self.by_version[v] + rows
+            if len(rows) >= n:
+                break
+        if len(rows) > n:  # an even subsample of whole cohorts (rows are completion-ordered within one)
+            rows = [rows[i * len(rows) // n] for i in range(n)]
+        return rows
 
 
 def layout_from_plan(plan, max_len: int, plan_micro_batch: bool = True) -> Layout:
@@ -362,6 +421,7 @@ class SimCluster:
     def __init__(self, env: Env, opts: LibraOptions, units: list[HybridUnit]) -> None:
         self.env, self.opts, self.units = env, opts, units
         self.sim: Simulation | None = None
+        self.cohorts = CohortHistory()
 
     def attach(self, sim: Simulation) -> None:
         self.sim = sim
@@ -382,6 +442,8 @@ class SimCluster:
 
     # ------------------------------------------------------------ Cluster interface
     def history(self, n: int) -> list[tuple[int, ...]]:
+        if COMPLETE_COHORTS:
+            return self.cohorts.history(self.sim, n)
         return history_of(self.sim, n)
 
     def slot_fields(self) -> dict:
@@ -497,6 +559,9 @@ class SimLibraControl(Controller):
         self.cluster.attach(sim)
 
     def on_step_end(self, sim: Simulation, rec: dict) -> None:
+        cohorts = getattr(self.cluster, "cohorts", None)
+        if cohorts is not None:
+            cohorts.ingest(sim)  # every step: the finished deque keeps only the last 4,000
         obs = StepObservation(step=rec["step"], interval_s=rec["interval_s"], train_s=rec["train_s"],
                               rollout_s=rec["t_rollout_s"],
                               queue_pressure=rec["queue_pressure"], active_pressure=rec["active_pressure"],
@@ -571,6 +636,8 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     knobs = env.knobs
     opts = RUNGS[name]
     prof = env.workload.profile(profile_groups(env))
+    if getattr(env, "_calibrated", None) is None:
+        env._train_profile_lens = train_profile_lens(env, prof)
     hist = profile_history(prof)
     slots = group_slot_fields(env, prof, env.workload.cfg.group_size)
     plan = plan_for(env, hist, opts.homogeneous, **slots)

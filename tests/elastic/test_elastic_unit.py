@@ -26,7 +26,9 @@ from areal_libra.elastic_runtime.snapshot import SnapshotError, SnapshotStore
         (0.90, 1.0, 0.1, 1, 0, ("release", 1)),  # exactly at the release threshold
         (2.0, 1.0, 0.1, 0, 0, ("hold", 0)),  # nothing to join
         (0.5, 1.0, 0.1, 0, 3, ("hold", 0)),  # nothing to release
-        (2.0, 1.0, 0.80, 2, 1, ("release", 1)),  # protect rollout wins over a high ratio
+        (1.0, 1.05, 0.80, 2, 1, ("release", 1)),  # protect rollout: full and holding the trainer up
+        (1.0, 1.05, 0.79, 2, 1, ("hold", 0)),
+        (2.0, 1.0, 0.80, 2, 1, ("join", 1)),  # a full pool the trainer never waits for is rollout running ahead
         (2.0, 1.0, 0.79, 2, 1, ("join", 1)),
         (2.0, 0.0, 0.1, 0, 1, ("hold", 0)),
     ],
@@ -34,6 +36,17 @@ from areal_libra.elastic_runtime.snapshot import SnapshotError, SnapshotStore
 def test_policy_thresholds(t_train, t_roll, pressure, active, idle, expect):
     d = ElasticPolicy().decide(t_train, t_roll, pressure, active, idle)
     assert (d.action, d.n) == expect, d.reason
+
+
+def test_protection_waits_out_the_cooldown():
+    """A release relieves the pressure only once its servers run and the queue drains: protection does not
+    release again on the same pressure inside the cooldown."""
+    p = ElasticPolicy(ElasticConfig(cooldown_steps=4))
+    assert p.decide(1.0, 1.5, 0.95, 2, 1, steps_since_change=1, after_release=True).action == "hold"
+    assert p.decide(1.0, 1.5, 0.95, 2, 1, steps_since_change=4, after_release=True).action == "release"
+    assert p.decide(1.0, 1.5, 0.95, 2, 1).action == "release"
+    # After a join that starved rollout, at once.
+    assert p.decide(1.0, 1.5, 0.95, 2, 1, steps_since_change=1).action == "release"
 
 
 def test_policy_config_and_plan_requests():
@@ -178,8 +191,8 @@ def test_the_libra_controller_drives_the_pool(tmp_path):
                         elastic_policy=ElasticConfig(cooldown_steps=1))
     ctl = LibraController(cfg, None, SimpleNamespace(makespan_s=1.0))
 
-    def step(s: int, pressure: float) -> list[str]:
-        return [e.kind for e in ctl.on_step(StepObservation(s, 3.0, 2.0, 1.0, 0.0, pressure), cluster)]
+    def step(s: int, pressure: float, rollout_s: float = 1.0) -> list[str]:
+        return [e.kind for e in ctl.on_step(StepObservation(s, 3.0, 2.0, rollout_s, 0.0, pressure), cluster)]
 
     assert step(2, 0.1) == ["join"] and core.pool.hybrid["h0"].state == ReplicaState.REQUESTED
     assert core.kv.get("cmd/h0") == {"op": "join", "gen": 1}
@@ -187,7 +200,7 @@ def test_the_libra_controller_drives_the_pool(tmp_path):
     h0 = core.pool.hybrid["h0"]
     for st in (ReplicaState.FETCHING, ReplicaState.ZERO_SYNC, ReplicaState.ACTIVATING, ReplicaState.TRAINING):
         core.pool.advance("h0", st, h0.generation)
-    assert step(4, 0.95) == ["release"]  # protect rollout
+    assert step(4, 0.95, rollout_s=4.0) == ["release"]  # protect rollout: full, and the trainer waited
     assert core.kv.get("cmd/h0") == {"op": "release", "gen": 2}
     store.set("elastic/shutdown", "1")
 
