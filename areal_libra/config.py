@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from areal_libra.cmlfq.policy import CMLFQConfig
 from areal_libra.control.controller import ControlConfig
+from areal_libra.control.profile import PROFILE_GROUPS
 from areal_libra.elastic_runtime.settings import RuntimeConfig
 from areal_libra.utils import atomic_write_text
 from areal_libra.utils import first_line as _msg
@@ -167,7 +168,11 @@ class ControlSettings(ControlConfig):
     replan_policy.every_k, replan_policy.reconfig_cost_s, settle_steps, elastic_persist, elastic_policy, ...)
     and what the live planner plans on (areal_libra.live.live_cluster)."""
 
-    profile_steps: int = 1  # the first plan is solved from these steps' lengths
+    # The profiling pass before step 1 (control.profile, as the simulator's): this many prompts' groups of the
+    # initial policy run to their end, the first plan solved on all of them; 0: no pass, the first plan from
+    # the trajectories finished by step profile_steps (biased to those that finish first).
+    profile_groups: int = PROFILE_GROUPS
+    profile_steps: int = 1
     # The cost preset the planner plans on (a cluster preset or YAML); "auto": the machine's GPUs (model and
     # count, areal_libra.cost.presets.detect_cluster) on a cuda run, the cpu preset on the embedded CPU cluster.
     cluster: str = "auto"
@@ -176,8 +181,9 @@ class ControlSettings(ControlConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.profile_steps < 1 or self.accelerators < 0:
-            raise ValueError("control.profile_steps must be >= 1 and control.accelerators >= 0")
+        if self.profile_steps < 1 or self.accelerators < 0 or self.profile_groups < 0:
+            raise ValueError("control.profile_steps must be >= 1, control.profile_groups and control.accelerators "
+                             ">= 0")
         if not self.allowed_tp or any(t < 1 or t & (t - 1) for t in self.allowed_tp):
             raise ValueError(f"control.allowed_tp must be powers of two >= 1, got {list(self.allowed_tp)}")
 
