@@ -229,6 +229,39 @@ def test_failover_falls_through_to_the_next_group_when_a_group_is_empty() -> Non
     assert new == "127.0.0.1:9" and router.step_metrics()["cmlfq/unhealthy_servers"] == 1
 
 
+def test_one_watchdog_gives_up_on_every_request_of_a_down_server_only() -> None:
+    # Many requests in flight on two servers: when one is marked down, each of its requests raises ServerDown
+    # within a few intervals, the other server's finish with their results, and a cancel from above still
+    # cancels the request (the watchdog converts only its own cancels).
+    down, up = "127.0.0.1:2", "127.0.0.1:3"
+    router = make_router(addrs=[[down, up], ["127.0.0.1:9"]], watch_interval_s=0.05)
+
+    async def answer(i: int, after: float) -> int:
+        await asyncio.sleep(after)
+        return i
+
+    async def main():
+        on_down = [asyncio.ensure_future(router.watch(req(f"d{i}", 10, []), down, answer(i, 60))) for i in range(50)]
+        on_up = [asyncio.ensure_future(router.watch(req(f"u{i}", 10, []), up, answer(i, 0.4))) for i in range(50)]
+        stopped = asyncio.ensure_future(router.watch(req("c", 10, []), up, answer(-1, 60)))
+        await asyncio.sleep(0.1)
+        router.health.report_failure(down, "probe failed")
+        t0 = time.monotonic()
+        res = await asyncio.gather(*on_down, return_exceptions=True)
+        gave_up = time.monotonic() - t0
+        stopped.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopped
+        done = await asyncio.gather(*on_up)
+        await asyncio.sleep(0.2)
+        return res, gave_up, done, dict(router._watches)
+
+    res, gave_up, done, left = asyncio.run(main())
+    assert all(isinstance(e, ServerDown) for e in res) and gave_up < 1.0
+    assert done == list(range(50))
+    assert left == {}  # nothing in flight: the watchdog ended
+
+
 def test_watch_gives_up_on_a_server_that_stops_answering() -> None:
     hang = socket.socket()
     hang.bind(("127.0.0.1", 0))
