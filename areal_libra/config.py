@@ -100,12 +100,18 @@ class DispatchConfig:
     rebuild_every_steps: int = 1  # live-tree rebuild + save period (0: never rebuild)
     rebuild_window: int = 5000
     online_siblings: bool = False
+    # Load-aware spill-over between neighbouring TP buckets on placements (cmlfq/spill.py), the simulator's
+    # default (SimKnobs.spill_ratio): a bucket more than ratio x as loaded per GPU as its neighbour (plus one)
+    # sends new placements there. None: off (every request where the policy puts it).
+    spill_ratio: float | None = 1.2
     wandb: bool = True  # also log the step metrics into the active W&B run (AReaL's, on rank 0)
     # The cmlfq policy's settings; live, its auto mode validates in a background thread (no stall at the step
     # boundary), this context's setting of CMLFQConfig.auto_background.
     cmlfq: CMLFQConfig = field(default_factory=lambda: CMLFQConfig(auto_background=True, fallback=True))
 
     def __post_init__(self) -> None:
+        if self.spill_ratio is not None and not self.spill_ratio >= 1:
+            raise ValueError(f"libra.scheduler.spill_ratio must be >= 1 (or null), got {self.spill_ratio}")
         if isinstance(self.cmlfq, dict):  # a mapping (RemoteRouter's JSON body, tests): the same typed section
             default = DispatchConfig.__dataclass_fields__["cmlfq"].default_factory()
             self.cmlfq = _dataclass_from(CMLFQConfig, self.cmlfq, "libra.scheduler.cmlfq", base=default)

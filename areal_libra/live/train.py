@@ -12,9 +12,11 @@ and hands its sections on; nothing here reads a key with a default of its own.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -217,6 +219,8 @@ def profile_pass(trainer, libra: LibraConfig, config, dataset, wf_module, wf_cls
         sm = getattr(getattr(inner, "workflow_executor", None), "staleness_manager", None)
         if sm is not None:  # the pass is no step's batch: the staleness window starts empty at version 0
             sm.on_version_recovered(int(trainer.actor.get_version()))
+        if hasattr(router, "learn_finished"):  # C-MLFQ starts from the profile, as the simulator's
+            router.learn_finished()
         print(f"areal_libra control: profiling pass: {prof.summary()} in {time.monotonic() - t0:.1f} s", flush=True)
         control.start_from_profile(prof, step=0)
     except Exception as e:  # noqa: BLE001 - the run goes on; its first plan then comes from the first steps
@@ -285,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("areal_libra"):
             logging.getLogger(name).disabled = False
 
+    # A diagnostic for a trainer that hangs: `kill -USR1 <pid>` writes every thread's stack to the trainer log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # A diagnostic: where the trainer's time goes, every thread's stack sampled (areal_libra/stack_sampler.py).
     sampler = StackSampler(os.environ[SAMPLER_ENV]).start() if os.environ.get(SAMPLER_ENV) else None
     config, _ = load_expr_config(["--config", str(run_dir / "areal_config.yaml")], GRPOConfig)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from areal_libra.cmlfq import Bucket, Dispatcher, NoHealthyServer, ServerGroup, make_policy
+from areal_libra.cmlfq.spill import SpillConfig
 from areal_libra.config import DispatchConfig
 from areal_libra.rollout.groups import RolloutGroup, expand_servers, group_from_mapping, resolve_groups
 from areal_libra.rollout.health import HealthMonitor, probe
@@ -163,6 +164,7 @@ class RequestRouter:
             policy,
             [ServerGroup(g.name, g.tp, g.max_len, list(a)) for g, a in zip(groups, addrs)],
             sticky=cfg.sticky,
+            spill=None if cfg.spill_ratio is None else SpillConfig(ratio=float(cfg.spill_ratio)),
         )
 
     def set_pricing(self, hardware, model) -> None:
@@ -595,6 +597,11 @@ class RequestRouter:
         self.live.add(traj)
 
     # --- metrics ---
+    def learn_finished(self) -> None:
+        """Let the trajectories finished since the last step boundary reach the routing policy now (the
+        profiling pass before step 1: the simulator's C-MLFQ starts fitted on its profile)."""
+        self.live.end_step()
+
     def step_metrics(self) -> dict:
         """Flat per-step metrics (metrics.jsonl); also the training-step boundary of the live tree."""
         self.live.end_step()

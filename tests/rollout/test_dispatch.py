@@ -33,6 +33,7 @@ NOSTART = {"start_lookup": False, "min_samples": 2}
 
 
 def make_router(tmp_path: Path | None = None, addrs=ADDRS, **kw) -> RequestRouter:
+    kw.setdefault("spill_ratio", None)  # placements exactly where the policy puts them (spill: its own test)
     cfg = DispatchConfig(cmlfq=dict(NOSTART), **kw)
     # groups given long-first: the router orders them by threshold, addresses follow their group
     return RequestRouter([LONG, SHORT], [addrs[1], addrs[0]], cfg, run_dir=tmp_path, health=False)
@@ -528,3 +529,16 @@ def test_set_pricing_installs_the_cost_evaluators_price_in_this_and_the_next_lay
     assert router.dispatcher.policy.pricer.tps == (1, 2)
     router.set_layout([SHORT, LONG], ADDRS)
     assert router.dispatcher.policy.pricer.tps == (1, 2)
+
+
+def test_placements_spill_to_the_idle_neighbour_bucket_as_in_the_simulator() -> None:
+    # Every new request predicted short (an empty tree): without spill-over they all pile on the short group's
+    # one server while the long group idles; with the simulator's spill ratio (1.2) they spread once the short
+    # group's load per GPU passes 1.2 x the long one's + 1.
+    def place(ratio):
+        router = make_router(spill_ratio=ratio)
+        return [router.route(req(f"s{i}", 10, []), None) for i in range(12)]
+
+    assert all(a in ADDRS[0] for a in place(None))
+    spread = place(1.2)
+    assert any(a in ADDRS[1] for a in spread) and any(a in ADDRS[0] for a in spread)
