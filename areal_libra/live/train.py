@@ -336,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks, fleet, pressure,
                                   pool_factory)
         install_emulation(trainer, libra, run_dir, metrics, control, elastic)
-        profile_pass(trainer, libra, config, dataset, wf_module, wf_cls, workflow_kwargs, control, router, fanout)
+        if profile_pass(trainer, libra, config, dataset, wf_module, wf_cls, workflow_kwargs, control, router,
+                        fanout) is not None:
+            metrics.start_clock()  # step 1's time leaves the pass out (the controller's measured step time)
 
         metrics.add_source(lambda: rollout_counters(trainer.rollout))  # nothing lost: accepted vs rejected
         try:
