@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from areal_libra.cmlfq.policy import CMLFQConfig
 from areal_libra.control.controller import ControlConfig
+from areal_libra.control.profile import PROFILE_GROUPS
 from areal_libra.elastic_runtime.settings import RuntimeConfig
 from areal_libra.utils import atomic_write_text
 from areal_libra.utils import first_line as _msg
@@ -99,12 +100,18 @@ class DispatchConfig:
     rebuild_every_steps: int = 1  # live-tree rebuild + save period (0: never rebuild)
     rebuild_window: int = 5000
     online_siblings: bool = False
+    # Load-aware spill-over between neighbouring TP buckets on placements (cmlfq/spill.py), the simulator's
+    # default (SimKnobs.spill_ratio): a bucket more than ratio x as loaded per GPU as its neighbour (plus one)
+    # sends new placements there. None: off (every request where the policy puts it).
+    spill_ratio: float | None = 1.2
     wandb: bool = True  # also log the step metrics into the active W&B run (AReaL's, on rank 0)
     # The cmlfq policy's settings; live, its auto mode validates in a background thread (no stall at the step
     # boundary), this context's setting of CMLFQConfig.auto_background.
     cmlfq: CMLFQConfig = field(default_factory=lambda: CMLFQConfig(auto_background=True, fallback=True))
 
     def __post_init__(self) -> None:
+        if self.spill_ratio is not None and not self.spill_ratio >= 1:
+            raise ValueError(f"libra.scheduler.spill_ratio must be >= 1 (or null), got {self.spill_ratio}")
         if isinstance(self.cmlfq, dict):  # a mapping (RemoteRouter's JSON body, tests): the same typed section
             default = DispatchConfig.__dataclass_fields__["cmlfq"].default_factory()
             self.cmlfq = _dataclass_from(CMLFQConfig, self.cmlfq, "libra.scheduler.cmlfq", base=default)
@@ -167,7 +174,11 @@ class ControlSettings(ControlConfig):
     replan_policy.every_k, replan_policy.reconfig_cost_s, settle_steps, elastic_persist, elastic_policy, ...)
     and what the live planner plans on (areal_libra.live.live_cluster)."""
 
-    profile_steps: int = 1  # the first plan is solved from these steps' lengths
+    # The profiling pass before step 1 (control.profile, as the simulator's): this many prompts' groups of the
+    # initial policy run to their end, the first plan solved on all of them; 0: no pass, the first plan from
+    # the trajectories finished by step profile_steps (biased to those that finish first).
+    profile_groups: int = PROFILE_GROUPS
+    profile_steps: int = 1
     # The cost preset the planner plans on (a cluster preset or YAML); "auto": the machine's GPUs (model and
     # count, areal_libra.cost.presets.detect_cluster) on a cuda run, the cpu preset on the embedded CPU cluster.
     cluster: str = "auto"
@@ -176,8 +187,9 @@ class ControlSettings(ControlConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.profile_steps < 1 or self.accelerators < 0:
-            raise ValueError("control.profile_steps must be >= 1 and control.accelerators >= 0")
+        if self.profile_steps < 1 or self.accelerators < 0 or self.profile_groups < 0:
+            raise ValueError("control.profile_steps must be >= 1, control.profile_groups and control.accelerators "
+                             ">= 0")
         if not self.allowed_tp or any(t < 1 or t & (t - 1) for t in self.allowed_tp):
             raise ValueError(f"control.allowed_tp must be powers of two >= 1, got {list(self.allowed_tp)}")
 

@@ -34,6 +34,12 @@ class StepMetrics:
         self._t_last = time.monotonic()
         self._t_start = self._t_last
 
+    def start_clock(self) -> None:
+        """The first step's time starts now: set-up before it that is no step's (the profiling pass before the
+        first plan) is left out of step_time_s, as the simulator's profile is out of its steps."""
+        with self._lock:
+            self._t_last = time.monotonic()
+
     def _reset(self) -> None:
         self._n_traj = 0
         self._gen_tokens = 0

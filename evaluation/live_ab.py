@@ -36,7 +36,7 @@ from typing import Any
 from areal_libra.config import ControlSettings
 from areal_libra.control import ControlConfig
 from areal_libra.rollout.emulation import PACING_ERROR_LIMIT
-from areal_libra.sim.libra import control_config
+from areal_libra.sim.libra import control_config, profile_groups
 from evaluation.decisions import compare, read_events, run_sim_libra, table, write_events
 from evaluation.launch_run import RunError, launch_run
 
@@ -89,7 +89,9 @@ def simulate(workload: str, accelerators: int, gpu: str, model: str, batch_promp
     lb, events = run_sim_libra(env, steps)  # Libra with its decision log (the first plan, then each decision)
     st = res["areal_static_optimal"]
     choice = st.get("baseline_choice") or {}
-    return {"events": events, "control": control_overrides(control_config(env.knobs)),"static_tokens_per_s": round(st["tokens_per_s"], 3), "libra_tokens_per_s": round(lb["tokens_per_s"], 3),
+    # The live run's profiling pass: as many groups as the simulator's (control.profile, the same procedure).
+    control = [*control_overrides(control_config(env.knobs)), f"libra.control.profile_groups={profile_groups(env)}"]
+    return {"events": events, "control": control, "static_tokens_per_s": round(st["tokens_per_s"], 3), "libra_tokens_per_s": round(lb["tokens_per_s"], 3),
             "static_step_s": round(st["mean_step_s"], 3), "libra_step_s": round(lb["mean_step_s"], 3),
             "ratio": round(lb["tokens_per_s"] / max(1e-9, st["tokens_per_s"]), 4),
             "static_rollout_gpus": int(choice.get("rollout_gpus", accelerators // 2)),

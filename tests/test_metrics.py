@@ -29,3 +29,15 @@ def test_step_records(tmp_path) -> None:
     assert a["throughput_tokens_per_s"] > 0 and a["cmlfq/migrations"] == 3
     assert a["timeperf/rollout"] == 1.5 and "bad" not in a
     assert b["reward"] is None and b["gen_tokens"] == 0 and b["tool_calls"] == 0
+
+
+def test_the_first_step_leaves_out_what_came_before_start_clock(tmp_path) -> None:
+    # The profiling pass before step 1 is no step's time (the controller's measured step time would count it).
+    import time
+
+    m = StepMetrics(tmp_path / "metrics.jsonl", total_steps=1)
+    time.sleep(0.4)
+    m.start_clock()
+    m.on_commit(0, {})
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert rec["step_time_s"] < 0.3 and rec["time_s"] >= 0.4

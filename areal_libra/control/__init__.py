@@ -10,6 +10,7 @@ from areal_libra.control.controller import (
     PoolView,
     StepObservation,
 )
+from areal_libra.control.profile import PROFILE_GROUPS, ProfileError, ProfilePass, first_plan
 
-__all__ = ["Cluster", "ControlConfig", "ControlEvent", "LibraController", "PlanSource", "PoolView",
+__all__ = ["PROFILE_GROUPS", "ProfileError", "ProfilePass", "first_plan", "Cluster", "ControlConfig", "ControlEvent", "LibraController", "PlanSource", "PoolView",
            "StepObservation"]

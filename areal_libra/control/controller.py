@@ -21,6 +21,7 @@ from statistics import median
 from typing import Any, Protocol
 
 from areal_libra.control.calibration import Factors, StepCalibration
+from areal_libra.control.profile import ProfilePass, first_plan
 from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
 
@@ -185,6 +186,14 @@ class LibraController:
         # a layout the run has measured is priced by its measurement, not the model, so the gate does not
         # move back to a layout that measured slower than the model said (no back-and-forth on model error).
         self.measured: dict[tuple[str, str], deque[float]] = {}
+
+    @classmethod
+    def from_profile(cls, cfg: ControlConfig, planner: PlanSource, profile: ProfilePass, elastic_policy: Any = None,
+                     triples: bool = False, partial: bool = False) -> LibraController:
+        """The controller of a run, its first plan solved on the whole profiling pass (control.profile), the one
+        way the simulator and the live run start; ProfileError (a ValueError) for an incomplete pass unless
+        `partial`, the planner's PlanError when nothing fits."""
+        return cls(cfg, planner, first_plan(planner, profile, triples=triples, partial=partial), elastic_policy)
 
     # ------------------------------------------------------------------ state across a restart
     def to_state(self) -> dict[str, Any]:

@@ -7,7 +7,9 @@ implements the controller's Cluster interface on the real run:
 - apply_plan: the plan's rollout mix as server groups (TP t = t threads per embedded server on CPU,
   `--tp-size t` per SGLang server on GPU), reconfigured live by the server fleet (drain, restart, resume);
 - pool / join / release: the Elastic Hybrid Pool (live/elastic_live.py) when it is enabled.
-The first plan is solved from the first step's lengths (`libra.control.profile_steps`).
+The first plan is solved on the profiling pass before step 1 (control.profile, `libra.control.profile_groups`,
+as the simulator's; live.train.profile_pass runs it), or without one from the first steps' lengths
+(`libra.control.profile_steps`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from areal.api.alloc_mode import ModelAllocation
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
 from areal_libra.control.controller import ControlEvent
+from areal_libra.control.profile import ProfileError, ProfilePass
 from areal_libra.cost.presets import (
     ClusterSpec,
     ModelSpec,
@@ -279,14 +282,33 @@ class LiveControl:
         return row is not None and (row["rollout_gpus"], row["train_gpus"], row["alloc"]) != (
             row["serving"]["rollout_gpus"], row["serving"]["train_gpus"], row["serving"]["alloc"])
 
-    def _start(self, step: int) -> None:
-        """The first plan, from the profile steps' lengths; applied when it differs from the start layout."""
-
-        hist = self.cluster.history(self.cfg.history)
+    def start_from_profile(self, profile: ProfilePass, step: int = 0) -> None:
+        """The first plan on a profiling pass (control.profile), before step 1 (`step` 0) as in the simulator: the
+        controller starts from it (LibraController.from_profile) and the plan is applied at once. A pass that
+        lost trajectories (a failed rollout) is planned on what finished, and says so in its event line."""
+        self._record({"step": step, "event": "profile", "detail": profile.summary()})
         try:
-            plan = self.source.solve(hist)
+            ctl = LibraController.from_profile(self.cfg, self.source, profile, self.elastic_policy, partial=True)
+        except ProfileError as e:
+            raise ControlError(str(e)) from None
         except PlanError as e:
             raise ControlError(f"the planner found no plan for this run: {e}") from None
+        served = self._layout()  # the launch layout, which served the pass
+        self._start(step, ctl)
+        self.timeline.append({**self._layout(), "step": step, "serving": served, "tokens_per_s": None,
+                              "unit": "profiling pass"})
+
+    def _start(self, step: int, ctl: LibraController | None = None) -> None:
+        """The first plan (`ctl`'s, from a profiling pass; else solved on the finished trajectories of the profile
+        steps); applied when it differs from the start layout."""
+
+        if ctl is None:
+            hist = self.cluster.history(self.cfg.history)
+            try:
+                ctl = LibraController(self.cfg, self.source, self.source.solve(hist), self.elastic_policy)
+            except PlanError as e:
+                raise ControlError(f"the planner found no plan for this run: {e}") from None
+        plan = ctl.plan
         self._record({"step": step, "event": "initial_plan", "detail": plan.summary()})
         if [(g.tp, g.count, g.max_len) for g in self.cluster.groups_for(plan)] != [
                 (g.tp, g.count, g.max_len) for g in self.cluster.groups]:
@@ -304,7 +326,7 @@ class LiveControl:
                 self.cluster.elastic, self.pressure_fn = pool, None
             self._record({"step": step, "event": "pool", "detail": getattr(
                 pool, "describe", lambda: "no hybrid: the plan's training layout leaves none")()})
-        self.ctl = LibraController(self.cfg, self.source, plan, self.elastic_policy)
+        self.ctl = ctl
 
     def _resume(self, step: int) -> None:
         """Continue from the saved controller (live.recover): its plan's layout is brought back (the
@@ -396,8 +418,9 @@ class LiveControl:
         import matplotlib.pyplot as plt
 
         rows = self.timeline
-        # Step 0: the start layout (what served the first step); then what served each step after.
-        steps = [0] + [r["step"] for r in rows]
+        # Step 0: the start layout (what served the first step, or the profiling pass before it); then what served
+        # each step after.
+        steps = [rows[0]["step"] - 1 if rows[0]["step"] == 0 else 0] + [r["step"] for r in rows]
         roll = [rows[0]["serving"]["rollout_gpus"]] + [r["rollout_gpus"] for r in rows]
         train = [rows[0]["serving"]["train_gpus"]] + [r["train_gpus"] for r in rows]
         fig, (a, b) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
@@ -421,9 +444,11 @@ class LiveControl:
                 a.annotate(after["alloc"].replace("rollout ", ""), (step, top * 1.02), fontsize=6, color=color)
             seen.add(label)
         a.legend(fontsize=7, loc="best")
-        b.plot([r["step"] for r in rows], [r["tokens_per_s"] for r in rows], marker=".")
+        measured = [r for r in rows if r["tokens_per_s"] is not None]  # not the profiling pass's row
+        b.plot([r["step"] for r in measured], [r["tokens_per_s"] for r in measured], marker=".")
         b.set_ylabel(rows[-1]["unit"], fontsize=8)
-        b.set_xlabel("training step (0: the start layout)")
+        b.set_xlabel("training step (0: the start layout; -1 to 0: the profiling pass on it, then the first plan)"
+                     if rows[0]["step"] == 0 else "training step (0: the start layout)")
         a.set_title("Libra: accelerators per step and throughput (dashed: decisions)")
         fig.tight_layout()
         tmp = path.with_suffix(".tmp.png")

@@ -12,15 +12,19 @@ and hands its sections on; nothing here reads a key with a default of its own.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import os
+import signal
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from areal_libra.config import LibraConfig, libra_config, load_run_config
+from areal_libra.control.profile import ProfilePass
 from areal_libra.elastic.policy import ScheduledPolicy
 from areal_libra.live.elastic_live import hybrids_serve, install_elastic, plan_pool_factory
 from areal_libra.live.live_cluster import LiveCluster, LiveControl, plan_source
@@ -40,6 +44,7 @@ from areal_libra.rollout.revive import ServerReviver, rollout_counters
 from areal_libra.rollout.router import GROUPS_FILE, build_router, publish_metrics, read_groups_file
 from areal_libra.stack_sampler import ENV as SAMPLER_ENV
 from areal_libra.stack_sampler import StackSampler
+from areal_libra.utils import first_line
 
 
 def build_dataset(libra: LibraConfig | Any, areal_cfg: Any) -> Any:
@@ -180,6 +185,54 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
     return control
 
 
+def profile_pass(trainer, libra: LibraConfig, config, dataset, wf_module, wf_cls, workflow_kwargs: dict,
+                 control, router, fanout) -> ProfilePass | None:
+    """The profiling pass before step 1 (control.profile, the simulator's procedure): `libra.control.profile_groups`
+    prompts of the dataset, each a group of gconfig.n_samples, played by the run's workflow through AReaL's rollout
+    path (`rollout_batch`: it returns when every group finished, the tail included) on the launch layout at the
+    initial weights; their trajectories go to a ProfilePass (and the router's live tree, as the simulator fits
+    C-MLFQ on its profile), not to the step metrics, and the controller starts from the first plan solved on
+    all of them. The pass leaves AReaL's staleness budget as it found it (accepted reset to version 0's).
+    None when there is no controller or no pass (profile_groups 0); a pass that fails is one control_failed
+    line, and the first plan then comes from the first steps (profile_steps)."""
+    n = int(libra.control.profile_groups)
+    if control is None or n <= 0 or control.resume is not None:
+        return None
+    group = int(config.gconfig.n_samples)
+    prof = ProfilePass(n, group)
+
+    def sink(traj) -> None:
+        prof.add(traj)
+        if router is not None:
+            router.on_trajectory(traj)
+
+    rows = [dataset[i % len(dataset)] for i in range(n)]
+    kwargs = dict(workflow_kwargs)
+    if hasattr(wf_cls, "profile_kwargs"):  # a workflow that draws its episodes (the emulated one): the profile's
+        kwargs.update(wf_cls.profile_kwargs(n))
+    t0 = time.monotonic()
+    if hasattr(wf_module, "set_trajectory_sink"):
+        wf_module.set_trajectory_sink(sink)
+    try:
+        trainer.rollout.rollout_batch(rows, workflow=libra.workflow, workflow_kwargs=kwargs, group_size=group)
+        inner = getattr(trainer.rollout, "_engine", trainer.rollout)
+        sm = getattr(getattr(inner, "workflow_executor", None), "staleness_manager", None)
+        if sm is not None:  # the pass is no step's batch: the staleness window starts empty at version 0
+            sm.on_version_recovered(int(trainer.actor.get_version()))
+        if hasattr(router, "learn_finished"):  # C-MLFQ starts from the profile, as the simulator's
+            router.learn_finished()
+        print(f"areal_libra control: profiling pass: {prof.summary()} in {time.monotonic() - t0:.1f} s", flush=True)
+        control.start_from_profile(prof, step=0)
+    except Exception as e:  # noqa: BLE001 - the run goes on; its first plan then comes from the first steps
+        control._record({"step": 0, "event": "control_failed", "detail": (
+            f"profiling pass: {type(e).__name__}: {first_line(e)}; the first plan comes from the first "
+            f"{libra.control.profile_steps} step(s)")})
+    finally:
+        if hasattr(wf_module, "set_trajectory_sink"):
+            wf_module.set_trajectory_sink(fanout)
+    return prof
+
+
 def resume_pool(control, elastic, snap: dict) -> None:
     """The elastic pool's saved state: hybrids that were training re-join (LiveElastic.resume); logged in
     control_events.jsonl either way."""
@@ -236,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("areal_libra"):
             logging.getLogger(name).disabled = False
 
+    # A diagnostic for a trainer that hangs: `kill -USR1 <pid>` writes every thread's stack to the trainer log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # A diagnostic: where the trainer's time goes, every thread's stack sampled (areal_libra/stack_sampler.py).
     sampler = StackSampler(os.environ[SAMPLER_ENV]).start() if os.environ.get(SAMPLER_ENV) else None
     config, _ = load_expr_config(["--config", str(run_dir / "areal_config.yaml")], GRPOConfig)
@@ -247,8 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     wf_module = importlib.import_module(workflow_mod)
     # Fan-out: finished trajectories go to the metrics and, once installed, to the router's live tree.
     sinks = [metrics.on_trajectory]
+
+    def fanout(traj) -> None:
+        for sink in sinks:
+            sink(traj)
+
     if hasattr(wf_module, "set_trajectory_sink"):
-        wf_module.set_trajectory_sink(lambda traj: [sink(traj) for sink in sinks])
+        wf_module.set_trajectory_sink(fanout)
 
     workflow_kwargs = dict(
         gconfig=config.gconfig,
@@ -276,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         control = install_control(trainer, libra, config, run_dir, metrics, router, elastic, sinks, fleet, pressure,
                                   pool_factory)
         install_emulation(trainer, libra, run_dir, metrics, control, elastic)
+        if profile_pass(trainer, libra, config, dataset, wf_module, wf_cls, workflow_kwargs, control, router,
+                        fanout) is not None:
+            metrics.start_clock()  # step 1's time leaves the pass out (the controller's measured step time)
 
         metrics.add_source(lambda: rollout_counters(trainer.rollout))  # nothing lost: accepted vs rejected
         try:

@@ -15,8 +15,10 @@ the emulated Trajectory (the planner's history, the metrics' tokens).
 from __future__ import annotations
 
 import asyncio
+import copy
+import itertools
+import os
 import random
-import uuid
 from collections import defaultdict, deque
 from typing import Any
 
@@ -34,6 +36,13 @@ from areal_libra.workflows.tensors import Episode
 
 _SHARED: dict[tuple, tuple] = {}  # (workload, seed, group size, max_len) -> (generator, RNG, group queues)
 PROMPT_IDS = [TOKEN_ID] * 2  # the real prompt: two ids; its emulated length is the workload's
+# Unique ids from a counter (uuid4 reads os.urandom: 2.6 CPU-s of the rollout thread at 64 x H200, one per turn).
+_IDS = itertools.count()
+_ID_PREFIX = f"{os.getpid():x}{random.getrandbits(24):06x}"
+
+
+def _uid() -> str:
+    return f"{_ID_PREFIX}{next(_IDS):x}"
 
 
 def emulated_dataset(path: Any = None, size: int = 4096, seed: int = 0, max_rows: int | None = None) -> Any:
@@ -48,20 +57,40 @@ def emulated_dataset(path: Any = None, size: int = 4096, seed: int = 0, max_rows
 class EmulatedWorkflow(RolloutWorkflow):
     def __init__(self, gconfig: GenerationHyperparameters, workload: str = "search_r1", seed: int = 0,
                  time_scale: float = 1.0, group_size: int | None = None, max_len: int | None = None,
-                 tokenizer_path: str | None = None, max_turns: int | None = None, **_: Any) -> None:
+                 tokenizer_path: str | None = None, max_turns: int | None = None, profile_groups: int = 0,
+                 **_: Any) -> None:
+        """`profile_groups` > 0: the profiling pass's workflow (live.train.profile_pass): prompt i plays group i of
+        the workload's profile (Workload.profile, the groups the simulator's first plan is solved on)."""
         self.gconfig = gconfig.new(n_samples=1)
         # AReaL builds the workflow anew at every prepare_batch: one generator, RNG and group queue per setting
         # and process, so the draws continue across steps (a fresh Random(seed) each step repeated them) and
         # the workload's trace is read once.
-        key = (str(workload), int(seed), int(group_size or gconfig.n_samples), int(max_len or 0))
+        key = (str(workload), int(seed), int(group_size or gconfig.n_samples), int(max_len or 0), int(profile_groups))
         if key not in _SHARED:
             wl = make_workload(workload)
             wl.cfg.group_size = key[2]
             if max_len:
                 wl.cfg.max_len = int(max_len)
-            _SHARED[key] = (wl, random.Random(seed), defaultdict(deque))
+            groups: defaultdict = defaultdict(deque)
+            if profile_groups > 0:  # the profile's groups, drawn as the simulator draws them, by prompt index
+                flat = wl.profile(int(profile_groups))
+                for i in range(int(profile_groups)):
+                    groups[i].extend(flat[i * key[2]:(i + 1) * key[2]])
+            _SHARED[key] = (wl, random.Random(seed), groups)
         self.workload, self.rng, self._groups = _SHARED[key]
+        self.profile = int(profile_groups)
         self.time_scale = float(time_scale)
+
+    def _gconfig(self, tokens: int) -> GenerationHyperparameters:
+        """The turn's sampling settings: a shallow copy (AReaL's agenerate sets max_new_tokens on it), not
+        GenerationHyperparameters.new (asdict + a new instance: 2.1 CPU-s of the rollout thread at 64 x H200)."""
+        g = copy.copy(self.gconfig)
+        g.max_new_tokens = max(1, int(tokens))
+        return g
+
+    @classmethod
+    def profile_kwargs(cls, groups: int) -> dict[str, Any]:
+        return {"profile_groups": int(groups)}
 
     @classmethod
     def libra_kwargs(cls, libra: Any) -> dict[str, Any]:
@@ -69,6 +98,8 @@ class EmulatedWorkflow(RolloutWorkflow):
         return {"workload": str(em.workload), "seed": int(em.seed), "time_scale": float(em.time_scale)}
 
     def _next(self, key: Any, version: int) -> Trajectory:
+        if self.profile:
+            key = int(key) % self.profile
         q = self._groups[key]
         if not q:  # the group's first sample: draw the whole group (a prompt's samples resemble each other)
             q.extend(self.workload.sample_group(version, self.rng))
@@ -77,7 +108,7 @@ class EmulatedWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
         version = engine.get_version()
         script = self._next(data.get("prompt_index", id(data)), version)
-        traj_id = f"{script.prompt_id}-{uuid.uuid4().hex[:10]}"
+        traj_id = f"{script.prompt_id}-{_uid()}"
         ep = Episode()
         ep.add_context(PROMPT_IDS)
         ctx = script.prompt_tokens
@@ -87,9 +118,9 @@ class EmulatedWorkflow(RolloutWorkflow):
         for k, seg in enumerate(script.segments):
             last = k == len(script.segments) - 1
             req = ModelRequest(
-                rid=emulated_rid(uuid.uuid4().hex, traj_id, ctx, last),
+                rid=emulated_rid(_uid(), traj_id, ctx, last),
                 input_ids=list(ep.seq),
-                gconfig=self.gconfig.new(max_new_tokens=max(1, seg.gen_tokens)),
+                gconfig=self._gconfig(seg.gen_tokens),
                 metadata={"trajectory_id": traj_id, "prompt_id": script.prompt_id, "turn": k,
                           "prompt_tokens": script.prompt_tokens, "context_tokens": ctx,
                           "model_tokens": model_tokens, "tool_returns": [dict(t) for t in tool_meta]},

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from areal_libra.cmlfq import Bucket, Dispatcher, NoHealthyServer, ServerGroup, make_policy
+from areal_libra.cmlfq.spill import SpillConfig
 from areal_libra.config import DispatchConfig
 from areal_libra.rollout.groups import RolloutGroup, expand_servers, group_from_mapping, resolve_groups
 from areal_libra.rollout.health import HealthMonitor, probe
@@ -93,6 +94,7 @@ class RequestRouter:
         )
         self.restored = bool(restore and self.run_dir is not None and self.live.restore(self.run_dir))
         self._lock = threading.Lock()
+        self._watches: dict = {}  # event loop -> [in-flight by server, cancelled by the watchdog, its task]
         # Held while a request is placed and while the layout is switched (reconfiguration), so a request
         # never sees half of an old and half of a new layout.
         self._layout_lock = threading.RLock()
@@ -162,6 +164,7 @@ class RequestRouter:
             policy,
             [ServerGroup(g.name, g.tp, g.max_len, list(a)) for g, a in zip(groups, addrs)],
             sticky=cfg.sticky,
+            spill=None if cfg.spill_ratio is None else SpillConfig(ratio=float(cfg.spill_ratio)),
         )
 
     def set_pricing(self, hardware, model) -> None:
@@ -461,23 +464,56 @@ class RequestRouter:
             self.dispatcher.finish({"trajectory_id": tid})
 
     async def watch(self, req, addr: str, send):
-        """Await the request, giving up when its server is marked down (a hung server never answers)."""
+        """Await the request, giving up when its server is marked down (a hung server never answers). One
+        watchdog per event loop checks the servers of all in-flight requests every watch_interval_s and cancels
+        those on a server that is gone (a timed wait per request and interval was a quarter of the rollout
+        thread's CPU with thousands of requests in flight)."""
         if self._gone(addr):
             send.close()
             raise ServerDown(addr)
         task = asyncio.ensure_future(send)
+        watched, downed = self._watch_state()
+        on_addr = watched.setdefault(addr, {})
+        on_addr[task] = getattr(req, "rid", None)
         try:
-            while True:
-                finished, _ = await asyncio.wait({task}, timeout=self.config.watch_interval_s)
-                if finished:
-                    return task.result()
-                if self._gone(addr):
-                    task.cancel()
-                    self._abort_on(addr, getattr(req, "rid", None))
-                    raise ServerDown(addr)
+            return await task
         except asyncio.CancelledError:
+            if downed.pop(task, False):  # the watchdog gave up on the server, not a cancel from above
+                raise ServerDown(addr) from None
             task.cancel()
             raise
+        finally:
+            on_addr.pop(task, None)
+            downed.pop(task, None)
+            if not on_addr and watched.get(addr) is on_addr:
+                del watched[addr]
+
+    def _watch_state(self) -> tuple[dict, dict]:
+        """This event loop's in-flight requests by server ({addr: {task: rid}}) and the tasks its watchdog
+        cancelled, the watchdog started when it is not running."""
+        loop = asyncio.get_running_loop()
+        st = self._watches.get(loop)
+        if st is None:
+            st = self._watches[loop] = [{}, {}, None]
+        if st[2] is None or st[2].done():
+            st[2] = loop.create_task(self._watchdog(st))
+        return st[0], st[1]
+
+    async def _watchdog(self, st: list) -> None:
+        watched, downed = st[0], st[1]
+        loop = asyncio.get_running_loop()
+        try:
+            while watched:
+                await asyncio.sleep(self.config.watch_interval_s)
+                for addr in [a for a in watched if self._gone(a)]:
+                    for task, rid in list(watched.get(addr, {}).items()):
+                        if not task.done():
+                            downed[task] = True
+                            task.cancel()
+                            self._abort_on(addr, rid)
+        finally:  # nothing in flight (or the loop closes): the next watch starts a fresh one
+            if self._watches.get(loop) is st:
+                del self._watches[loop]
 
     def _abort_on(self, addr: str, rid: str | None) -> None:
         """Best effort: stop the abandoned request on a server that may still be alive but slow."""
@@ -561,6 +597,11 @@ class RequestRouter:
         self.live.add(traj)
 
     # --- metrics ---
+    def learn_finished(self) -> None:
+        """Let the trajectories finished since the last step boundary reach the routing policy now (the
+        profiling pass before step 1: the simulator's C-MLFQ starts fitted on its profile)."""
+        self.live.end_step()
+
     def step_metrics(self) -> dict:
         """Flat per-step metrics (metrics.jsonl); also the training-step boundary of the live tree."""
         self.live.end_step()

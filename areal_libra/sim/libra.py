@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
+from areal_libra.control import ControlConfig, LibraController, PoolView, ProfilePass, StepObservation
 from areal_libra.elastic.policy import hybrid_count, hybrid_server_tp
 from areal_libra.planner.replan import ReplanConfig
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
@@ -635,20 +635,24 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
 def libra_system(name: str, env: Env) -> SystemSpec:
     knobs = env.knobs
     opts = RUNGS[name]
-    prof = env.workload.profile(profile_groups(env))
-    if getattr(env, "_calibrated", None) is None:
-        env._train_profile_lens = train_profile_lens(env, prof)
-    hist = profile_history(prof)
-    slots = group_slot_fields(env, prof, env.workload.cfg.group_size)
-    plan = plan_for(env, hist, opts.homogeneous, **slots)
-    layout = layout_from_plan(plan, env.workload.cfg.max_len, knobs.train_micro_batch)
-    core, units = make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic else (layout, [])
-    cluster = SimCluster(env, opts, units)
-    lc = LibraController(control_config(knobs), SimPlanSource(env, opts.homogeneous, cluster.slot_fields), plan)
+    # The profiling pass and the first plan, as the live run makes them (control.profile): the whole pass.
+    n = profile_groups(env)
+    prof = ProfilePass(n, env.workload.cfg.group_size).extend(env.workload.profile(n))
+    if getattr(env, "_calibrated", None) is None:  # the pass also times one training step (PROFILE_TRAIN)
+        env._train_profile_lens = train_profile_lens(env, prof.trajectories)
+    slots = group_slot_fields(env, prof.trajectories, env.workload.cfg.group_size)
+    cluster = SimCluster(env, opts, [])
+    # Before the run the planner's slot fields are the profile's; then the finished groups' (slot_fields).
+    source = SimPlanSource(env, opts.homogeneous, lambda: cluster.slot_fields() if cluster.sim is not None else slots)
+    lc = LibraController.from_profile(control_config(knobs), source, prof, triples=HISTORY_TRIPLES)
+    layout = layout_from_plan(lc.plan, env.workload.cfg.max_len, knobs.train_micro_batch)
+    core, cluster.units = (make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic
+                           else (layout, []))
     ctl = SimLibraControl(lc, cluster)
     # Filled while the run goes (the same objects): each decision's prediction against the next steps, and
     # the calibration factors in force at the end.
     extra = {"predictions": lc.predictions, "cost_factors": lc.factor_record}
     run = RunConfig(max_staleness=env.staleness, strict_staleness=BOUND_LAG, edf=BOUND_LAG)
-    return SystemSpec(name, core, run, lambda lay: _router_for(lay, opts, None, prof, knobs, env), ctl, extra=extra)
+    return SystemSpec(name, core, run, lambda lay: _router_for(lay, opts, None, prof.trajectories, knobs, env), ctl,
+                      extra=extra)
 

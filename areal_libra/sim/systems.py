@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from areal_libra.control.profile import PROFILE_GROUPS
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout, gc_paused
 from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import SimRequest
@@ -85,7 +86,7 @@ class Env:
     cluster: object | None = None  # areal_libra.cost.presets.ClusterSpec when the planner is used
     model: object | None = None  # areal_libra.cost.presets.ModelSpec
     seed: int = 0
-    profile_groups: int = 16
+    profile_groups: int = PROFILE_GROUPS  # the profiling pass before the first plan (control.profile)
     knobs: SimKnobs = field(default_factory=SimKnobs)
     staleness: int = AREAL_STALENESS  # eta of AReaL-Static-Optimal and Libra (the regime map sweeps it)
 

@@ -33,8 +33,8 @@ def test_two_step_run_writes_metrics_and_wandb(tmp_path: Path) -> None:
 
 
 def test_libra_mode_replans_the_emulated_cluster_live(tmp_path: Path) -> None:
-    """The default libra mode on a small emulated cluster: after step 1 the planner's first plan replaces
-    the start layout (one TP1 server on 6 emulated H200s) through a live reconfiguration; plan/* per step,
+    """The default libra mode on a small emulated cluster: before step 1 the planner's first plan (on the
+    profiling pass) replaces the start layout (one TP1 server on 6 emulated H200s) through a live reconfiguration; plan/* per step,
     the decision log and the allocation figure are written."""
     r = subprocess.run(
         [sys.executable, "-m", "areal_libra.launch", "experiment=dapo_math", "cluster=emulated",
@@ -49,7 +49,8 @@ def test_libra_mode_replans_the_emulated_cluster_live(tmp_path: Path) -> None:
     assert all(k in recs[-1] for k in ("plan/replans", "plan/rollout_gpus", "plan/train_gpus", "plan/reconfig_s",
                                         "plan/predicted_vs_measured_step", "emul/train_target_s"))
     events = [json.loads(line) for line in (run / "control_events.jsonl").read_text().splitlines()]
-    assert events[0]["event"] == "initial_plan"
+    # The profiling pass before step 1, then the first plan solved on it (control.profile), both at step 0.
+    assert [(e["step"], e["event"]) for e in events[:2]] == [(0, "profile"), (0, "initial_plan")]
     assert recs[-1]["plan/reconfigurations"] == 1.0 and recs[0]["plan/reconfig_s"] > 0
     assert recs[-1]["plan/rollout_gpus"] + recs[-1]["plan/train_gpus"] == 6
     assert recs[-1]["plan/allocation"] != "rollout 1xTP1"

@@ -110,9 +110,11 @@ def test_a_live_emulated_run_next_to_the_simulator(tmp_path: Path, capsys: pytes
     res = json.loads(capsys.readouterr().out)
     d = res["decisions"]
     assert d["sim"][0]["event"] == "initial_plan" and d["sim"][0]["step"] == 0
-    # The live run's first plan after its profile step, from its own control_events.jsonl, and the
-    # simulator's log written next to it.
-    assert d["live"][0]["event"] == "initial_plan" and d["live"][0]["step"] == 1
+    # The live run's first plan before step 1, on its profiling pass (as many groups as the simulator's, all of
+    # them finished: control.profile), from its own control_events.jsonl; the simulator's log written next to it.
+    assert [(e["step"], e["event"]) for e in d["live"][:2]] == [(0, "profile"), (0, "initial_plan")]
+    assert d["live"][0]["detail"].startswith("128 of 128 trajectories (16 groups x 8)")
+    assert d["first_plan"]["same"]  # the same procedure on the same draws: the same first plan
     (live_log,) = tmp_path.rglob("ab-libra/control_events.jsonl")
     assert (live_log.parent / "sim_control_events.jsonl").exists()
     assert [e["step"] for e in read_events(live_log)] == [e["step"] for e in d["live"]]

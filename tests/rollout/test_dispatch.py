@@ -33,6 +33,7 @@ NOSTART = {"start_lookup": False, "min_samples": 2}
 
 
 def make_router(tmp_path: Path | None = None, addrs=ADDRS, **kw) -> RequestRouter:
+    kw.setdefault("spill_ratio", None)  # placements exactly where the policy puts them (spill: its own test)
     cfg = DispatchConfig(cmlfq=dict(NOSTART), **kw)
     # groups given long-first: the router orders them by threshold, addresses follow their group
     return RequestRouter([LONG, SHORT], [addrs[1], addrs[0]], cfg, run_dir=tmp_path, health=False)
@@ -227,6 +228,39 @@ def test_failover_falls_through_to_the_next_group_when_a_group_is_empty() -> Non
     assert router.route(r, None) == dead
     new = asyncio.run(router.failover(r, dead, ConnectionResetError()))
     assert new == "127.0.0.1:9" and router.step_metrics()["cmlfq/unhealthy_servers"] == 1
+
+
+def test_one_watchdog_gives_up_on_every_request_of_a_down_server_only() -> None:
+    # Many requests in flight on two servers: when one is marked down, each of its requests raises ServerDown
+    # within a few intervals, the other server's finish with their results, and a cancel from above still
+    # cancels the request (the watchdog converts only its own cancels).
+    down, up = "127.0.0.1:2", "127.0.0.1:3"
+    router = make_router(addrs=[[down, up], ["127.0.0.1:9"]], watch_interval_s=0.05)
+
+    async def answer(i: int, after: float) -> int:
+        await asyncio.sleep(after)
+        return i
+
+    async def main():
+        on_down = [asyncio.ensure_future(router.watch(req(f"d{i}", 10, []), down, answer(i, 60))) for i in range(50)]
+        on_up = [asyncio.ensure_future(router.watch(req(f"u{i}", 10, []), up, answer(i, 0.4))) for i in range(50)]
+        stopped = asyncio.ensure_future(router.watch(req("c", 10, []), up, answer(-1, 60)))
+        await asyncio.sleep(0.1)
+        router.health.report_failure(down, "probe failed")
+        t0 = time.monotonic()
+        res = await asyncio.gather(*on_down, return_exceptions=True)
+        gave_up = time.monotonic() - t0
+        stopped.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopped
+        done = await asyncio.gather(*on_up)
+        await asyncio.sleep(0.2)
+        return res, gave_up, done, dict(router._watches)
+
+    res, gave_up, done, left = asyncio.run(main())
+    assert all(isinstance(e, ServerDown) for e in res) and gave_up < 1.0
+    assert done == list(range(50))
+    assert left == {}  # nothing in flight: the watchdog ended
 
 
 def test_watch_gives_up_on_a_server_that_stops_answering() -> None:
@@ -495,3 +529,16 @@ def test_set_pricing_installs_the_cost_evaluators_price_in_this_and_the_next_lay
     assert router.dispatcher.policy.pricer.tps == (1, 2)
     router.set_layout([SHORT, LONG], ADDRS)
     assert router.dispatcher.policy.pricer.tps == (1, 2)
+
+
+def test_placements_spill_to_the_idle_neighbour_bucket_as_in_the_simulator() -> None:
+    # Every new request predicted short (an empty tree): without spill-over they all pile on the short group's
+    # one server while the long group idles; with the simulator's spill ratio (1.2) they spread once the short
+    # group's load per GPU passes 1.2 x the long one's + 1.
+    def place(ratio):
+        router = make_router(spill_ratio=ratio)
+        return [router.route(req(f"s{i}", 10, []), None) for i in range(12)]
+
+    assert all(a in ADDRS[0] for a in place(None))
+    spread = place(1.2)
+    assert any(a in ADDRS[1] for a in spread) and any(a in ADDRS[0] for a in spread)

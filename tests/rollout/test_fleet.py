@@ -64,7 +64,7 @@ def make_engine(addrs: list[str], name: str):
 
 
 def make_router(groups, addrs, run_dir: Path, policy: str = "least_loaded") -> RequestRouter:
-    cfg = DispatchConfig(policy=policy, health_interval_s=0.5, health_timeout_s=2.0, fail_after=1,
+    cfg = DispatchConfig(policy=policy, spill_ratio=None, health_interval_s=0.5, health_timeout_s=2.0, fail_after=1,
                          watch_interval_s=0.2, wandb=False)
     return RequestRouter(groups, addrs, cfg, run_dir=run_dir)
 

@@ -150,7 +150,7 @@ def test_fleet_places_sglang_servers_off_the_trainer_and_live_servers(monkeypatc
     write_groups_file(tmp_path, [tp1, tp2], [h.addr for h in handles])
     write_registry(tmp_path, handles)
     (tmp_path / "libra_config.yaml").write_text("device: cuda\n")
-    router = RequestRouter([tp1, tp2], [[handles[0].addr], [handles[1].addr]], DispatchConfig(wandb=False),
+    router = RequestRouter([tp1, tp2], [[handles[0].addr], [handles[1].addr]], DispatchConfig(wandb=False, spill_ratio=None),
                            health=False)
     eng = RemoteSGLangEngine(InferenceEngineConfig(backend="sglang:d2t1", experiment_name="x", trial_name="t"))
     (tmp_path / "model").mkdir()  # the checkpoint new servers would load

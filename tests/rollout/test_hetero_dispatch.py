@@ -87,7 +87,7 @@ def make_engine(addrs: list[str]):
 def make_router(handles, run_dir: Path) -> RequestRouter:
     short = [h.addr for h in handles if h.spec.group == "short"]
     long = [h.addr for h in handles if h.spec.group == "long"]
-    cfg = DispatchConfig(cmlfq={"start_lookup": False}, health_interval_s=0.5, health_timeout_s=2.0,
+    cfg = DispatchConfig(cmlfq={"start_lookup": False}, spill_ratio=None, health_interval_s=0.5, health_timeout_s=2.0,
                          fail_after=1, watch_interval_s=0.2)
     return RequestRouter([SHORT, LONG], [short, long], cfg, run_dir=run_dir)
 
@@ -353,7 +353,7 @@ def test_killing_a_server_mid_weight_update_loses_no_trajectory(fleet, spare, tm
         shutil.copytree(model, new_weights)
     short = [h.addr for h in alive if h.spec.group == "short"]
     long = [h.addr for h in alive if h.spec.group == "long"]
-    cfg = DispatchConfig(cmlfq={"start_lookup": False}, health_interval_s=0.5, health_timeout_s=2.0,
+    cfg = DispatchConfig(cmlfq={"start_lookup": False}, spill_ratio=None, health_interval_s=0.5, health_timeout_s=2.0,
                          fail_after=1, watch_interval_s=0.2)
     router = RequestRouter([SHORT, LONG], [short, long], cfg, run_dir=tmp_path)
     eng = make_engine([h.addr for h in alive])
