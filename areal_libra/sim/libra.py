@@ -78,9 +78,12 @@ CALIBRATE_ONLINE = True
 # trainer waits for a group that would otherwise be trained more than eta versions after it started), and its
 # rollout servers serve the oldest start version first (RunConfig.edf, areal_libra.cmlfq.aging), so such a
 # group's requests are not queued behind newer ones. AReaL-Static-Optimal keeps AReaL's rule (issue 23).
-# Measured cost (60 steps): -21% Search-R1, 0% DAPO-Math, -20% R2E-Gym at 16x16 (seed 3); -6% Search-R1 at
-# 128x16 (seed 0), where DAPO-Math and R2E-Gym gain 2-5% (docs/simulator.md). False: AReaL's rule only.
-BOUND_LAG = True
+# Measured cost (60 steps): -21% Search-R1, 0% DAPO-Math, -20% R2E-Gym at 16x16 (seed 3); at 64 x H200 with
+# 64x16 Search-R1 0.77x AReaL-Static-Optimal against 1.00x without it; at 128x16 +0-20% (docs/simulator.md).
+# Off: the live run does not enforce it yet (AReaL's executor hands back the first finished groups and its
+# requests carry no priority), so on, the simulated Libra would not be the live one (issue 24's agreement),
+# and below the paper's batch it costs a fifth of the throughput. False: AReaL's rule only.
+BOUND_LAG = False
 # Plan for the in-flight window of an asynchronous run: with staleness bound eta, eta+1 batches are in
 # flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
 # instead of once per step, as it is in the running system.
