@@ -61,9 +61,7 @@ class ProfilePass:
         if not n or (not partial and n < self.expected):
             raise ProfileError(f"the profiling pass finished {n} of {self.expected} trajectories "
                                f"({self.groups} groups x {self.group_size}); the first plan needs all of them")
-        if triples:
-            return [(int(t.prompt_tokens), int(t.final_length), int(t.model_tokens)) for t in self.trajectories]
-        return [(int(t.prompt_tokens), int(t.final_length)) for t in self.trajectories]
+        return length_history(self.trajectories, triples)
 
     def summary(self) -> str:
         n = len(self.trajectories)
@@ -71,6 +69,14 @@ class ProfilePass:
         tail = f"; final lengths median {lens[n // 2]}, max {lens[-1]}" if n else ""
         return (f"{n} of {self.expected} trajectories ({self.groups} groups x {self.group_size}) of the initial "
                 f"policy{tail}")
+
+
+def length_history(trajs: Iterable[Any], triples: bool = False) -> list[tuple[int, ...]]:
+    """The planner's length history of finished trajectories: (prompt_tokens, final_length) each, or
+    (prompt, final, model_tokens) with `triples`."""
+    if triples:
+        return [(int(t.prompt_tokens), int(t.final_length), int(t.model_tokens)) for t in trajs]
+    return [(int(t.prompt_tokens), int(t.final_length)) for t in trajs]
 
 
 def first_plan(planner: Any, profile: ProfilePass, triples: bool = False, partial: bool = False) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, ProfilePass, StepObservation
+from areal_libra.control.profile import length_history
 from areal_libra.elastic.policy import hybrid_count, hybrid_server_tp
 from areal_libra.planner.replan import ReplanConfig
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
@@ -228,9 +229,7 @@ def profile_groups(env: Env) -> int:
 
 def profile_history(trajs) -> list[tuple[int, ...]]:
     """The planner's length history from finished trajectories (see HISTORY_TRIPLES)."""
-    if HISTORY_TRIPLES:
-        return [(t.prompt_tokens, t.final_length, t.model_tokens) for t in trajs]
-    return [(t.prompt_tokens, t.final_length) for t in trajs]
+    return length_history(trajs, HISTORY_TRIPLES)
 
 
 def history_of(sim: Simulation, n: int) -> list[tuple[int, ...]]:
