@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import logging
 import math
 import random
 from bisect import bisect_right
@@ -19,6 +20,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from areal_libra.trace import Segment, ToolReturn, TraceError, Trajectory, read_traces
+
+log = logging.getLogger(__name__)
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "polytrace"
 if not DATA.is_dir():  # repository checked out elsewhere: look next to the working tree too
@@ -139,6 +142,29 @@ class Workload:
         return tuple(out), "stop"
 
 
+def _where(paths) -> str:
+    if isinstance(paths, (str, Path)):
+        return str(paths)
+    files = [Path(p) for p in paths]
+    return str(files[0].parent) if files else "trace"
+
+
+def _drop_stub_step(steps: list[int], counts: dict[int, int], paths) -> list[int]:
+    """Leave out a last step that holds under a tenth of the median step's trajectories (a partial recording,
+    as PolyTrace Search-R1's step 5: 47 of 2,048): replayed for every version after the trace's end it would
+    repeat a few prompts for the rest of the run. Said on stderr (logging), never silently."""
+    if len(steps) < 3:
+        return steps
+    full = sorted(counts[s] for s in steps[:-1])
+    median = full[len(full) // 2]
+    last = steps[-1]
+    if counts[last] * 10 >= median:
+        return steps
+    log.warning("%s: trace step %d holds %d trajectories (the median step %d): left out of the replay, which "
+                "repeats step %d after the trace's end", _where(paths), last, counts[last], median, steps[-2])
+    return steps[:-1]
+
+
 class TraceWorkload(Workload):
     """Replay of a canonical (or PolyTrace) trace: groups by prompt id; the trace's own steps give drift
     (policy version v replays the groups of the v-th distinct step, the last one after that), and
@@ -155,6 +181,7 @@ class TraceWorkload(Workload):
         for t in trajs:
             by_step[t.step][t.prompt_id].append(t)
         self.steps = sorted(by_step)
+        self.steps = _drop_stub_step(self.steps, {s: sum(map(len, by_step[s].values())) for s in self.steps}, paths)
         self.groups = {s: list(by_step[s].values()) for s in self.steps}
         self.growth_on_gen = growth_on_gen
         if not cfg.group_size:  # replay the trace's own groups at its median group size (the planner needs one)
