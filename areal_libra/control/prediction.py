@@ -78,32 +78,45 @@ class RankingProbe:
         self.record: dict[str, Any] = {"from_step": from_step, "n_candidates": len(self.plans), "steps": [],
                                        "spearman": [], "min": None, "mean": None}
 
-    def predicted_step_s(self, planner: Any, history: Sequence[tuple[int, ...]], factors: Factors) -> list[float]:
-        """Each candidate's step time by the calibrated evaluator (inf where the evaluator finds it
-        infeasible, e.g. a request longer than a server's KV)."""
-        out = []
+    def _terms(self, planner: Any, history: Sequence[tuple[int, ...]]) -> list[tuple[float, float] | None]:
+        """Each candidate's uncalibrated (T_train, T_rollout); None where the evaluator finds it infeasible
+        (e.g. a request longer than a server's KV)."""
+        out: list[tuple[float, float] | None] = []
         for p in self.plans:
             try:
                 t_train, t_roll, _ = planner.price_terms(p, history)
             except ValueError:
-                out.append(math.inf)
+                out.append(None)
                 continue
-            out.append(factors.step_s(t_train, t_roll))
+            out.append((t_train, t_roll))
         return out
+
+    def predicted_step_s(self, planner: Any, history: Sequence[tuple[int, ...]], factors: Factors) -> list[float]:
+        """Each candidate's step time by the calibrated evaluator (inf where it is infeasible)."""
+        return [math.inf if t is None else factors.step_s(*t) for t in self._terms(planner, history)]
 
     def observe(self, step: int, planner: Any, history: Sequence[tuple[int, ...]], factors: Factors) -> float | None:
         """Price every candidate at `step` and record the rank correlation; None before `from_step`, or when
-        it is not defined."""
+        it is not defined. The uncalibrated evaluator's correlation is recorded beside it (what calibration
+        changed)."""
         if step < self.from_step or not self.plans:
             return None
-        pred = self.predicted_step_s(planner, history, factors)
-        # Every candidate trains the same batch, so throughput ranks as 1 / step time (inf: throughput 0).
-        rho = spearman([0.0 if not math.isfinite(t) or t <= 0 else 1.0 / t for t in pred], self.measured)
+        terms = self._terms(planner, history)
+        pred = [math.inf if t is None else factors.step_s(*t) for t in terms]
+        raw = [math.inf if t is None else Factors().step_s(*t) for t in terms]
+
+        def rho_of(step_s: list[float]) -> float | None:
+            # Every candidate trains the same batch, so throughput ranks as 1 / step time (inf: throughput 0).
+            return spearman([0.0 if not math.isfinite(t) or t <= 0 else 1.0 / t for t in step_s], self.measured)
+
+        rho = rho_of(pred)
         if rho is None:
             return None
         rec = self.record
         rec["steps"].append(step)
         rec["spearman"].append(round(rho, 4))
+        rho_raw = rho_of(raw)
+        rec.setdefault("spearman_uncalibrated", []).append(None if rho_raw is None else round(rho_raw, 4))
         rec["min"] = min(rec["spearman"])
         rec["mean"] = round(sum(rec["spearman"]) / len(rec["spearman"]), 4)
         best = min(range(len(pred)), key=lambda i: pred[i])

@@ -88,6 +88,7 @@ def test_probe_ranks_by_the_calibrated_evaluator():
     rho = probe.observe(6, ev, h, Factors(train=4.0))
     assert rho is not None and rho < 0.9
     assert probe.record["steps"] == [5, 6] and probe.record["min"] == pytest.approx(rho, abs=1e-4)
+    assert probe.record["spearman_uncalibrated"] == [pytest.approx(1.0), pytest.approx(1.0)]
     # Measured throughput in the opposite order: -1.
     rev = RankingProbe(plans, [-x for x in base])
     assert rev.observe(5, ev, h, Factors()) == pytest.approx(-1.0)
