@@ -512,8 +512,10 @@ class LibraController:
         done = cluster.join(d.n, obs.step) if d.action == "join" else cluster.release(d.n, obs.step)
         if not done:
             return
-        # The move's prediction (reporting only): the measured window projected onto the pool after the move.
-        pred = projected_step_s(_mean(self.t_train), _mean(self.t_roll), _mean(self.intervals), pool.train_replicas,
+        # The move's prediction (reporting only): the window the policy decided on (the steps since the last
+        # move, at most 4) projected onto the pool after the move; the intervals over the same steps.
+        recent = deque(list(self.intervals)[-len(self.t_train):] if self.t_train else [])
+        pred = projected_step_s(_mean(self.t_train), _mean(self.t_roll), _mean(recent), pool.train_replicas,
                                 pool.rollout_gpus, pool.unit_gpus, done if d.action == "join" else -done)
         if pred is not None:
             self._predict(obs.step, d.action, pred)

@@ -166,3 +166,37 @@ def test_prediction_summary_flags_moves_outside_the_band():
     assert s["moves_within"] and s["all_within"] and s["outside"] == []
     assert s["decisions"] == [{"step": 20, "kind": "replan", "predicted_s": 110.0, "measured_next_s": 100.0,
                                "ratio": 1.1}]
+
+
+class _PoolCluster(_Cluster):
+    """One idle 4-GPU hybrid replica beside 3 training replicas and 24 rollout GPUs; join moves it."""
+
+    def __init__(self, hist):
+        super().__init__(hist)
+        self.training = 0
+
+    def pool(self):
+        return PoolView(training=self.training, idle=1 - self.training, train_replicas=3 + self.training,
+                        rollout_gpus=24 - 4 * self.training, unit_gpus=4)
+
+    def join(self, n, step):
+        self.training = 1
+        return 1
+
+
+def test_elastic_move_is_predicted_on_the_window_it_was_decided_on():
+    from areal_libra.elastic.policy import ScheduledPolicy
+
+    ctl = LibraController(ControlConfig(replan=False, calibrate=False), _Source(), None,
+                          elastic_policy=ScheduledPolicy(join_at_step=9))
+    cl = _PoolCluster(_history())
+    # Three slow warm-up steps (500 s), then steps of 90 s training, 30 s rollout, 92 s intervals; the join at
+    # step 9 is predicted from the last 4 steps alone: 90 x 3/4 + 2 s, then scored on the next 5 steps.
+    for s in range(0, 3):
+        ctl.on_step(StepObservation(s, 500.0, 90.0, 30.0), cl)
+    for s in range(3, 15):
+        ctl.on_step(StepObservation(s, 92.0 if s <= 9 else 69.5, 90.0, 30.0), cl)
+    (p,) = [p for p in ctl.predictions if p["kind"] == "join"]
+    assert p["step"] == 9
+    assert p["predicted_s"] == pytest.approx(90.0 * 3 / 4 + 2.0)
+    assert p["ratio"] == pytest.approx((90.0 * 3 / 4 + 2.0) / 69.5)
