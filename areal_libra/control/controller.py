@@ -21,6 +21,7 @@ from statistics import median
 from typing import Any, Protocol
 
 from areal_libra.control.calibration import Factors, StepCalibration
+from areal_libra.control.prediction import RankingProbe, projected_step_s
 from areal_libra.control.profile import ProfilePass, first_plan
 from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
@@ -180,6 +181,9 @@ class LibraController:
         # Each decision's prediction against the mean of the next predict_steps measured intervals.
         self.predictions: list[dict[str, Any]] = []
         self._pending: list[dict[str, Any]] = []
+        # Candidate layouts with their measured throughput (a sweep's), priced every step from the probe's
+        # from_step on by the calibrated evaluator: how well it ranks layouts it did not choose (reporting only).
+        self.ranking: RankingProbe | None = None
         self._pool_training0: int | None = None  # hybrid replicas training when the plan was applied
         self.factor_record: dict[str, float] = Factors().as_dict()  # the factors in force, for reports
         # Measured step time per final-length token of each layout run so far (the steps after its settle):
@@ -259,6 +263,10 @@ class LibraController:
         self._score_predictions(obs)
         if self.calib is not None and obs.step >= self.cfg.warmup_steps:
             self._calibrate(obs, cluster)
+        if self.ranking is not None and obs.step >= self.ranking.from_step and hasattr(self.planner, "price_terms"):
+            hist = cluster.history(self.cfg.history)
+            if len(hist) >= self.cfg.min_history:
+                self.ranking.observe(obs.step, self.planner, hist, self.factors)
         # After a re-plan, wait settle_steps so the gate's measured step time is the new layout's in steady
         # state, not the reconfiguration's disruption.
         settled = obs.step >= self.cfg.warmup_steps and obs.step - self.last_replan >= self.cfg.settle_steps
@@ -504,6 +512,13 @@ class LibraController:
         done = cluster.join(d.n, obs.step) if d.action == "join" else cluster.release(d.n, obs.step)
         if not done:
             return
+        # The move's prediction (reporting only): the window the policy decided on (the steps since the last
+        # move, at most 4) projected onto the pool after the move; the intervals over the same steps.
+        recent = deque(list(self.intervals)[-len(self.t_train):] if self.t_train else [])
+        pred = projected_step_s(_mean(self.t_train), _mean(self.t_roll), _mean(recent), pool.train_replicas,
+                                pool.rollout_gpus, pool.unit_gpus, done if d.action == "join" else -done)
+        if pred is not None:
+            self._predict(obs.step, d.action, pred)
         self.last_change = obs.step
         self.last_elastic = d.action
         self.events.append(ControlEvent(obs.step, d.action, f"{done}: {d.reason}"))

@@ -9,14 +9,25 @@ trajectories, measured step/rollout/training times and server pressure.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, ProfilePass, StepObservation
+from areal_libra.control.prediction import RankingProbe, layout_plan
 from areal_libra.control.profile import length_history
+from areal_libra.cost.training import TrainParallel
 from areal_libra.elastic.policy import hybrid_count, hybrid_server_tp
 from areal_libra.planner.replan import ReplanConfig
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
-from areal_libra.sim.systems import AREAL_STALENESS, Env, PolicyRouter, SimKnobs, SystemSpec
+from areal_libra.sim.systems import (
+    AREAL_STALENESS,
+    Env,
+    PolicyRouter,
+    SimKnobs,
+    SystemSpec,
+    sweep_cache_path,
+    sweep_key,
+)
 
 
 @dataclass
@@ -634,6 +645,34 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
     return PolicyRouter(pol, spill_cfg=_spill_cfg(knobs))
 
 
+# From this step on the controller prices AReaL-Static-Optimal's candidates (the steady window of the sweep
+# starts at step 5 too): the Spearman of its ranking against their measured throughput (issue 23).
+RANK_FROM_STEP = 5
+
+
+def cached_baseline_candidates(env: Env) -> list[dict] | None:
+    """AReaL-Static-Optimal's sweep for this run when it is cached (sim.systems.static_sweep), else None:
+    the ranking is a report, never a reason to run the sweep."""
+    key = sweep_key(env)
+    try:
+        data = json.loads(sweep_cache_path(env, key).read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("candidates") if isinstance(data, dict) and data.get("key") == key else None
+
+
+def baseline_ranking(env: Env) -> RankingProbe | None:
+    """The sweep's candidate layouts as plans, with their measured tokens/s (None without a cached sweep)."""
+    cands = cached_baseline_candidates(env)
+    if not cands:
+        return None
+    plans = [layout_plan(c["rollout_gpus"], c["tp"], TrainParallel(c["train"]["tp"], c["train"]["pp"],
+                                                                   c["train"]["dp"]),
+                         env.workload.cfg.max_len, env.n_gpus) for c in cands]
+    labels = [f"{c['rollout_gpus']}xTP{c['tp']} train {c['train']['gpus']}" for c in cands]
+    return RankingProbe(plans, [c["tokens_per_s"] for c in cands], RANK_FROM_STEP, labels)
+
+
 def libra_system(name: str, env: Env) -> SystemSpec:
     knobs = env.knobs
     opts = RUNGS[name]
@@ -654,6 +693,10 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     # Filled while the run goes (the same objects): each decision's prediction against the next steps, and
     # the calibration factors in force at the end.
     extra = {"predictions": lc.predictions, "cost_factors": lc.factor_record}
+    if name == "libra":  # the full system only: each probe prices every candidate every step
+        lc.ranking = baseline_ranking(env)
+        if lc.ranking is not None:
+            extra["ranking"] = lc.ranking.record
     run = RunConfig(max_staleness=env.staleness, strict_staleness=BOUND_LAG, edf=BOUND_LAG)
     return SystemSpec(name, core, run, lambda lay: _router_for(lay, opts, None, prof.trajectories, knobs, env), ctl,
                       extra=extra)

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from areal_libra.control.prediction import prediction_summary
 from areal_libra.sim.cluster import SimError
 from areal_libra.sim.hardware import GPUS, TRUTH_PROFILES, truth_constants, truth_for, truth_from_specs
 from areal_libra.sim.registry import run_system
@@ -111,6 +112,8 @@ def run_many(names: Sequence[str], env: Env, steps: int, log=None) -> tuple[dict
         add_roofline(res, sim)
         add_paper_unit(res, sim.records)
         add_version_lag(res, sim)
+        if "predictions" in res:  # a Libra rung: its decisions' predictions against the next measured steps
+            res["prediction_check"] = prediction_summary(res["predictions"])
         out[n] = res
         sims[n] = sim
         if log:
@@ -139,6 +142,26 @@ def table(results: dict, ref: str | None) -> str:
                      f"{r.get('version_lag_mean', 0.0):5.2f} {r['max_staleness']:5d} "
                      f"{r.get('migrated_token_ratio', 0.0):5.2f} {_frac(r.get('fallback_fraction')):>6s}")
     return "\n".join(lines)
+
+
+def prediction_lines(results: dict) -> list[str]:
+    """For each Libra rung: its decisions' predictions against the mean of the next measured steps, and the
+    calibrated evaluator's ranking of AReaL-Static-Optimal's candidates (Spearman) when the sweep was cached."""
+    lines = []
+    for n, r in results.items():
+        pc = r.get("prediction_check")
+        if pc is not None:
+            lo, hi = pc["band"]
+            rows = ", ".join(f"{d['step']} {d['kind']} {d['ratio']:.2f}" for d in pc["decisions"]) or "none"
+            lines.append(f"{n} predictions (predicted / mean of the next 5 steps): {rows}; re-plans and elastic moves "
+                         f"within {lo}-{hi}: {'yes' if pc['moves_within'] else 'no'} ({pc['n_moves']} scored)")
+        rk = r.get("ranking")
+        if rk is not None and rk["spearman"]:
+            lines.append(f"{n} ranking of AReaL-Static-Optimal's {rk['n_candidates']} candidates by the calibrated "
+                         f"evaluator, steps {rk['steps'][0]}-{rk['steps'][-1]}: Spearman min {rk['min']:.2f} mean "
+                         f"{rk['mean']:.2f} (last step's best {rk['last_predicted_best']}, measured best "
+                         f"{rk['measured_best']})")
+    return lines
 
 
 def plot(path: str, title: str, results: dict, sims: dict) -> None:
@@ -234,6 +257,8 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         print(f"workload={wname} cluster={args.cluster} ({env.n_gpus} GPUs) model={args.model} steps={args.steps} "
               f"seed={args.seed} batch={env.workload.cfg.batch_prompts}x{env.workload.cfg.group_size} truth={args.truth}")
         print(table(results, default_ref if default_ref in results else None))
+        for line in prediction_lines(results):
+            print(line)
         print("tokens/s: model-generated tokens of the trained trajectories per second; paper t/s: the Libra "
               "paper's unit, input + output tokens of the trained trajectories per second, whole cluster")
         print("of roof: tokens/s as a fraction of the run's roofline bound (every GPU at the hardware truth's "
