@@ -73,6 +73,18 @@ def test_any_canonical_trace_is_a_workload(tmp_path):
     assert len(g) == 3 and len({t.prompt_id for t in g}) == 1 and g[0].final_length == 200
 
 
+@pytest.fixture
+def workload_log(caplog):
+    """The workloads logger's records (attached directly: other tests' logging set-up may stop propagation)."""
+    logger = logging.getLogger("areal_libra.sim.workloads")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 def _trace_folder(tmp_path, per_step):
     """A folder of canonical traces, step s holding per_step[s] trajectories (groups of 2)."""
     for s, n in enumerate(per_step):
@@ -81,21 +93,19 @@ def _trace_folder(tmp_path, per_step):
     return tmp_path
 
 
-def test_a_stub_last_step_is_left_out_of_a_replay_and_said(tmp_path, caplog):
+def test_a_stub_last_step_is_left_out_of_a_replay_and_said(tmp_path, workload_log):
     # PolyTrace Search-R1's step 5 holds 47 trajectories of 2,048: replayed after the trace's end it would
     # repeat a few prompts for the rest of a run
     folder = _trace_folder(tmp_path, [40, 40, 40, 2])
-    with caplog.at_level(logging.WARNING, logger="areal_libra.sim.workloads"):
-        wl = make_workload(str(folder))
+    wl = make_workload(str(folder))
     assert wl.steps == [0, 1, 2]
-    assert "step 3 holds 2 trajectories" in caplog.text and str(folder) in caplog.text
+    assert "step 3 holds 2 trajectories" in workload_log.text and str(folder) in workload_log.text
     assert wl.sample_group(9, random.Random(0))[0].segments[0].gen_tokens == 52  # the last full step
 
 
-def test_full_steps_are_all_replayed(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="areal_libra.sim.workloads"):
-        wl = make_workload(str(_trace_folder(tmp_path, [40, 40, 40, 4])))  # a tenth of the median: kept
-    assert wl.steps == [0, 1, 2, 3] and "left out" not in caplog.text
+def test_full_steps_are_all_replayed(tmp_path, workload_log):
+    wl = make_workload(str(_trace_folder(tmp_path, [40, 40, 40, 4])))  # a tenth of the median: kept
+    assert wl.steps == [0, 1, 2, 3] and "left out" not in workload_log.text
 
 
 def test_bad_workloads_fail_clearly(tmp_path):
