@@ -22,10 +22,16 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# Libra bounds every trained trajectory's version lag by eta (the rule below at consumption, oldest start
+# version first at the servers). One switch for the simulated Libra (sim/libra.py BOUND_LAG) and the live
+# run's default (LibraConfig.bound_lag: the executor's consumption rule, request priority, SGLang flags).
+BOUND_LAG = False
+
 # SGLang (>= 0.5) server flags that make its waiting queue order requests by the request's `priority`,
 # lowest value first, arrival order on ties (SchedulePolicy._sort_by_priority_and_fcfs, under the fcfs
 # schedule policy); priority preemption off (the simulator's servers never preempt a running request for a
-# waiting one of higher priority, only for KV room). Not passed by the launcher yet (docs/simulator.md).
+# waiting one of higher priority, only for KV room). The launcher passes them when the bound is on
+# (launcher.libra_sglang_flags).
 SGLANG_FLAGS: tuple[str, ...] = ("--schedule-policy", "fcfs", "--enable-priority-scheduling",
                                  "--schedule-low-priority-values-first", "--disable-priority-preemption")
 
