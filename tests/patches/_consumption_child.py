@@ -1,6 +1,8 @@
 """Child process of test_consumption_rule.py: AReaL's BatchTaskDispatcher (the patched copy first on the
-path) with its real AsyncTaskRunner and StalenessManager. Prints one JSON line: the task names of the batch
-for version 1 with the consumption rule installed (argv[1] == "rule") or AReaL's own rule, and the wait."""
+path) with its real AsyncTaskRunner and StalenessManager. Prints one JSON line: for the consumption rule
+installed ("rule") and AReaL's own rule ("areal"), the task names of the batches for versions 0 and 1 and
+the wait for the second; and the priority in SGLang's payload with and without the router's ("payload").
+One process: importing AReaL takes about a minute on a loaded machine."""
 
 import asyncio
 import json
@@ -27,7 +29,7 @@ class Task:
         self.task_id, self.name, self.secs = task_id, name, secs
 
 
-def main() -> int:
+def run(mode: str) -> dict:
     eta, batch = 1, 2
     ver = Version()
     sm = StalenessManager(ver, max_concurrent_rollouts=64, consumer_batch_size=batch, max_staleness=eta)
@@ -41,7 +43,7 @@ def main() -> int:
         return run
 
     d = BatchTaskDispatcher(max_queue_size=64, task_factory=factory, staleness_manager=sm)
-    if sys.argv[1] == "rule":
+    if mode == "rule":
         d.consume_rule = consume_rule(eta)
     d.initialize(logging.getLogger("child"))
     try:
@@ -54,9 +56,23 @@ def main() -> int:
             d.submit_task_input(Task(i, name, secs))
         t0 = time.perf_counter()
         second = sorted(r for r in d.wait_results(batch, timeout=10))
-        print(json.dumps({"first": first, "second": second, "wait_s": time.perf_counter() - t0}))
+        return {"first": first, "second": second, "wait_s": time.perf_counter() - t0}
     finally:
         d.destroy()
+
+
+def payload_priority() -> list:
+    from areal.api.io_struct import ModelRequest
+    from areal.engine.sglang_remote import SGLangBackend
+
+    b = SGLangBackend()
+    with_prio = b.build_generation_request(ModelRequest(input_ids=[1, 2], metadata={"priority": 3}), False, 0)
+    without = b.build_generation_request(ModelRequest(input_ids=[1, 2]), False, 0)
+    return [with_prio.payload.get("priority"), "priority" in without.payload]
+
+
+def main() -> int:
+    print(json.dumps({"rule": run("rule"), "areal": run("areal"), "payload": payload_priority()}))
     return 0
 
 
