@@ -25,7 +25,7 @@ T = TypeVar("T")
 # Libra bounds every trained trajectory's version lag by eta (the rule below at consumption, oldest start
 # version first at the servers). One switch for the simulated Libra (sim/libra.py BOUND_LAG) and the live
 # run's default (LibraConfig.bound_lag: the executor's consumption rule, request priority, SGLang flags).
-BOUND_LAG = False
+BOUND_LAG = True
 
 # SGLang (>= 0.5) server flags that make its waiting queue order requests by the request's `priority`,
 # lowest value first, arrival order on ties (SchedulePolicy._sort_by_priority_and_fcfs, under the fcfs

@@ -82,9 +82,10 @@ CALIBRATE_ONLINE = True
 # areal_libra.cmlfq.aging), so such a group's requests are not queued behind newer ones. AReaL-Static-Optimal
 # keeps AReaL's rule (issue 23). The live run does the same when LibraConfig.bound_lag is on (patches 14 and
 # 15, areal_libra.live.lag_bound, the router's request priority, aging.SGLANG_FLAGS). One switch:
-# aging.BOUND_LAG. Measured cost (60 steps, docs/simulator.md): the trainer's waits for stragglers, -21%
-# Search-R1 and -20% R2E-Gym at 16x16 (seed 3); 64 x H200 with 64x16 Search-R1 0.77x AReaL-Static-Optimal
-# against 1.00x without it; at 128x16 +0-20%.
+# aging.BOUND_LAG, on: at the paper's scale (128x16, 60 steps, seeds 0-2) Libra is 1.00-1.06x on Search-R1 and
+# DAPO-Math, 1.39-1.42x on R2E-Gym with max lag 4. Its cost is the trainer's waits for stragglers where the tail
+# spans more than eta steps: at 16x16 (seed 3) 0.74 / 0.95 / 0.79x against 0.94 / 0.95 / 0.98x off; 64 x H200
+# with 64x16 Search-R1 0.77x against 1.00x off (docs/simulator.md).
 BOUND_LAG = aging.BOUND_LAG
 # Plan for the in-flight window of an asynchronous run: with staleness bound eta, eta+1 batches are in
 # flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
