@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from areal_libra.cmlfq import aging
 from areal_libra.cmlfq.policy import CMLFQConfig
 from areal_libra.control.controller import ControlConfig
 from areal_libra.control.profile import PROFILE_GROUPS
@@ -272,6 +273,11 @@ class LibraConfig:
     # The launcher keeps supervising when every rollout server is dead (chaos tests; it stops the run otherwise,
     # after the revival grace in libra mode). Was the environment variable AREAL_LIBRA_ALLOW_SERVER_LOSS=1.
     allow_server_loss: bool = False
+    # libra mode: no trajectory is trained more than eta (AReaL's max_head_offpolicyness) versions after it
+    # started. The trainer's executor waits for a group at the bound (patch 14, live/lag_bound.py), every
+    # request carries its trajectory's start version as priority (rollout/router.py, patch 15), and SGLang
+    # servers order their waiting queues by it (cmlfq.aging.SGLANG_FLAGS); the simulated Libra's rule.
+    bound_lag: bool = aging.BOUND_LAG
 
     def __post_init__(self) -> None:
         if self.mode not in ("libra", "static"):

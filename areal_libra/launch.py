@@ -189,14 +189,15 @@ def emulation(c: Composed):
 
 
 def server_specs(c: Composed):
-    from areal_libra.rollout.launcher import ServerSpec, areal_sglang_flags
+    from areal_libra.rollout.launcher import ServerSpec, libra_sglang_flags
 
     # Distinct seeds, AReaL's way (its sglang_server.py: base random seed + the server's index on the node).
     # CPU runs keep seed 0 on every embedded server (their measured runs stay comparable).
     seed = int(c.areal.seed) if c.libra.device == "cuda" else 0
     step = 1 if c.libra.device == "cuda" else 0
     # On GPUs every server also gets the flags AReaL's launcher derives from the run's `sglang:` section.
-    flags = areal_sglang_flags(c.areal.sglang) if c.libra.device == "cuda" else ()
+    bound = c.libra.mode == "libra" and c.libra.bound_lag
+    flags = libra_sglang_flags(c.areal.sglang, bound) if c.libra.device == "cuda" else ()
     specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name, seed=seed + step * i,
                         extra_args=flags) for i, g in enumerate(_servers(c))]
     emu = emulation(c)

@@ -17,12 +17,21 @@ One key for both sides:
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# Libra bounds every trained trajectory's version lag by eta (the rule below at consumption, oldest start
+# version first at the servers). One switch for the simulated Libra (sim/libra.py BOUND_LAG) and the live
+# run's default (LibraConfig.bound_lag: the executor's consumption rule, request priority, SGLang flags).
+BOUND_LAG = True
 
 # SGLang (>= 0.5) server flags that make its waiting queue order requests by the request's `priority`,
 # lowest value first, arrival order on ties (SchedulePolicy._sort_by_priority_and_fcfs, under the fcfs
 # schedule policy); priority preemption off (the simulator's servers never preempt a running request for a
-# waiting one of higher priority, only for KV room). Not passed by the launcher yet (docs/simulator.md).
+# waiting one of higher priority, only for KV room). The launcher passes them when the bound is on
+# (launcher.libra_sglang_flags).
 SGLANG_FLAGS: tuple[str, ...] = ("--schedule-policy", "fcfs", "--enable-priority-scheduling",
                                  "--schedule-low-priority-values-first", "--disable-priority-preemption")
 
@@ -44,3 +53,34 @@ def edf_insert(queue: deque, item: Any, key: int, key_of) -> None:
     while i > 0 and key_of(queue[i - 1]) > key:
         i -= 1
     queue.insert(i, item)
+
+
+def select_batch(tasks: Iterable[tuple[T, int, bool]], version: int, eta: int | None,
+                 count: int) -> tuple[list[T] | None, str]:
+    """The trainer's batch for step `version` (the step that turns policy version `version` into version + 1).
+
+    `tasks` are the started groups not yet trained in start order (oldest first), each (item, start version,
+    finished).
+    eta None: AReaL's rule, the first `count` finished groups (its admission bound alone limits the lag).
+    eta set (Libra's bounded lag): every group that started at version <= version - eta would be trained
+    more than eta versions after it started if it missed this step, so it must be in this batch: wait while
+    one of them is still running (the only wait the bound adds), take them all (the batch grows past
+    `count` in the rare case that there are more), and fill the rest with the oldest finished groups.
+    Returns (the batch, "") or (None, why the trainer waits: "stale" or "count"). One rule for the
+    simulator (sim/cluster.py) and the live executor (patch 14, installed by areal_libra.live.train)."""
+    need_before = version - eta if eta is not None else None
+    forced: list[T] = []
+    rest: list[T] = []
+    for item, start, done in tasks:
+        if need_before is not None and start <= need_before:
+            if not done:
+                return None, "stale"
+            forced.append(item)
+        elif len(rest) >= count:
+            break  # tasks come in start order: no forced group follows a younger one
+        elif done:
+            rest.append(item)
+    batch = forced + rest[: max(0, count - len(forced))]
+    if len(batch) < count:
+        return None, "count"
+    return batch, ""

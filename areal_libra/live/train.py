@@ -26,6 +26,7 @@ from typing import Any
 from areal_libra.config import LibraConfig, libra_config, load_run_config
 from areal_libra.control.profile import ProfilePass
 from areal_libra.elastic.policy import ScheduledPolicy
+from areal_libra.live import lag_bound
 from areal_libra.live.elastic_live import hybrids_serve, install_elastic, plan_pool_factory
 from areal_libra.live.live_cluster import LiveCluster, LiveControl, plan_source
 from areal_libra.live.rank_follower import LayoutFollower
@@ -325,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         if router is not None:
             sinks.append(router.on_trajectory)
             router.attach_engine(trainer.rollout)  # a server that missed a weight update stays out
+        if libra.mode == "libra" and libra.bound_lag:
+            lag_bound.install(trainer.rollout)  # no group trained more than eta versions after it started
 
         pressure = rollout_pressure(trainer, libra)
         fleet = install_fleet(trainer, libra, run_dir, metrics, router)  # None: no layout changes, no hybrids

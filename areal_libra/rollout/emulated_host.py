@@ -276,6 +276,7 @@ class EmulatedServer:
             sp = body.get("sampling_params") or {}
             gen = int(sp.get("max_new_tokens", 128))
             rid = str(body.get("rid") or f"r{time.time_ns()}")
+            prio = None if body.get("priority") is None else int(body["priority"])
             if not isinstance(ids, list) or not ids or gen < 0:
                 raise ValueError("input_ids must be a non-empty list and max_new_tokens >= 0")
         except (ValueError, KeyError, TypeError) as e:
@@ -293,6 +294,8 @@ class EmulatedServer:
             req = SimRequest(_Turn(p.gen, ctx), None, 0, self.host.now())
         done = self.host.progress.pop(rid, 0)
         req.traj, req.seg, req.done_tokens, req.ctx = _Turn(p.gen), 0, done, ctx
+        if prio is not None:  # Libra's bounded lag: the oldest start version first, as its simulator (RunConfig.edf)
+            req.start_version, sim.edf = prio, True
         cached = sim.idle_cache.get(req) if done == 0 else None
         if cached is not None and cached <= ctx:
             prior, new = cached, ctx - cached

@@ -61,7 +61,7 @@ from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, Serv
 from areal_libra.rollout.emulated_host import EmulatedHostBackend
 from areal_libra.rollout.futures import then_record
 from areal_libra.rollout.groups import GroupConfigError, RolloutGroup, assign_buckets, format_allocation
-from areal_libra.rollout.launcher import ServerLaunchError, ServerSpec, areal_sglang_flags
+from areal_libra.rollout.launcher import ServerLaunchError, ServerSpec, libra_sglang_flags
 from areal_libra.rollout.placement import (
     ROLLOUT_DEVICES_ENV,
     PlacementError,
@@ -879,8 +879,10 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     if backend is None:  # an emulated host the launch started, else local processes
         backend = EmulatedHostBackend.from_run_dir(run_dir)
     if backend is None:
-        device = load_run_config(run_dir).device if (run_dir / "libra_config.yaml").exists() else "cpu"
-        flags = areal_sglang_flags(trainer.config.sglang) if device == "cuda" else ()  # as the launch's servers
+        lc = load_run_config(run_dir) if (run_dir / "libra_config.yaml").exists() else None
+        device = lc.device if lc is not None else "cpu"
+        bound = lc is not None and lc.mode == "libra" and lc.bound_lag
+        flags = libra_sglang_flags(trainer.config.sglang, bound) if device == "cuda" else ()  # as the launch's
         backend = backend_for_device(device, seed=int(getattr(trainer.config, "seed", 0) or 0),
                                      first_index=len(servers), areal_flags=flags)
     for s in servers:  # the launcher's servers, stopped and replaced through the backend that runs them

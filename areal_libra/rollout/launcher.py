@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_libra.cmlfq import aging
 from areal_libra.rollout.placement import Placement, PlacementError, assign_gpus, visible_devices
 from areal_libra.utils import free_ports
 
@@ -200,6 +201,16 @@ def areal_sglang_flags(sglang_config: Any) -> tuple[str, ...]:
         sglang_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SGLangConfig), sglang_config))
     args = SGLangConfig.build_args(sglang_config, tp_size=1, base_gpu_id=0)
     return tuple(get_py_cmd("sglang", {k: v for k, v in args.items() if k not in _OWN_SGLANG_KEYS})[3:])
+
+
+def libra_sglang_flags(sglang_config: Any, bound_lag: bool) -> tuple[str, ...]:
+    """A Libra run's SGLang flags: AReaL's (areal_sglang_flags), then, with the bounded version lag
+    (LibraConfig.bound_lag in libra mode), cmlfq.aging.SGLANG_FLAGS, which order each server's waiting queue
+    by the request priority the router sets (the trajectory's start version, oldest first). They come last:
+    their --schedule-policy fcfs overrides AReaL's default lpm (SGLang's priority scheduling takes fcfs or
+    lof only)."""
+    flags = areal_sglang_flags(sglang_config)
+    return (*flags, *aging.SGLANG_FLAGS) if bound_lag else flags
 
 
 def server_env_overlay(backend: str, spec: ServerSpec, base_env: dict[str, str] | None,

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from areal_libra.cmlfq import Bucket, Dispatcher, NoHealthyServer, ServerGroup, make_policy
+from areal_libra.cmlfq import Bucket, Dispatcher, NoHealthyServer, ServerGroup, aging, make_policy
 from areal_libra.cmlfq.spill import SpillConfig
 from areal_libra.config import DispatchConfig
 from areal_libra.rollout.groups import RolloutGroup, expand_servers, group_from_mapping, resolve_groups
@@ -50,6 +50,7 @@ class _Track:
     addr: str
     anonymous: bool = False
     placements: list[tuple[int, str]] = field(default_factory=list)  # (tool returns seen, server) per send
+    start_version: int | None = None  # the engine's weight version at the trajectory's first request
 
 
 @dataclass
@@ -81,9 +82,14 @@ class RequestRouter:
         run_dir: str | Path | None = None,
         restore: bool = False,
         health: bool = True,
+        oldest_first: bool = False,
     ) -> None:
         cfg = config or DispatchConfig()
         self.config = cfg
+        # Libra's bounded lag (LibraConfig.bound_lag): every request carries its trajectory's start version as
+        # its scheduling priority (cmlfq.aging.priority; patch 15 puts it in the payload), so a server serves
+        # the oldest trajectories' waiting requests first, as the simulator's servers do (RunConfig.edf).
+        self.oldest_first = oldest_first
         self.groups, self.group_addrs = self._ordered(groups, addresses)
         self.group_of = {a: gi for gi, addrs in enumerate(self.group_addrs) for a in addrs}
         self.all_addresses = [a for addrs in self.group_addrs for a in addrs]
@@ -421,7 +427,8 @@ class RequestRouter:
                         self.addr_requests[addr] = self.addr_requests.get(addr, 0) + 1
                         tr = self._tracks.get(tid)
                         if tr is None:
-                            tr = self._tracks[tid] = _Track([[bucket, 0]], n_tools, gi, addr, anonymous)
+                            tr = self._tracks[tid] = _Track([[bucket, 0]], n_tools, gi, addr, anonymous,
+                                                            start_version=self._version())
                         else:
                             if n_tools > tr.n_tools:
                                 tr.decisions.append([bucket, 0])
@@ -438,6 +445,9 @@ class RequestRouter:
                         tr.placements.append((n_tools, addr))
                         for c in (self._step, self._totals):
                             c.routed += 1
+                        start = tr.start_version
+                if self.oldest_first and start is not None and isinstance(getattr(req, "metadata", None), dict):
+                    req.metadata["priority"] = aging.priority(start)
                 return addr
             except NoHealthyServer:
                 if time.monotonic() > deadline:
@@ -770,7 +780,8 @@ def build_router(
     # directory's tree files, the others save theirs in a sub-folder.
     own = run_dir if rank == 0 else run_dir / f"router-rank{rank}"
     own.mkdir(parents=True, exist_ok=True)
-    return RequestRouter(groups, addrs, cfg, own, restore=_recover_enabled(run_dir), health=health)
+    return RequestRouter(groups, addrs, cfg, own, restore=_recover_enabled(run_dir), health=health,
+                         oldest_first=libra.mode == "libra" and libra.bound_lag)
 
 
 # --- single-controller mode ----------------------------------------------------------------------------

@@ -133,7 +133,10 @@ def main() -> int:
         parsed.append({"tp_size": getattr(ns, "tp_size", getattr(ns, "tensor_parallel_size", None)),
                        "random_seed": ns.random_seed, "port": ns.port, "dist_init_addr": ns.dist_init_addr,
                        "mem_fraction_static": ns.mem_fraction_static, "context_length": ns.context_length,
-                       "disable_radix_cache": ns.disable_radix_cache})
+                       "disable_radix_cache": ns.disable_radix_cache, "schedule_policy": ns.schedule_policy,
+                       "enable_priority_scheduling": ns.enable_priority_scheduling,
+                       "schedule_low_priority_values_first": ns.schedule_low_priority_values_first,
+                       "disable_priority_preemption": ns.disable_priority_preemption})
     print(json.dumps({"parsed": parsed}))
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from areal_libra.cmlfq.aging import edf_insert
 from areal_libra.server.attention import use_gqa_attention
 from areal_libra.server.kv_cache import PrefixCache, SlotKVCache
 from areal_libra.server.protocol import SamplingParams
@@ -31,6 +33,10 @@ ABORT_BEFORE_PREFILL = "Abort before prefill"  # AReaL's client treats this pref
 # Distinct stop-string sets whose candidate tokens are kept (least recently used beyond): each holds up to a
 # vocabulary of ids, and clients may send a different set with every request.
 STOP_CANDIDATE_CACHE = 64
+
+
+def _priority(req: Request) -> int:
+    return sys.maxsize if req.priority is None else req.priority
 
 
 def _finished(req: Request) -> None:
@@ -54,6 +60,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     finished_at: float = 0.0
     weight_version: str = "default"
+    priority: int | None = None  # lower is admitted first (FIFO among equals); None: after all prioritised
     # engine-private
     stop_ids: frozenset[int] = frozenset()
     stop_candidates: frozenset[int] | None = None  # tokens that may complete a stop string; None = all
@@ -310,7 +317,8 @@ class BatchEngine:
     def _drain_inbox(self) -> None:
         with self._cv:
             inbox, self._inbox = self._inbox, []
-        self._waiting.extend(inbox)
+        for req in inbox:  # SGLang's priority scheduling: lowest value first, arrival order on ties
+            edf_insert(self._waiting, req, _priority(req), _priority)
 
     def _loop(self) -> None:
         # Everything the engine thread does (steps and commands) touches inference-mode tensors.

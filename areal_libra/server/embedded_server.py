@@ -257,7 +257,7 @@ class EmbeddedServer:
         def on_finish(r: Request) -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
 
-        req = Request(rid=gi.rid, input_ids=list(ids), params=gi.params, on_finish=on_finish)
+        req = Request(rid=gi.rid, input_ids=list(ids), params=gi.params, on_finish=on_finish, priority=gi.priority)
         req.logprob_start_len = gi.logprob_start_len
         self.engine.submit(req)
         try:

@@ -65,6 +65,7 @@ GENERATE_FIELDS_SUPPORTED = {
     "return_logprob",
     "stream",
     "logprob_start_len",
+    "priority",
 }
 GENERATE_FIELDS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "image_data": (None, []),
@@ -83,7 +84,6 @@ GENERATE_FIELDS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "session_params": (None,),
     "custom_logit_processor": (None,),
     "data_parallel_rank": (None, 0),
-    "priority": (None, 0),
     "bootstrap_host": (None,),
     "bootstrap_port": (None,),
     "bootstrap_room": (None,),
@@ -129,6 +129,9 @@ class GenerateInput:
     params: SamplingParams
     return_logprob: bool
     logprob_start_len: int = -1
+    # Scheduling priority, lower first (SGLang's --schedule-low-priority-values-first; Libra sends its
+    # trajectory's start version, cmlfq.aging.priority); None: after every prioritised request, FIFO.
+    priority: int | None = None
 
 
 def _check_neutral(obj: dict[str, Any], supported: set[str], neutral: dict[str, tuple[Any, ...]], where: str) -> None:
@@ -254,6 +257,9 @@ def parse_generate(body: Any, default_max_new_tokens: int = 128) -> GenerateInpu
         start = -1
     if isinstance(start, bool) or not isinstance(start, int) or start < -1:
         raise RequestError("logprob_start_len must be an integer >= -1")
+    priority = body.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise RequestError(f"priority must be an integer, got {short(priority)}")
     rid = body.get("rid")
     if rid is None:
         rid = uuid.uuid4().hex
@@ -266,6 +272,7 @@ def parse_generate(body: Any, default_max_new_tokens: int = 128) -> GenerateInpu
         params=parse_sampling_params(body.get("sampling_params"), default_max_new_tokens),
         return_logprob=_bool(body, "return_logprob", False, "request"),
         logprob_start_len=start if _bool(body, "return_logprob", False, "request") else -1,
+        priority=priority,
     )
 
 

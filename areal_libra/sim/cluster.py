@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from areal_libra.cmlfq.aging import select_batch
 from areal_libra.elastic.measure import pressure, rollout_time
 from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import RolloutServer, SimRequest
@@ -434,22 +435,12 @@ class Simulation:
         k = self.version
         # AReaL (default): groups are consumed oldest-first among the finished ones; the bound acts at
         # admission, so a straggler is used later rather than waited for. Strict mode also guarantees
-        # every consumed group started at most max_staleness versions ago, by waiting for stragglers.
-        need_before = k - self.cfg.max_staleness if self.cfg.strict_staleness else -1
-        # Groups that would exceed the bound after this step must be in it (the batch grows past
-        # `batch` in the rare case that more than a batch of them is left); fill the rest oldest-first.
-        forced = [g for g in self.pending if g.version <= need_before]
-        if any(not g.ready for g in forced):
-            self._blocked_on = "stale"
-            return
-        batch: list[Group] = list(forced)
-        for g in self.pending:
-            if len(batch) >= self.batch:
-                break
-            if g.ready and g.version > need_before:
-                batch.append(g)
-        if len(batch) < self.batch:
-            self._blocked_on = "count"
+        # every consumed group started at most max_staleness versions ago, by waiting for stragglers
+        # (cmlfq.aging.select_batch, the live executor's rule too).
+        eta = self.cfg.max_staleness if self.cfg.strict_staleness else None
+        batch, why = select_batch(((g, g.version, g.ready) for g in self.pending), k, eta, self.batch)
+        if batch is None:
+            self._blocked_on = why
             return
         chosen = set(id(g) for g in batch)
         self.trained.extend(tr for g in batch for tr in g.trajs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from areal_libra.cmlfq import aging
 from areal_libra.control import ControlConfig, LibraController, PoolView, ProfilePass, StepObservation
 from areal_libra.control.prediction import RankingProbe, layout_plan
 from areal_libra.control.profile import length_history
@@ -87,15 +88,16 @@ CALIBRATE = True
 # 4x growth trace moves GPUs to training. The live and simulated controllers run it when on.
 CALIBRATE_ONLINE = True
 # Libra bounds every trained trajectory's version lag by eta at consumption (RunConfig.strict_staleness: the
-# trainer waits for a group that would otherwise be trained more than eta versions after it started), and its
-# rollout servers serve the oldest start version first (RunConfig.edf, areal_libra.cmlfq.aging), so such a
-# group's requests are not queued behind newer ones. AReaL-Static-Optimal keeps AReaL's rule (issue 23).
-# Measured cost (60 steps): -21% Search-R1, 0% DAPO-Math, -20% R2E-Gym at 16x16 (seed 3); at 64 x H200 with
-# 64x16 Search-R1 0.77x AReaL-Static-Optimal against 1.00x without it; at 128x16 +0-20% (docs/simulator.md).
-# Off: the live run does not enforce it yet (AReaL's executor hands back the first finished groups and its
-# requests carry no priority), so on, the simulated Libra would not be the live one (issue 24's agreement),
-# and below the paper's batch it costs a fifth of the throughput. False: AReaL's rule only.
-BOUND_LAG = False
+# trainer waits for a group that would otherwise be trained more than eta versions after it started,
+# cmlfq.aging.select_batch), and its rollout servers serve the oldest start version first (RunConfig.edf,
+# areal_libra.cmlfq.aging), so such a group's requests are not queued behind newer ones. AReaL-Static-Optimal
+# keeps AReaL's rule (issue 23). The live run does the same when LibraConfig.bound_lag is on (patches 14 and
+# 15, areal_libra.live.lag_bound, the router's request priority, aging.SGLANG_FLAGS). One switch:
+# aging.BOUND_LAG, on: at the paper's scale (128x16, 60 steps, seeds 0-2) Libra is 1.00-1.06x on Search-R1 and
+# DAPO-Math, 1.39-1.42x on R2E-Gym with max lag 4. Its cost is the trainer's waits for stragglers where the tail
+# spans more than eta steps: at 16x16 (seed 3) 0.74 / 0.95 / 0.79x against 0.94 / 0.95 / 0.98x off; 64 x H200
+# with 64x16 Search-R1 0.77x against 1.00x off (docs/simulator.md).
+BOUND_LAG = aging.BOUND_LAG
 # Plan for the in-flight window of an asynchronous run: with staleness bound eta, eta+1 batches are in
 # flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
 # instead of once per step, as it is in the running system.

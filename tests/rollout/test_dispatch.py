@@ -542,3 +542,30 @@ def test_placements_spill_to_the_idle_neighbour_bucket_as_in_the_simulator() -> 
     assert all(a in ADDRS[0] for a in place(None))
     spread = place(1.2)
     assert any(a in ADDRS[1] for a in spread) and any(a in ADDRS[0] for a in spread)
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.version = 3
+
+    def get_version(self) -> int:
+        return self.version
+
+
+@pytest.mark.parametrize("oldest_first", [True, False])
+def test_requests_carry_their_trajectorys_start_version_as_priority(oldest_first: bool) -> None:
+    """LibraConfig.bound_lag: every request of a trajectory is sent with the weight version its first
+    request saw (cmlfq.aging.priority; patch 15 puts it into SGLang's payload); off, no priority."""
+    cfg = DispatchConfig(cmlfq=dict(NOSTART), spill_ratio=None)
+    router = RequestRouter([LONG, SHORT], [ADDRS[1], ADDRS[0]], cfg, health=False, oldest_first=oldest_first)
+    engine = _Engine()
+    router.attach_engine(engine)
+    r0 = req("t1", 10, [])
+    router.done(r0, router.route(r0, None), [1] * 20, "tool_calls")
+    engine.version = 5  # a weight update while t1 waits for its tool
+    r1 = req("t1", 35, [tool("success")], model=20)
+    router.route(r1, None)
+    r2 = req("t2", 10, [])
+    router.route(r2, None)
+    got = [r.metadata.get("priority") for r in (r0, r1, r2)]
+    assert got == ([3, 3, 5] if oldest_first else [None, None, None])

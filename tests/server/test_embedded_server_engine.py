@@ -265,3 +265,26 @@ def test_stop_string_candidates_cache_is_bounded(hf):
     cached = engine._candidate_cache[last]
     engine._candidate_cache.clear()
     assert engine._stop_candidates(last) == cached
+
+
+def test_waiting_requests_are_admitted_lowest_priority_value_first(hf):
+    """Libra's bounded lag sends each request with its trajectory's start version as priority (SGLang's
+    --schedule-low-priority-values-first): the oldest trajectory's waiting request goes first, arrival order
+    among equals, requests without a priority after all others; /generate's parser carries it through."""
+    model, tok = hf
+    engine = BatchEngine(model, tok, EngineConfig(max_running_requests=1))
+    finished: list[str] = []  # one running request at a time: the finish order is the admission order
+    ids = tok.encode("Hi")
+    for rid, prio in (("none", None), ("v5", 5), ("v1a", 1), ("v3", 3), ("v1b", 1)):
+        engine.submit(Request(rid=rid, input_ids=ids, params=SamplingParams(max_new_tokens=2, ignore_eos=True),
+                              on_finish=lambda r: finished.append(r.rid), priority=prio))
+    engine._drain_inbox()
+    while engine._waiting or engine.num_running():
+        engine._admit()
+        while engine.num_running():
+            engine._decode_step()
+    assert finished == ["v1a", "v1b", "v3", "v5", "none"]
+    assert parse_generate({"input_ids": [1], "priority": 7}).priority == 7
+    assert parse_generate({"input_ids": [1]}).priority is None
+    with pytest.raises(RequestError, match="priority must be an integer"):
+        parse_generate({"input_ids": [1], "priority": "old"})

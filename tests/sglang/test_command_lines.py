@@ -183,3 +183,17 @@ def test_the_command_lines_carry_the_areal_flags(tmp_path):
     for cmd in cmds:
         for flag in ("--model-path", "--tp-size", "--random-seed", "--dist-init-addr", "--port", "--base-gpu-id"):
             assert flag in cmd, (flag, cmd)
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_the_bounded_lag_turns_on_sglangs_priority_scheduling(tmp_path, bound):
+    """libra.bound_lag: SGLang orders each waiting queue by the request priority the router sets (the
+    trajectory's start version, lowest first), with the fcfs policy its priority scheduling requires
+    (ServerArgs.check_server_args: fcfs or lof), overriding AReaL's lpm; off, AReaL's flags as they are."""
+    c = compose(["cluster=gpu", f"cluster.fileroot={tmp_path}", f"libra.bound_lag={str(bound).lower()}"])
+    spec = launch.server_specs(c)[0]
+    ns = parse_with_sglang([launcher.build_command("sglang", "/m", spec, "127.0.0.1", 30000, 0, 30001)[3:]])[0]
+    got = (ns["enable_priority_scheduling"], ns["schedule_low_priority_values_first"],
+           ns["disable_priority_preemption"])
+    assert got == ((True, True, True) if bound else (False, False, False))
+    assert ns["schedule_policy"] == ("fcfs" if bound else c.areal.sglang.schedule_policy)

@@ -44,10 +44,10 @@ def test_the_table_shows_the_mean_lag():
 
 def test_libra_with_its_lag_bound_never_trains_a_trajectory_staler_than_eta(monkeypatch):
     # DAPO-Math, seed 3: under AReaL's rule alone Libra trained trajectories up to 5-7 versions old at eta 4;
-    # with its bound (sim/libra.py BOUND_LAG, off by default: the live run lacks it) Libra waits at consumption.
+    # with its bound (sim/libra.py BOUND_LAG, cmlfq.aging.BOUND_LAG: on by default) Libra waits at consumption.
     import areal_libra.sim.libra as sim_libra
 
-    monkeypatch.setattr(sim_libra, "BOUND_LAG", True)
+    monkeypatch.setattr(sim_libra, "BOUND_LAG", True)  # whatever the default
     env = make_env("dapo_math", "a800x48", "qwen3-14b", seed=3)
     res, _ = run_many(["libra"], env, 60)
     r = res["libra"]
