@@ -75,14 +75,17 @@ def test_any_canonical_trace_is_a_workload(tmp_path):
 
 @pytest.fixture
 def workload_log(caplog):
-    """The workloads logger's records (attached directly: other tests' logging set-up may stop propagation)."""
+    """The workloads logger's records, attached directly: a module imported by another test may have run a
+    logging dictConfig that disables existing loggers or stops their propagation."""
     logger = logging.getLogger("areal_libra.sim.workloads")
+    disabled, logger.disabled = logger.disabled, False
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger=logger.name):
             yield caplog
     finally:
         logger.removeHandler(caplog.handler)
+        logger.disabled = disabled
 
 
 def _trace_folder(tmp_path, per_step):
