@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, ProfilePass, StepObservation
-from areal_libra.control.profile import length_history
+from areal_libra.control.cohorts import CohortHistory
+from areal_libra.control.profile import length_history, train_batch_lens
 from areal_libra.elastic.policy import hybrid_count, hybrid_server_tp
 from areal_libra.planner.replan import ReplanConfig
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
@@ -118,11 +119,9 @@ PROFILE_TRAIN = True
 
 def train_profile_lens(env: Env, trajs) -> tuple[int, ...] | None:
     """One global batch of the profile's final lengths (the batch a user times a training step on)."""
-    if not PROFILE_TRAIN or not trajs:
+    if not PROFILE_TRAIN:
         return None
-    lens = [t.final_length for t in trajs]
-    n = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
-    return tuple(lens[i % len(lens)] for i in range(n))
+    return train_batch_lens(trajs, env.workload.cfg.batch_prompts * env.workload.cfg.group_size)
 
 
 def planner_cluster(env: Env):
@@ -246,13 +245,18 @@ def history_of(sim: Simulation, n: int) -> list[tuple[int, ...]]:
 COMPLETE_COHORTS = True
 
 
-class CohortHistory:
-    """Finished trajectories by the policy version their group started at (what the rollout side knows of
-    every request), and the history of the newest complete cohorts."""
+class SimCohorts:
+    """The simulator's adapter of the shared complete-cohort history (control.cohorts.CohortHistory): every
+    finished trajectory by the policy version its group started at, and the oldest running group's version
+    from the simulation's pending groups."""
 
     def __init__(self) -> None:
-        self.by_version: dict[int, list[tuple[int, ...]]] = {}
+        self.cohorts = CohortHistory()
         self.seen = 0  # finished trajectories ingested (Simulation.traj_durations counts them all)
+
+    @property
+    def by_version(self) -> dict[int, list[tuple[int, ...]]]:
+        return self.cohorts.by_version
 
     def ingest(self, sim: Simulation) -> None:
         total = len(sim.traj_durations)
@@ -260,21 +264,13 @@ class CohortHistory:
         if new > 0:
             trajs, rows = list(sim.finished_trajs)[-new:], list(sim.finished)[-new:]
             for tr, row in zip(trajs, rows):
-                self.by_version.setdefault(tr.step, []).append(row if HISTORY_TRIPLES else row[:2])
+                self.cohorts.add(tr.step, row if HISTORY_TRIPLES else row[:2])
         self.seen = total
 
     def history(self, sim: Simulation, n: int) -> list[tuple[int, ...]]:
         self.ingest(sim)
         running = [g.version for g in sim.pending if not g.ready]
-        open_v = min(running) if running else sim.version + 1
-        rows: list[tuple[int, ...]] = []
-        for v in sorted((v for v in self.by_version if v < open_v), reverse=True):
-            rows = self.by_version[v] + rows
-            if len(rows) >= n:
-                break
-        if len(rows) > n:  # an even subsample of whole cohorts (rows are completion-ordered within one)
-            rows = [rows[i * len(rows) // n] for i in range(n)]
-        return rows
+        return self.cohorts.history(n, min(running) if running else sim.version + 1)
 
 
 def layout_from_plan(plan, max_len: int, plan_micro_batch: bool = True) -> Layout:
@@ -423,7 +419,7 @@ class SimCluster:
     def __init__(self, env: Env, opts: LibraOptions, units: list[HybridUnit]) -> None:
         self.env, self.opts, self.units = env, opts, units
         self.sim: Simulation | None = None
-        self.cohorts = CohortHistory()
+        self.cohorts = SimCohorts()
 
     def attach(self, sim: Simulation) -> None:
         self.sim = sim
