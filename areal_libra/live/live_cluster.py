@@ -42,6 +42,7 @@ from areal_libra.cost.training import TrainParallel
 from areal_libra.elastic.measure import rollout_busy_share, rollout_time
 from areal_libra.live.recover import plan_from_state
 from areal_libra.planner import Plan, PlanError, PlannerConfig, price, solve
+from areal_libra.planner.evaluate import price_terms
 from areal_libra.rollout.emulation import profiled_hardware
 from areal_libra.rollout.groups import RolloutGroup, groups_from_plan, resolve_groups
 from areal_libra.utils import append_jsonl, first_line
@@ -86,6 +87,15 @@ class LivePlanSource:
     def price(self, plan: Any, history: list[tuple[int, ...]]) -> float:
 
         return price(plan, self.cluster, self.model, history, self.config).makespan_s
+
+    # control.CalibratedPlanSource: with these the controller calibrates online and gates re-plans on the
+    # calibrated evaluator (ControlConfig.calibrate), as the simulator's Libra (sim.libra.SimPlanSource).
+    def solve_calibrated(self, history: list[tuple[int, ...]], factors: Any) -> Any:
+        return solve(self.cluster, self.model, history,
+                     replace(self.config, train_factor=factors.train, rollout_factor=factors.rollout))
+
+    def price_terms(self, plan: Any, history: list[tuple[int, ...]]) -> tuple[float, float, float]:
+        return price_terms(plan, self.cluster, self.model, history, self.config)
 
 
 class LiveCluster:

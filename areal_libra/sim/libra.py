@@ -405,12 +405,10 @@ class SimPlanSource:
         return max(t_train, t_roll)
 
     def price_terms(self, plan, history) -> tuple[float, float, float]:
-        from areal_libra.planner.evaluate import price
+        from areal_libra.planner.evaluate import price_terms
 
-        cfg = planner_config(self.env, **self.slots())
-        p = price(plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name, history, cfg)
-        tokens = cfg.global_batch * sum(h[1] for h in history) / max(1, len(history))
-        return p.t_train_s, p.t_rollout_s, tokens
+        return price_terms(plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name, history,
+                           planner_config(self.env, **self.slots()))
 
 
 class SimCluster:
