@@ -46,3 +46,26 @@ def test_preset_hardware_is_the_planners_base():
     # the live fit starts from the same preset the simulator's env plans on
     env = make_env("search_r1", "h200x64", "qwen3-14b", 0, 64, 16)
     assert env.cluster.hardware == load_hardware("h200")
+
+
+def test_live_plan_source_calibrates_as_the_simulators():
+    """LivePlanSource is a CalibratedPlanSource: on the simulator's spec and planner settings its price terms
+    and calibrated plans are the simulator's (one planner, two adapters), so the live controller calibrates
+    online as the simulated one does."""
+    from areal_libra.control import ControlConfig, LibraController
+    from areal_libra.control.calibration import Factors
+
+    env = make_env("search_r1", "h200x64", "qwen3-14b", 0, 64, 16)
+    trajs = list(env.workload.profile(sim_libra.profile_groups(env)))
+    env._train_profile_lens = sim_libra.train_profile_lens(env, trajs)
+    sim_src = sim_libra.SimPlanSource(env, False)
+    live = LivePlanSource(sim_libra.planner_cluster(env), env.model or env.truth.model.name,
+                          sim_libra.planner_config(env))
+    hist = [(t.prompt_tokens, t.final_length) for t in trajs]
+    plan = sim_src.solve(hist)
+    assert live.price_terms(plan, hist) == sim_src.price_terms(plan, hist)
+    f = Factors(train=1.3, rollout=0.5)
+    a, b = live.solve_calibrated(hist, f), sim_src.solve_calibrated(hist, f)
+    assert (a.rollout_alloc(), a.train_alloc()) == (b.rollout_alloc(), b.train_alloc())
+    assert (a.rollout_alloc(), a.train_alloc()) != (plan.rollout_alloc(), plan.train_alloc())  # the factors count
+    assert LibraController(ControlConfig(), live, plan).calib is not None
