@@ -301,7 +301,9 @@ class LibraController:
         skipped while the elastic pool has moved replicas off the plan (the plan no longer describes it)."""
         assert self.calib is not None
         pool = cluster.pool()
-        if self._pool_training0 is None:
+        # Latched once the pool has its replicas placed: a live pool's hybrids start in neither state while their
+        # workers come up (a few steps), then train as the plan sized them; that is the plan's pool, not a move.
+        if self._pool_training0 is None and pool.training + pool.idle:
             self._pool_training0 = pool.training
         if pool.training + pool.idle and pool.training != self._pool_training0:
             return

@@ -79,6 +79,17 @@ def length_history(trajs: Iterable[Any], triples: bool = False) -> list[tuple[in
     return [(int(t.prompt_tokens), int(t.final_length)) for t in trajs]
 
 
+def train_batch_lens(trajs: Iterable[Any], batch: int) -> tuple[int, ...] | None:
+    """The batch the profiling pass times one training step on: the profile's final lengths tiled to the run's
+    global batch (`batch` trajectories), as a user times a training step on the run's own data before training.
+    The planner's training efficiency is fitted to that time (cost.calibrate.Calibration.add_train); None
+    without trajectories."""
+    lens = [int(t.final_length) for t in trajs]
+    if not lens or batch < 1:
+        return None
+    return tuple(lens[i % len(lens)] for i in range(batch))
+
+
 def first_plan(planner: Any, profile: ProfilePass, triples: bool = False, partial: bool = False) -> Any:
     """The first plan: the planner (a control.PlanSource) solved once on the whole profiling pass."""
     return planner.solve(profile.history(triples=triples, partial=partial))

@@ -3,7 +3,9 @@
 `LiveControl` sits in the trainer process (SPMD rank 0). After every committed training step it turns
 AReaL's timings into a StepObservation and calls `LibraController.on_step` with a `LiveCluster`, which
 implements the controller's Cluster interface on the real run:
-- history: (prompt_tokens, final_length) of finished trajectories (the workflow's trajectory sink);
+- history: (prompt_tokens, final_length) of the finished trajectories of the newest complete cohorts
+  (control.cohorts, as the simulator's: each trajectory by the policy version it started at, from the
+  workflow's trajectory sink; the oldest version still in flight from workflows.sink.oldest_running);
 - apply_plan: the plan's rollout mix as server groups (TP t = t threads per embedded server on CPU,
   `--tp-size t` per SGLang server on GPU), reconfigured live by the server fleet (drain, restart, resume);
 - pool / join / release: the Elastic Hybrid Pool (live/elastic_live.py) when it is enabled.
@@ -25,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 from areal.api.alloc_mode import ModelAllocation
 
 from areal_libra.control import ControlConfig, LibraController, PoolView, StepObservation
+from areal_libra.control.cohorts import CohortHistory
 from areal_libra.control.controller import ControlEvent
-from areal_libra.control.profile import ProfileError, ProfilePass
+from areal_libra.control.profile import ProfileError, ProfilePass, train_batch_lens
 from areal_libra.cost.presets import (
     ClusterSpec,
     ModelSpec,
@@ -36,12 +39,14 @@ from areal_libra.cost.presets import (
     resolve_cluster_name,
 )
 from areal_libra.cost.training import TrainParallel
-from areal_libra.elastic.measure import rollout_time
+from areal_libra.elastic.measure import rollout_busy_share, rollout_time
 from areal_libra.live.recover import plan_from_state
 from areal_libra.planner import Plan, PlanError, PlannerConfig, price, solve
+from areal_libra.planner.evaluate import price_terms
 from areal_libra.rollout.emulation import profiled_hardware
 from areal_libra.rollout.groups import RolloutGroup, groups_from_plan, resolve_groups
 from areal_libra.utils import append_jsonl, first_line
+from areal_libra.workflows.sink import oldest_running
 
 if TYPE_CHECKING:
     from areal_libra.config import LibraConfig
@@ -83,6 +88,15 @@ class LivePlanSource:
 
         return price(plan, self.cluster, self.model, history, self.config).makespan_s
 
+    # control.CalibratedPlanSource: with these the controller calibrates online and gates re-plans on the
+    # calibrated evaluator (ControlConfig.calibrate), as the simulator's Libra (sim.libra.SimPlanSource).
+    def solve_calibrated(self, history: list[tuple[int, ...]], factors: Any) -> Any:
+        return solve(self.cluster, self.model, history,
+                     replace(self.config, train_factor=factors.train, rollout_factor=factors.rollout))
+
+    def price_terms(self, plan: Any, history: list[tuple[int, ...]]) -> tuple[float, float, float]:
+        return price_terms(plan, self.cluster, self.model, history, self.config)
+
 
 class LiveCluster:
     """areal_libra.control.Cluster on the real run."""
@@ -95,7 +109,9 @@ class LiveCluster:
         self.version = 0  # the current step (weight version), for emulated length growth
         self.max_tokens = max_tokens
         self.elastic = elastic
-        self.finished: deque[tuple[int, int]] = deque(maxlen=history_len)
+        self.finished: deque[tuple[int, int]] = deque(maxlen=history_len)  # the last to finish (recover, counts)
+        self.cohorts = CohortHistory()  # the controller's history: complete cohorts
+        self.running_fn = oldest_running  # the oldest start version in flight (None: none)
         self.max_running = max_running
         self.reconfig_s = 0.0
         self.reconfigs = 0
@@ -118,10 +134,20 @@ class LiveCluster:
             m = self.emulation.multiplier(self.version)
             final = prompt + int(round((final - prompt) * m))
         self.finished.append((prompt, final))
+        self.cohorts.add(int(getattr(traj, "step", 0)), (prompt, final))
+
+    def restore(self, rows: list[tuple[int, int]],
+                cohorts: list[tuple[int, list[tuple[int, int]]]] | None = None) -> None:
+        """The history saved before a restart (live.recover): the last finished lengths and the cohorts by start
+        version; a state without cohorts gives its lengths as one old, complete cohort (version -1)."""
+        self.finished.extend(rows)
+        for v, vrows in cohorts if cohorts is not None else [(-1, list(rows))]:
+            for r in vrows:
+                self.cohorts.add(v, r)
 
     # ------------------------------------------------------------ Cluster interface
     def history(self, n: int) -> list[tuple[int, ...]]:
-        return list(self.finished)[-n:]
+        return self.cohorts.history(n, self.running_fn())
 
     def signature(self, plan: Any) -> tuple:
         """What a plan puts on this cluster: the server groups (the last bucket reaching max_tokens) and the
@@ -231,6 +257,14 @@ class LiveControl:
         self._metrics: dict[str, float] = {}
         self.resume: dict | None = None  # a saved snapshot (live.recover) to continue from
         self.failures = 0  # steps whose control decision raised (recorded; the run goes on)
+        # The rollout side's busy accounting (the emulated host's GET /pacing: busy_gpu_s, serving_gpus, now_s),
+        # from which each step's StepObservation.rollout_busy is measured; None: not measurable (real SGLang
+        # servers report no busy time, only instantaneous running requests), the gate skips that side's check.
+        self.busy_fn: Any = None
+        # Called with the profiling pass before the first plan is solved on it (fit_profiled_training: the
+        # planner's training efficiency fitted to a timed training step of the run's batch); None: no fit.
+        self.train_fit: Any = None
+        self._busy_last: tuple[float, float] | None = None
 
     def on_step(self, step: int, rec: dict) -> dict[str, float]:
         """Called once per committed step with that step's flat record; returns plan/* metrics."""
@@ -240,7 +274,7 @@ class LiveControl:
         elastic = self.cluster.elastic
         measured = elastic.observation() if elastic is not None and hasattr(elastic, "observation") else None
         inputs = elastic.rollout_inputs() if measured is not None and hasattr(elastic, "rollout_inputs") else None
-        obs = observation(step, rec, pressure, measured, inputs)
+        obs = replace(observation(step, rec, pressure, measured, inputs), rollout_busy=self.rollout_busy())
         served = self._layout()  # the layout that served this step (decisions below change the next one)
         out: dict[str, float] = {}
         try:
@@ -260,6 +294,22 @@ class LiveControl:
         self._metrics = out
         return out
 
+    def rollout_busy(self) -> float | None:
+        """The rollout side's busy share since the last call (elastic.measure.rollout_busy_share, the simulator's
+        definition) from `busy_fn`'s cumulative counters; None without a source, on its first reading or when
+        it does not answer."""
+        if self.busy_fn is None:
+            return None
+        try:
+            h = self.busy_fn()
+            busy, gpus, now = float(h["busy_gpu_s"]), int(h["serving_gpus"]), float(h["now_s"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        last, self._busy_last = self._busy_last, (busy, now)
+        if last is None or now <= last[1]:
+            return None
+        return rollout_busy_share(busy - last[0], now - last[1], gpus)
+
     def _decide(self, step: int, obs: StepObservation, out: dict[str, float]) -> None:
         if self.ctl is None and self.resume is not None:
             self._resume(step)
@@ -274,6 +324,8 @@ class LiveControl:
             out["plan/predicted_vs_measured_step"] = predicted / obs.interval_s if obs.interval_s > 0 else 0.0
             # What the elastic policy read this step (T_train/T_rollout as the controller saw them).
             out["plan/obs_train_s"], out["plan/obs_rollout_s"] = obs.train_s, obs.rollout_s
+            if obs.rollout_busy is not None:
+                out["plan/obs_rollout_busy"] = obs.rollout_busy
             out["plan/events"] = float(len(events))
 
     def _changed_at(self, step: int) -> bool:
@@ -287,6 +339,8 @@ class LiveControl:
         controller starts from it (LibraController.from_profile) and the plan is applied at once. A pass that
         lost trajectories (a failed rollout) is planned on what finished, and says so in its event line."""
         self._record({"step": step, "event": "profile", "detail": profile.summary()})
+        if self.train_fit is not None:
+            self.train_fit(profile)
         try:
             ctl = LibraController.from_profile(self.cfg, self.source, profile, self.elastic_policy, partial=True)
         except ProfileError as e:
@@ -294,6 +348,7 @@ class LiveControl:
         except PlanError as e:
             raise ControlError(f"the planner found no plan for this run: {e}") from None
         served = self._layout()  # the launch layout, which served the pass
+        self.rollout_busy()  # the busy clock starts at the pass's end, as the steps' do (StepMetrics.start_clock)
         self._start(step, ctl)
         self.timeline.append({**self._layout(), "step": step, "serving": served, "tokens_per_s": None,
                               "unit": "profiling pass"})
@@ -551,6 +606,20 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any 
         if train_gpus is not None:
             cfg = replace(cfg, min_train_gpus=train_gpus, max_train_gpus=train_gpus)
     return LivePlanSource(cluster, model if model is not None else model_spec_from_hf(model_path), cfg)
+
+
+def fit_profiled_training(source: LivePlanSource, emulated: Any, profile: ProfilePass, batch: int) -> bool:
+    """The profiling pass's training step on an emulated cluster: one global batch of the pass's final lengths
+    (control.profile.train_batch_lens, the simulator's batch) timed on the emulated hardware per single-node
+    layout (the time the paced trainer takes for it) and the planner's hardware re-fitted with it
+    (rollout.emulation.profiled_hardware with train_lens: decode, prefill and training, the Cost Evaluator's own
+    calibration, as the simulator's Libra). False when the pass finished nothing (the spec stays)."""
+    lens = train_batch_lens(profile.trajectories, batch)
+    if lens is None:
+        return False
+    source.cluster = replace(source.cluster, hardware=profiled_hardware(str(emulated.model), str(emulated.gpu),
+                                                                        int(emulated.seed), train_lens=lens))
+    return True
 
 
 # The launch plans for the worst case: every trajectory at gconfig.max_new_tokens.

@@ -132,7 +132,11 @@ class ControlStateFile:
             "pool": pool.to_state() if pool is not None else None}
         for s in sorted(self.snapshots)[:-KEEP]:
             del self.snapshots[s]
+        cohorts = getattr(cluster, "cohorts", None)
+        keep = (cohorts.needed(int(cluster.finished.maxlen or len(cluster.finished)), cluster.running_fn())
+                if cohorts is not None else {})
         body = {"step": step, "finished": [list(x) for x in cluster.finished],
+                "cohorts": [[v, [list(r) for r in rows]] for v, rows in sorted(keep.items())],
                 "events": [[e.step, e.kind, e.detail] for e in (ctl.events if ctl is not None else [])],
                 "snapshots": {str(s): v for s, v in sorted(self.snapshots.items())}}
         atomic_write_text(self.path, json.dumps(body) + "\n")
@@ -172,12 +176,14 @@ def restore_control_state(run_dir: Path, cluster: Any) -> int:
     try:
         body = json.loads(p.read_text())
         items = [(int(a), int(b)) for a, b in body["finished"]]
+        # the planner's history by start version (absent in a state written before complete cohorts)
+        cohorts = [(int(v), [(int(a), int(b)) for a, b in rows]) for v, rows in body.get("cohorts", ())]
     except FileNotFoundError:
         return 0
     except (OSError, ValueError, KeyError, TypeError):
         print("areal_libra recover: control history unreadable; the planner waits for new lengths", flush=True)
         return 0
-    cluster.finished.extend(items)
+    cluster.restore(items, cohorts or None)
     # stdout (trainer.log), like the control loop's own decisions
     print(f"areal_libra recover: restored {len(items)} finished lengths (control history of step "
           f"{body.get('step')})", flush=True)

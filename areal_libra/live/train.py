@@ -28,7 +28,7 @@ from areal_libra.control.profile import ProfilePass
 from areal_libra.elastic.policy import ScheduledPolicy
 from areal_libra.live import lag_bound
 from areal_libra.live.elastic_live import hybrids_serve, install_elastic, plan_pool_factory
-from areal_libra.live.live_cluster import LiveCluster, LiveControl, plan_source
+from areal_libra.live.live_cluster import LiveCluster, LiveControl, fit_profiled_training, plan_source
 from areal_libra.live.rank_follower import LayoutFollower
 from areal_libra.live.recover import (
     ControlStateFile,
@@ -164,6 +164,15 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
                           fleet=fleet, elastic_policy=script, pool_factory=pool_factory,
                           profile_steps=libra.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")
+    if libra.emulated.enabled and libra.emulated.profile_planner:  # the pass also times a training step
+        batch = int(config.train_dataset.batch_size) * int(config.gconfig.n_samples)
+
+        def train_fit(prof) -> None:
+            if fit_profiled_training(src, libra.emulated, prof, batch) and router is not None and hasattr(
+                    router, "set_pricing"):
+                router.set_pricing(src.cluster.hardware, src.model)  # C-MLFQ on the re-fitted spec too
+
+        control.train_fit = train_fit
     if snap is not None:
         control.resume = snap
         if snap.get("pool") is not None:
@@ -270,6 +279,8 @@ def install_emulation(trainer, libra: LibraConfig, run_dir: Path, metrics, contr
     if elastic is not None:  # the pool sees the trainer's core in emulated accelerators (hybrid units)
         elastic.pool.core_fn = lambda: emu.check_layout(groups_fn())[1]
     host = EmulatedHostBackend.from_run_dir(run_dir)  # libra.emulated.host: its pacing error too
+    if control is not None and host is not None:  # the rollout busy share each step (StepObservation.rollout_busy)
+        control.busy_fn = host.pacing
     install_train_pacing(trainer, emu, groups_fn, metrics, version_fn=lambda: trainer.actor.get_version(),
                          hybrids_fn=hybrids_fn, host_pacing_fn=None if host is None else host.pacing,
                          train_sample=int(libra.emulated.train_sample))

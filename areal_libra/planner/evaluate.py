@@ -67,3 +67,13 @@ def price(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, histor
                                                  resident_output=res)))
     rf = cfg.rollout_factor
     return PlanPrice(t_train * cfg.train_factor, (max(costs) if costs else 0.0) * rf, tuple(c * rf for c in costs))
+
+
+def price_terms(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[tuple[int, ...]],
+                cfg: PlannerConfig) -> tuple[float, float, float]:
+    """(T_train, T_rollout, final-length tokens of the batch priced) of `plan` on `history`: what the controller's
+    online calibration fits its factors to (control.CalibratedPlanSource.price_terms), for the simulator's and
+    the live plan source alike."""
+    p = price(plan, cluster, model, history, cfg)
+    tokens = cfg.global_batch * sum(h[1] for h in history) / max(1, len(history))
+    return p.t_train_s, p.t_rollout_s, tokens

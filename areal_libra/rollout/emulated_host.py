@@ -24,7 +24,9 @@ after its whole context is prefilled again (a migration or a flushed cache, as i
 Control API (the EmulatedHostBackend's): ``POST /servers`` {"specs": [{tp, max_running, group, seed}],
 "weight_version"} starts servers and returns their addresses; ``POST /stop`` {"addr"}; ``GET /servers``;
 ``GET /pacing``: the host's pacing fidelity, ``pacing_error`` = the sum of overruns (how late a paced chunk
-or weight sync completed) over the sum of their targets.
+or weight sync completed) over the sum of their targets; and its servers' busy accelerator-seconds
+(``busy_gpu_s``, the simulator's server busy time x TP), ``serving_gpus`` and its clock ``now_s``, from which
+the trainer measures the rollout busy share of each step (live.live_cluster.LiveControl).
 """
 
 from __future__ import annotations
@@ -411,6 +413,7 @@ class EmulatedHost:
         self.progress: dict[str, int] = {}  # rid -> emulated tokens generated before an abort
         self._sid = 0
         self._retired = PacingStats()  # the stopped servers' pacing
+        self._retired_busy = 0.0  # the stopped servers' busy accelerator-seconds (emulated)
         self._t0 = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -452,7 +455,13 @@ class EmulatedHost:
         return {"pacing_error": over / target if target > 0 else 0.0, "target_s": target, "overrun_s": over,
                 "chunks": sum(x.chunks for x in st), "late_chunks": sum(x.late_chunks for x in st),
                 "servers": len(self.servers), "time_scale": self.time_scale,
-                "generated_tokens": sum(s.generated for s in self.servers.values())}
+                "generated_tokens": sum(s.generated for s in self.servers.values()),
+                # the rollout side's measured use (elastic.measure.rollout_busy_share): busy accelerator-seconds
+                # of every server so far, the accelerators serving now and the host's clock, in real seconds
+                "busy_gpu_s": self.time_scale * (self._retired_busy + sum(s.sim.busy_s * s.tp
+                                                                           for s in self.servers.values())),
+                "serving_gpus": sum(s.tp for s in self.servers.values()),
+                "now_s": self.now() * self.time_scale if self._loop is not None else 0.0}
 
     # --------------------------------------------------------------- control API
     def control_app(self) -> web.Application:
@@ -490,6 +499,7 @@ class EmulatedHost:
             self._retired.target_s += s.stats.target_s
             self._retired.overrun_s += s.stats.overrun_s
             self._retired.late_chunks += s.stats.late_chunks
+            self._retired_busy += s.sim.busy_s * s.tp
         return web.json_response({"stopped": await self.stop_server(addr)})
 
     async def _c_list(self, request: web.Request) -> web.Response:

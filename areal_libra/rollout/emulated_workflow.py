@@ -31,7 +31,7 @@ from areal.utils import stats_tracker
 from areal_libra.rollout.emulated_host import TOKEN_ID, emulated_rid
 from areal_libra.sim.workloads import make_workload
 from areal_libra.trace import Segment, Trajectory
-from areal_libra.workflows.sink import emit, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
+from areal_libra.workflows.sink import emit, running, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
 from areal_libra.workflows.tensors import Episode
 
 _SHARED: dict[tuple, tuple] = {}  # (workload, seed, group size, max_len) -> (generator, RNG, group queues)
@@ -107,6 +107,10 @@ class EmulatedWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
         version = engine.get_version()
+        with running(version):  # in flight at its start version (the controller's complete cohorts)
+            return await self._episode(engine, data, version)
+
+    async def _episode(self, engine: InferenceEngine, data: dict[str, Any], version: int) -> dict[str, torch.Tensor]:
         script = self._next(data.get("prompt_index", id(data)), version)
         traj_id = f"{script.prompt_id}-{_uid()}"
         ep = Episode()

@@ -99,12 +99,16 @@ def emulated_truth(model: str, gpu: str) -> HardwareTruth:
         raise EmulationError(str(e)) from None
 
 
-def profiled_hardware(model: str, gpu: str, seed: int = 0) -> Any:
+def profiled_hardware(model: str, gpu: str, seed: int = 0, train_lens: tuple[int, ...] | None = None) -> Any:
     """The emulated accelerators as a profiling pass measures them: the cost preset of `gpu` (a HardwareSpec)
     fitted by the Cost Evaluator's own calibration to decode, prefill (and training) samples of the emulated
-    hardware (the simulator's profiling pass, sim.calib), the hardware the simulator's Libra plans on."""
+    hardware (the simulator's profiling pass, sim.calib), the hardware the simulator's Libra plans on.
+    `train_lens`: the pass also times one training step of this batch per single-node layout on the emulated
+    hardware (what the paced trainer takes for it) and the training efficiency is fitted to it, as the
+    simulator's Libra does with its profile's batch (sim.libra.PROFILE_TRAIN)."""
     try:
-        return calibrated_hardware(emulated_truth(model, gpu), load_hardware(gpu), load_model(model), seed)[0]
+        return calibrated_hardware(emulated_truth(model, gpu), load_hardware(gpu), load_model(model), seed,
+                                   train_lens=train_lens)[0]
     except PresetError as e:
         raise EmulationError(str(e)) from None
 

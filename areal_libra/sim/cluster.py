@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from areal_libra.cmlfq.aging import select_batch
-from areal_libra.elastic.measure import pressure, rollout_time
+from areal_libra.elastic.measure import pressure, rollout_busy_share, rollout_time
 from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import RolloutServer, SimRequest
 from areal_libra.sim.workloads import Workload
@@ -496,7 +496,7 @@ class Simulation:
             "tokens": info["tokens"], "prompt_tokens": info["prompt_tokens"], "final_tokens": info["final_tokens"],
             "max_staleness": info["max_staleness"],
             "train_gpus": info["train_gpus"], "rollout_gpus": roll_gpus,
-            "rollout_busy_frac": min(1.0, (busy - self._last_busy) / max(1e-9, interval * max(1, roll_gpus))),
+            "rollout_busy_frac": rollout_busy_share(busy - self._last_busy, interval, roll_gpus),
             # the live sampler's definition (elastic.measure.pressure), at the step's end
             "queue_pressure": p.queue, "active_pressure": p.active,
             "queued": sum(len(s.queue) for s in self.servers),

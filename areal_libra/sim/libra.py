@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from areal_libra.cmlfq import aging
 from areal_libra.control import ControlConfig, LibraController, PoolView, ProfilePass, StepObservation
+from areal_libra.control.cohorts import CohortHistory
 from areal_libra.control.prediction import RankingProbe, layout_plan
-from areal_libra.control.profile import length_history
+from areal_libra.control.profile import length_history, train_batch_lens
 from areal_libra.cost.training import TrainParallel
 from areal_libra.elastic.policy import hybrid_count, hybrid_server_tp
 from areal_libra.planner.replan import ReplanConfig
@@ -131,11 +132,9 @@ PROFILE_TRAIN = True
 
 def train_profile_lens(env: Env, trajs) -> tuple[int, ...] | None:
     """One global batch of the profile's final lengths (the batch a user times a training step on)."""
-    if not PROFILE_TRAIN or not trajs:
+    if not PROFILE_TRAIN:
         return None
-    lens = [t.final_length for t in trajs]
-    n = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
-    return tuple(lens[i % len(lens)] for i in range(n))
+    return train_batch_lens(trajs, env.workload.cfg.batch_prompts * env.workload.cfg.group_size)
 
 
 def planner_cluster(env: Env):
@@ -259,13 +258,18 @@ def history_of(sim: Simulation, n: int) -> list[tuple[int, ...]]:
 COMPLETE_COHORTS = True
 
 
-class CohortHistory:
-    """Finished trajectories by the policy version their group started at (what the rollout side knows of
-    every request), and the history of the newest complete cohorts."""
+class SimCohorts:
+    """The simulator's adapter of the shared complete-cohort history (control.cohorts.CohortHistory): every
+    finished trajectory by the policy version its group started at, and the oldest running group's version
+    from the simulation's pending groups."""
 
     def __init__(self) -> None:
-        self.by_version: dict[int, list[tuple[int, ...]]] = {}
+        self.cohorts = CohortHistory()
         self.seen = 0  # finished trajectories ingested (Simulation.traj_durations counts them all)
+
+    @property
+    def by_version(self) -> dict[int, list[tuple[int, ...]]]:
+        return self.cohorts.by_version
 
     def ingest(self, sim: Simulation) -> None:
         total = len(sim.traj_durations)
@@ -273,21 +277,13 @@ class CohortHistory:
         if new > 0:
             trajs, rows = list(sim.finished_trajs)[-new:], list(sim.finished)[-new:]
             for tr, row in zip(trajs, rows):
-                self.by_version.setdefault(tr.step, []).append(row if HISTORY_TRIPLES else row[:2])
+                self.cohorts.add(tr.step, row if HISTORY_TRIPLES else row[:2])
         self.seen = total
 
     def history(self, sim: Simulation, n: int) -> list[tuple[int, ...]]:
         self.ingest(sim)
         running = [g.version for g in sim.pending if not g.ready]
-        open_v = min(running) if running else sim.version + 1
-        rows: list[tuple[int, ...]] = []
-        for v in sorted((v for v in self.by_version if v < open_v), reverse=True):
-            rows = self.by_version[v] + rows
-            if len(rows) >= n:
-                break
-        if len(rows) > n:  # an even subsample of whole cohorts (rows are completion-ordered within one)
-            rows = [rows[i * len(rows) // n] for i in range(n)]
-        return rows
+        return self.cohorts.history(n, min(running) if running else sim.version + 1)
 
 
 def layout_from_plan(plan, max_len: int, plan_micro_batch: bool = True) -> Layout:
@@ -422,12 +418,10 @@ class SimPlanSource:
         return max(t_train, t_roll)
 
     def price_terms(self, plan, history) -> tuple[float, float, float]:
-        from areal_libra.planner.evaluate import price
+        from areal_libra.planner.evaluate import price_terms
 
-        cfg = planner_config(self.env, **self.slots())
-        p = price(plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name, history, cfg)
-        tokens = cfg.global_batch * sum(h[1] for h in history) / max(1, len(history))
-        return p.t_train_s, p.t_rollout_s, tokens
+        return price_terms(plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name, history,
+                           planner_config(self.env, **self.slots()))
 
 
 class SimCluster:
@@ -436,7 +430,7 @@ class SimCluster:
     def __init__(self, env: Env, opts: LibraOptions, units: list[HybridUnit]) -> None:
         self.env, self.opts, self.units = env, opts, units
         self.sim: Simulation | None = None
-        self.cohorts = CohortHistory()
+        self.cohorts = SimCohorts()
 
     def attach(self, sim: Simulation) -> None:
         self.sim = sim

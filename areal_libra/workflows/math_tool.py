@@ -26,7 +26,7 @@ from areal.utils.hf_utils import apply_chat_template, load_hf_tokenizer
 
 from areal_libra.trace import Segment, ToolReturn, Trajectory
 from areal_libra.workflows.markup import CALC_CLOSE, extract_call, format_result
-from areal_libra.workflows.sink import emit, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
+from areal_libra.workflows.sink import emit, running, set_trajectory_sink  # noqa: F401 - re-exported for the sink lookup
 from areal_libra.workflows.tensors import Episode
 from areal_libra.workflows.tools import get_calculator_pool
 
@@ -102,11 +102,15 @@ class MathToolWorkflow(RolloutWorkflow):
         return float(await self.async_reward_fn(prompt, completion, prompt_ids, completion_ids, **extra))
 
     async def arun_episode(self, engine: InferenceEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+        step = engine.get_version()
+        with running(step):  # in flight at its start version (the controller's complete cohorts)
+            return await self._episode(engine, data, step)
+
+    async def _episode(self, engine: InferenceEngine, data: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
         tok = self.tokenizer
         prompt_ids = apply_chat_template(tok, data["messages"], tokenize=True, add_generation_prompt=True)
         prompt_id = _prompt_id(data)
         traj_id = f"{prompt_id}-{uuid.uuid4().hex[:10]}"
-        step = engine.get_version()
         ep = Episode()
         ep.add_context(prompt_ids)
         segments: list[Segment] = []

@@ -195,3 +195,35 @@ def test_calibrated_gate_keeps_the_split_it_measured():
 
 def test_factors_step_time():
     assert Factors(2.0, 0.5, 1.0).step_s(10.0, 30.0) == pytest.approx(21.0)
+
+
+class _StartingPool(_Cluster):
+    """A live pool sized with the plan: its hybrids are in neither state while their workers start (steps 1-3),
+    then train as the plan sized them; `moved` from step 8: one of them released (a move off the plan)."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+
+    def pool(self):
+        if self.step <= 3:
+            return PoolView(training=0, idle=0, train_replicas=4, rollout_gpus=4, unit_gpus=1)
+        if self.step >= 8:
+            return PoolView(training=2, idle=1, train_replicas=6, rollout_gpus=5, unit_gpus=1)
+        return PoolView(training=3, idle=0, train_replicas=7, rollout_gpus=4, unit_gpus=1)
+
+
+def test_calibration_goes_on_once_the_plans_pool_has_started():
+    a = _Plan("A", 10.0, 10.0)
+    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=100)), _CalPlanner([a]), a)
+    cl = _StartingPool()
+    observed = {}
+    for s in range(1, 11):  # training measured 1.5x the model's 10 s
+        cl.step = s
+        ctl.on_step(StepObservation(s, 21.0, 15.0, 15.0, wait_s=5.0, tokens=1000.0), cl)
+        observed[s] = ctl.calib.observed
+    # fitted on through the pool's start (not frozen at the first steps' empty pool: the latch is the started
+    # pool's 3 training replicas), and not after the release at step 8 moved the pool off the plan
+    assert ctl._pool_training0 == 3
+    assert observed[7] > observed[3] and observed[10] == observed[7]
+    assert ctl.factors.train == pytest.approx(1.5, rel=0.05)

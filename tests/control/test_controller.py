@@ -31,8 +31,13 @@ class RecordingCluster:
         self.inner.attach(sim)
 
     def begin(self, obs):
-        self.steps.append({"obs": obs, "finished": [r[:2] for r in self.sim.finished], "pools": [],
-                           "moves": []})
+        sim = self.sim
+        running = [g.version for g in sim.pending if not g.ready]
+        # each finished row with the version its group started at, and the oldest running group's version
+        self.steps.append({"obs": obs, "finished": [(*r[:2], t.step) for r, t in zip(sim.finished,
+                                                                                     sim.finished_trajs)],
+                           "oldest_running": min(running) if running else sim.version + 1,
+                           "pools": [], "moves": []})
 
     def history(self, n):
         return self.inner.history(n)
@@ -63,6 +68,7 @@ class RecordingCluster:
 class _Traj:
     prompt_tokens: int
     final_length: int
+    step: int = 0
 
 
 class PoolReplay:
@@ -100,12 +106,8 @@ def recorded(request, tmp_path_factory):
         assert synth_main(["--out", workload, "--steps", str(steps), "--seed", "0",
                            "--set", "gen_drift=0.019", "--set", "calls_drift=0.019"]) == 0
     env = make_env(workload, cluster, "qwen3-14b", 0)
-    # The live cluster's history is the last trajectories to finish; the simulator's complete-cohort history
-    # (sim.libra.COMPLETE_COHORTS) is not in the live cluster yet, so the two are compared without it.
-    import areal_libra.sim.libra as sim_libra
-
-    saved, sim_libra.COMPLETE_COHORTS = sim_libra.COMPLETE_COHORTS, False
-    request.addfinalizer(lambda: setattr(sim_libra, "COMPLETE_COHORTS", saved))
+    # Both clusters' history is the complete cohorts (control.cohorts): the live adapter is fed each finished
+    # trajectory with its start version and the oldest running version the simulation had at that step.
     spec = build_system("libra", env)
     ctl = spec.controller
     rec = RecordingCluster(ctl.cluster)
@@ -119,7 +121,8 @@ def recorded(request, tmp_path_factory):
     ctl.ctl.on_step = on_step
     sim = Simulation(env.truth, env.workload, env.n_gpus, spec.layout, spec.run, spec.router_factory(spec.layout),
                      ctl, seed=env.seed)
-    sim.finished = deque(sim.finished)  # unbounded, so every row can be replayed (history uses the last 2000)
+    # unbounded, so every row can be replayed with its version (the simulator keeps the last 4000)
+    sim.finished, sim.finished_trajs = deque(sim.finished), deque(sim.finished_trajs)
     ctl.attach(sim)
     sim.run(steps)
     return env, ctl, rec
@@ -140,9 +143,10 @@ def test_live_adapter_makes_the_same_decisions(recorded):
     ctl = LibraController(sim_ctl.ctl.cfg, SimPlanSource(env, False), first_plan)
     fed = 0
     for s in rec.steps:
-        for p, f in s["finished"][fed:]:
-            live.on_trajectory(_Traj(p, f))
+        for p, f, v in s["finished"][fed:]:
+            live.on_trajectory(_Traj(p, f, v))
         fed = len(s["finished"])
+        live.running_fn = lambda o=s["oldest_running"]: o
         pool.pools, pool.moves = list(s["pools"]), list(s["moves"])
         ctl.on_step(s["obs"], live)
     assert [(e.step, e.kind, e.detail) for e in ctl.events] == [(e.step, e.kind, e.detail)
@@ -304,9 +308,10 @@ class _LenientReplay(PoolReplay):
 
 def _replay(ctl, live, pool, steps, fed):
     for s in steps:
-        for p, f in s["finished"][fed:]:
-            live.on_trajectory(_Traj(p, f))
+        for p, f, v in s["finished"][fed:]:
+            live.on_trajectory(_Traj(p, f, v))
         fed = len(s["finished"])
+        live.running_fn = lambda o=s["oldest_running"]: o
         pool.pools, pool.moves = list(s["pools"]), list(s["moves"])
         ctl.on_step(s["obs"], live)
     return fed

@@ -5,9 +5,7 @@ The end-to-end kill-and-resume run is `python -m evaluation.recover` (minutes)."
 from __future__ import annotations
 
 import json
-from collections import deque
 from pathlib import Path
-from types import SimpleNamespace
 
 from omegaconf import OmegaConf
 
@@ -64,11 +62,25 @@ def test_a_resume_trims_metrics_and_control_events_and_a_fresh_run_clears_them(t
 
 
 def test_control_history_roundtrip(tmp_path: Path) -> None:
-    a = SimpleNamespace(finished=deque([(10, 40), (12, 90)], maxlen=2000))
+    from areal_libra.live.live_cluster import LiveCluster
+    from areal_libra.trace import Segment, Trajectory
+
+    def traj(prompt: int, gen: int, version: int) -> Trajectory:
+        return Trajectory(f"t{prompt}", "p", version, prompt, (Segment(gen),))
+
+    a = LiveCluster(None, history_len=2000)
+    for p, g, v in ((10, 30, 0), (12, 78, 1), (11, 5, 1), (9, 1, 2)):
+        a.on_trajectory(traj(p, g, v))
+    a.running_fn = lambda: 1  # a group of version 1 still runs: only version 0 is a complete cohort
+    assert a.history(100) == [(10, 40)]
     save_control_state(tmp_path, 7, a)
-    b = SimpleNamespace(finished=deque(maxlen=2000))
-    assert restore_control_state(tmp_path, b) == 2
-    assert list(b.finished) == [(10, 40), (12, 90)]
+    b = LiveCluster(None, history_len=2000)
+    assert restore_control_state(tmp_path, b) == 4
+    assert list(b.finished) == [(10, 40), (12, 90), (11, 16), (9, 10)]
+    b.running_fn = lambda: 1
+    assert b.history(100) == [(10, 40)]  # the versions came back: the running cohort stays out
+    b.running_fn = lambda: None
+    assert b.history(100) == [(10, 40), (12, 90), (11, 16), (9, 10)]
     (tmp_path / "control_state.json").write_text("not json")
     assert restore_control_state(tmp_path, b) == 0  # unreadable: nothing restored, no crash
 

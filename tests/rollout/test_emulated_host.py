@@ -144,6 +144,37 @@ def test_abort_keeps_progress_and_weight_sync(host):
         host.stop(h)
 
 
+def test_rollout_busy_share_measured_from_the_host(host):
+    """The trainer's per-step rollout busy share (LiveControl.rollout_busy over the host's GET /pacing) is the
+    servers' busy accelerator-seconds over the interval x the accelerators serving: one request on one of two
+    TP2 servers keeps a quarter of the rollout accelerators busy while it runs, nothing while idle; a stopped
+    server's busy time is kept."""
+    from areal_libra.control import ControlConfig
+    from areal_libra.live.live_cluster import LiveCluster, LiveControl
+
+    truth = emulated_truth("qwen3-14b", "h200")
+    ctl = LiveControl(ControlConfig(), None, LiveCluster(None))
+    assert ctl.rollout_busy() is None  # no source: not measured
+    hs = host.start("unused", [ServerSpec(tp=2), ServerSpec(tp=2)], "")
+    try:
+        ctl.busy_fn = host.pacing
+        assert ctl.rollout_busy() is None  # the first reading only starts the clock
+        busy0 = host.pacing()["busy_gpu_s"]
+        t0 = time.perf_counter()
+        _gen(hs[0].addr, emulated_rid("u", "busy", 2000, True), 400)
+        share = ctl.rollout_busy()
+        wall = time.perf_counter() - t0
+        busy = SCALE * _single_request_s(truth, 2, 2000, 400) * 2  # real seconds x TP2
+        assert host.pacing()["busy_gpu_s"] - busy0 == pytest.approx(busy, rel=0.05)
+        assert share == pytest.approx(busy / (wall * 4), rel=0.2) and 0.15 < share < 0.5, (share, busy, wall)
+        time.sleep(0.5)
+        assert ctl.rollout_busy() == pytest.approx(0.0, abs=0.01)  # idle servers
+    finally:
+        for h in hs:
+            host.stop(h)
+    assert host.pacing()["busy_gpu_s"] - busy0 == pytest.approx(busy, rel=0.05)  # retired servers' time stays
+
+
 class _Metrics:
     def __init__(self) -> None:
         self.sources, self.hooks = [], []

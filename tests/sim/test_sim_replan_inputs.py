@@ -1,4 +1,4 @@
-"""What the simulated Libra plans on: the re-plan history is whole complete cohorts (sim.libra.CohortHistory),
+"""What the simulated Libra plans on: the re-plan history is whole complete cohorts (control.cohorts.CohortHistory through sim.libra.SimCohorts),
 and the profiling pass times training on the run's own batch (sim.calib, train_lens)."""
 
 from dataclasses import replace
