@@ -13,6 +13,7 @@ from areal_libra.control import ControlConfig, LibraController, PoolView, StepOb
 from areal_libra.elastic.policy import ElasticConfig
 from areal_libra.live.live_cluster import LiveCluster
 from areal_libra.planner.replan import ReplanConfig
+from areal_libra.sim import libra as sim_libra
 from areal_libra.sim.cluster import Simulation
 from areal_libra.sim.libra import SimPlanSource
 from areal_libra.sim.registry import build_system
@@ -106,6 +107,11 @@ def recorded(request, tmp_path_factory):
         assert synth_main(["--out", workload, "--steps", str(steps), "--seed", "0",
                            "--set", "gen_drift=0.019", "--set", "calls_drift=0.019"]) == 0
     env = make_env(workload, cluster, "qwen3-14b", 0)
+    # AReaL's consumption rule: under Libra's lag bound (sim.libra.BOUND_LAG) the 20-step growth trace keeps
+    # its plan at step 10 (it re-plans once over 60 steps); this test is about every decision kind's replay.
+    mp = pytest.MonkeyPatch()
+    request.addfinalizer(mp.undo)
+    mp.setattr(sim_libra, "BOUND_LAG", False)
     # Both clusters' history is the complete cohorts (control.cohorts): the live adapter is fed each finished
     # trajectory with its start version and the oldest running version the simulation had at that step.
     spec = build_system("libra", env)
