@@ -10,6 +10,7 @@ from areal_libra.control.calibration import Factors, StepCalibration
 from areal_libra.planner import PlannerConfig, solve
 from areal_libra.planner.evaluate import price
 from areal_libra.planner.replan import ReplanConfig
+from tests.control._fakes import NoElasticPool
 
 
 def test_train_factor_is_the_median_of_measured_over_modelled():
@@ -98,7 +99,7 @@ class _CalPlanner:
         return plan.t_train, plan.t_roll, 1000.0
 
 
-class _Cluster:
+class _Cluster(NoElasticPool):
     def __init__(self):
         self.applied = []
 
@@ -113,15 +114,6 @@ class _Cluster:
 
     def reconfig_cost_s(self, a, b):
         return 30.0
-
-    def pool(self):
-        return PoolView(training=0, idle=0, train_replicas=4, rollout_gpus=4, unit_gpus=1)
-
-    def join(self, n, step):
-        return 0
-
-    def release(self, n, step):
-        return 0
 
 
 def test_calibrated_gate_moves_when_the_measured_term_is_slow_and_scores_its_prediction():

@@ -20,6 +20,7 @@ from areal_libra.cost.training import TrainParallel
 from areal_libra.planner import PlannerConfig, solve
 from areal_libra.planner.evaluate import price
 from areal_libra.planner.replan import ReplanConfig
+from tests.control._fakes import NoElasticPool
 
 
 def test_ranks_average_ties():
@@ -94,7 +95,7 @@ def test_probe_ranks_by_the_calibrated_evaluator():
     assert rev.observe(5, ev, h, Factors()) == pytest.approx(-1.0)
 
 
-class _Cluster:
+class _Cluster(NoElasticPool):
     def __init__(self, hist):
         self.hist = hist
 
@@ -106,15 +107,6 @@ class _Cluster:
 
     def apply_plan(self, plan, step):
         raise AssertionError("no re-plan expected")
-
-    def pool(self):
-        return PoolView(training=0, idle=0, train_replicas=4, rollout_gpus=4, unit_gpus=1)
-
-    def join(self, n, step):
-        return 0
-
-    def release(self, n, step):
-        return 0
 
 
 class _Source(_Evaluator):
