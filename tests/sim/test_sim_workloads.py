@@ -73,18 +73,32 @@ def test_any_canonical_trace_is_a_workload(tmp_path):
     assert len(g) == 3 and len({t.prompt_id for t in g}) == 1 and g[0].final_length == 200
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.text = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text += self.format(record) + "\n"
+
+
 @pytest.fixture
-def workload_log(caplog):
-    """The workloads logger's records, attached directly: a module imported by another test may have run a
-    logging dictConfig that disables existing loggers or stops their propagation."""
-    logger = logging.getLogger("areal_libra.sim.workloads")
+def workload_log():
+    """The records of the workloads module's own logger object, through a handler on it: other tests' logging
+    set-up (a dictConfig, a replaced logger manager) can keep them from the root's caplog handler."""
+    from areal_libra.sim import workloads
+
+    logger = workloads.log
+    handler = _Lines()
     disabled, logger.disabled = logger.disabled, False
-    logger.addHandler(caplog.handler)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
     try:
-        with caplog.at_level(logging.WARNING, logger=logger.name):
-            yield caplog
+        yield handler
     finally:
-        logger.removeHandler(caplog.handler)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
         logger.disabled = disabled
 
 
