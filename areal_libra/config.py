@@ -309,6 +309,12 @@ class Composed:
         return Path(f"{c.cluster.fileroot}/logs/{getpass.getuser()}/{c.experiment_name}/{c.trial_name}")
 
 
+def lag_bounded(libra: Any) -> bool:
+    """Whether a run bounds its version lag (LibraConfig.bound_lag, libra mode only): the executor's rule, the
+    router's request priority and the SGLang servers' priority flags all follow this one answer."""
+    return libra.mode == "libra" and bool(libra.bound_lag)
+
+
 def available(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_libra.config import Composed, ConfigError, compose, libra_config, save
+from areal_libra.config import Composed, ConfigError, compose, lag_bounded, libra_config, save
 from areal_libra.rollout.sglang_args import SGLangArgsError, SGLangUnavailable, parse_command_lines
 
 # libra mode: how long every rollout server may be dead while the trainer starts replacements
@@ -196,8 +196,7 @@ def server_specs(c: Composed):
     seed = int(c.areal.seed) if c.libra.device == "cuda" else 0
     step = 1 if c.libra.device == "cuda" else 0
     # On GPUs every server also gets the flags AReaL's launcher derives from the run's `sglang:` section.
-    bound = c.libra.mode == "libra" and c.libra.bound_lag
-    flags = libra_sglang_flags(c.areal.sglang, bound) if c.libra.device == "cuda" else ()
+    flags = libra_sglang_flags(c.areal.sglang, lag_bounded(c.libra)) if c.libra.device == "cuda" else ()
     specs = [ServerSpec(tp=g.tp, threads=g.threads, max_running=g.max_running, group=g.name, seed=seed + step * i,
                         extra_args=flags) for i, g in enumerate(_servers(c))]
     emu = emulation(c)

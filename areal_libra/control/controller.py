@@ -227,6 +227,7 @@ class LibraController:
             ctl.verdicts.extend(str(x) for x in state["verdicts"])
             # absent in a state written before the measured-use check: it refills in interval_window steps
             ctl.train_use.extend(float(x) for x in state.get("train_use", ()))
+            ctl.roll_use.extend(float(x) for x in state.get("roll_use", ()))
             if ctl.calib is not None and state.get("calibration") is not None:
                 ctl.calib.load_state(state["calibration"])
                 ctl.factor_record.update(ctl.calib.factors.as_dict())
@@ -235,7 +236,6 @@ class LibraController:
                                                              maxlen=2 * cfg.replan_policy.every_k)
             p0 = state.get("pool_training0")
             ctl._pool_training0 = None if p0 is None else int(p0)
-            ctl.roll_use.extend(float(x) for x in state.get("roll_use", ()))
             lc = state["last_change"]
             ctl.last_change = None if lc is None else int(lc)
             ctl.last_replan = int(state["last_replan"])

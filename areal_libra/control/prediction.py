@@ -18,6 +18,7 @@ from typing import Any
 
 from areal_libra.control.calibration import Factors
 from areal_libra.cost.training import TrainParallel
+from areal_libra.elastic.policy import sizes_after
 from areal_libra.planner.types import Plan, RolloutInstance
 
 
@@ -91,9 +92,13 @@ class RankingProbe:
             out.append((t_train, t_roll))
         return out
 
+    @staticmethod
+    def _step_s(terms: Sequence[tuple[float, float] | None], factors: Factors) -> list[float]:
+        return [math.inf if t is None else factors.step_s(*t) for t in terms]
+
     def predicted_step_s(self, planner: Any, history: Sequence[tuple[int, ...]], factors: Factors) -> list[float]:
         """Each candidate's step time by the calibrated evaluator (inf where it is infeasible)."""
-        return [math.inf if t is None else factors.step_s(*t) for t in self._terms(planner, history)]
+        return self._step_s(self._terms(planner, history), factors)
 
     def observe(self, step: int, planner: Any, history: Sequence[tuple[int, ...]], factors: Factors) -> float | None:
         """Price every candidate at `step` and record the rank correlation; None before `from_step`, or when
@@ -102,8 +107,7 @@ class RankingProbe:
         if step < self.from_step or not self.plans:
             return None
         terms = self._terms(planner, history)
-        pred = [math.inf if t is None else factors.step_s(*t) for t in terms]
-        raw = [math.inf if t is None else Factors().step_s(*t) for t in terms]
+        pred, raw = self._step_s(terms, factors), self._step_s(terms, Factors())
 
         def rho_of(step_s: list[float]) -> float | None:
             # Every candidate trains the same batch, so throughput ranks as 1 / step time (inf: throughput 0).
@@ -132,9 +136,10 @@ def projected_step_s(t_train_s: float, t_rollout_s: float, interval_s: float, re
     (> 0) or leave it (< 0); training time scales with 1/replicas and rollout time with 1/rollout GPUs (the
     elastic policy's own projection, areal_libra.elastic.policy), and the time neither side explains (the
     measured interval beyond the longer side) stays. None when the move would empty a side."""
-    new_rep, new_roll = replicas + delta, rollout_gpus - delta * unit_gpus
-    if min(replicas, rollout_gpus, new_rep, new_roll) < 1:
+    after = sizes_after(replicas, rollout_gpus, unit_gpus, delta)
+    if after is None:
         return None
+    new_rep, new_roll = after
     fixed = max(0.0, interval_s - max(t_train_s, t_rollout_s))
     return max(t_train_s * replicas / new_rep, t_rollout_s * rollout_gpus / new_roll) + fixed
 

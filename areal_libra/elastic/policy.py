@@ -208,6 +208,16 @@ class ScheduledPolicy:
         return Decision("hold", 0, "scheduled")
 
 
+def sizes_after(replicas: int, rollout_gpus: int, unit_gpus: int, delta: int) -> tuple[int, int] | None:
+    """(training replicas, rollout GPUs) after `delta` replicas of `unit_gpus` GPUs join (> 0) or leave (< 0)
+    training; None when either side is or would be empty. The one size rule of the pool's projections (this
+    policy's, and the prediction an elastic move records: control.prediction.projected_step_s)."""
+    new_rep, new_roll = replicas + delta, rollout_gpus - delta * unit_gpus
+    if min(replicas, rollout_gpus, new_rep, new_roll) < 1:
+        return None
+    return new_rep, new_roll
+
+
 def _projected(ratio: float, replicas: int | None, rollout_gpus: int | None, unit_gpus: int | None,
                delta: int) -> float | None:
     """T_train/T_rollout after `delta` replicas join (> 0) or leave (< 0) training, assuming training time
@@ -215,9 +225,10 @@ def _projected(ratio: float, replicas: int | None, rollout_gpus: int | None, uni
     move would empty a side."""
     if replicas is None or rollout_gpus is None or unit_gpus is None:
         return None
-    new_rep, new_roll = replicas + delta, rollout_gpus - delta * unit_gpus
-    if new_rep < 1 or new_roll < 1 or replicas < 1 or rollout_gpus < 1:
+    after = sizes_after(replicas, rollout_gpus, unit_gpus, delta)
+    if after is None:
         return None
+    new_rep, new_roll = after
     return ratio * (replicas / new_rep) * (new_roll / rollout_gpus)
 
 

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from areal_libra.config import LibraConfig, libra_config, load_run_config
+from areal_libra.config import LibraConfig, lag_bounded, libra_config, load_run_config
 from areal_libra.control.profile import ProfilePass
 from areal_libra.elastic.policy import ScheduledPolicy
 from areal_libra.live import lag_bound
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         if router is not None:
             sinks.append(router.on_trajectory)
             router.attach_engine(trainer.rollout)  # a server that missed a weight update stays out
-        if libra.mode == "libra" and libra.bound_lag:
+        if lag_bounded(libra):
             lag_bound.install(trainer.rollout)  # no group trained more than eta versions after it started
 
         pressure = rollout_pressure(trainer, libra)

@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from areal_libra.config import load_run_config
+from areal_libra.config import lag_bounded, load_run_config
 from areal_libra.rollout.backend import LocalProcessBackend, RunningServer, ServerBackend, backend_for_device
 from areal_libra.rollout.emulated_host import EmulatedHostBackend
 from areal_libra.rollout.futures import then_record
@@ -881,8 +881,7 @@ def build_fleet(trainer, router, run_dir: str | Path, backend: ServerBackend | N
     if backend is None:
         lc = load_run_config(run_dir) if (run_dir / "libra_config.yaml").exists() else None
         device = lc.device if lc is not None else "cpu"
-        bound = lc is not None and lc.mode == "libra" and lc.bound_lag
-        flags = libra_sglang_flags(trainer.config.sglang, bound) if device == "cuda" else ()  # as the launch's
+        flags = libra_sglang_flags(trainer.config.sglang, lc is not None and lag_bounded(lc)) if device == "cuda" else ()  # as the launch's
         backend = backend_for_device(device, seed=int(getattr(trainer.config, "seed", 0) or 0),
                                      first_index=len(servers), areal_flags=flags)
     for s in servers:  # the launcher's servers, stopped and replaced through the backend that runs them

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from areal_libra.cmlfq import Bucket, Dispatcher, NoHealthyServer, ServerGroup, aging, make_policy
 from areal_libra.cmlfq.spill import SpillConfig
-from areal_libra.config import DispatchConfig
+from areal_libra.config import DispatchConfig, lag_bounded
 from areal_libra.rollout.groups import RolloutGroup, expand_servers, group_from_mapping, resolve_groups
 from areal_libra.rollout.health import HealthMonitor, probe
 from areal_libra.rollout.live_tree import LiveTree
@@ -781,7 +781,7 @@ def build_router(
     own = run_dir if rank == 0 else run_dir / f"router-rank{rank}"
     own.mkdir(parents=True, exist_ok=True)
     return RequestRouter(groups, addrs, cfg, own, restore=_recover_enabled(run_dir), health=health,
-                         oldest_first=libra.mode == "libra" and libra.bound_lag)
+                         oldest_first=lag_bounded(libra))
 
 
 # --- single-controller mode ----------------------------------------------------------------------------

@@ -413,10 +413,7 @@ class Simulation:
             prior = req.ctx
             req.ctx = prior + payload
             req.bucket = old.bucket
-            if old.edf:
-                old.enqueue(req, prior, payload)
-            else:
-                old.queue.append((req, prior, payload))  # old.enqueue (req.server is old already)
+            old.enqueue(req, prior, payload)  # FIFO, or oldest start version first (RunConfig.edf)
             self._kick(old)
             return
         if old is not None:

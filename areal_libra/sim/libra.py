@@ -9,7 +9,6 @@ trajectories, measured step/rollout/training times and server pressure.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from areal_libra.cmlfq import aging
@@ -27,8 +26,7 @@ from areal_libra.sim.systems import (
     PolicyRouter,
     SimKnobs,
     SystemSpec,
-    sweep_cache_path,
-    sweep_key,
+    cached_sweep,
 )
 
 
@@ -646,20 +644,10 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
 RANK_FROM_STEP = 5
 
 
-def cached_baseline_candidates(env: Env) -> list[dict] | None:
-    """AReaL-Static-Optimal's sweep for this run when it is cached (sim.systems.static_sweep), else None:
-    the ranking is a report, never a reason to run the sweep."""
-    key = sweep_key(env)
-    try:
-        data = json.loads(sweep_cache_path(env, key).read_text())
-    except (OSError, ValueError):
-        return None
-    return data.get("candidates") if isinstance(data, dict) and data.get("key") == key else None
-
-
 def baseline_ranking(env: Env) -> RankingProbe | None:
-    """The sweep's candidate layouts as plans, with their measured tokens/s (None without a cached sweep)."""
-    cands = cached_baseline_candidates(env)
+    """The sweep's candidate layouts as plans, with their measured tokens/s (None without a cached sweep: the
+    ranking is a report, never a reason to run the sweep)."""
+    cands = cached_sweep(env)
     if not cands:
         return None
     plans = [layout_plan(c["rollout_gpus"], c["tp"], TrainParallel(c["train"]["tp"], c["train"]["pp"],

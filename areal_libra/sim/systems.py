@@ -478,6 +478,19 @@ def sweep_jobs() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def cached_sweep(env: Env, key: dict | None = None) -> list[dict] | None:
+    """The cached sweep's candidates for this run (static_sweep's cache entry), or None: none, unreadable, or
+    written for other inputs (an unreadable entry is measured again and overwritten by static_sweep)."""
+    key = key or sweep_key(env)
+    try:
+        data = json.loads(sweep_cache_path(env, key).read_text())
+        if isinstance(data, dict) and data.get("key") == key:
+            return data["candidates"]
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
 def static_sweep(env: Env, jobs: int | None = None, log: Callable[[str], None] | None = None,
                  use_cache: bool = True) -> list[dict]:
     """Measure every candidate static layout (sweep_candidates) on the stationary replay of the initial
@@ -486,13 +499,10 @@ def static_sweep(env: Env, jobs: int | None = None, log: Callable[[str], None] |
     global _SWEEP_ENV
     key = sweep_key(env)
     path = sweep_cache_path(env, key)
-    if use_cache and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key:
-                return data["candidates"]
-        except (OSError, ValueError, KeyError):
-            pass  # unreadable entry: measure again and overwrite it
+    if use_cache:
+        cached = cached_sweep(env, key)
+        if cached is not None:
+            return cached
     cands = sweep_candidates(env)
     jobs = sweep_jobs() if jobs is None else max(1, jobs)
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
