@@ -90,7 +90,7 @@ def simulate(workload: str, accelerators: int, gpu: str, model: str, batch_promp
     st = res["areal_static_optimal"]
     choice = st.get("baseline_choice") or {}
     # The live run's profiling pass: as many groups as the simulator's (control.profile, the same procedure).
-    control = [*control_overrides(control_config(env.knobs)), f"libra.control.profile_groups={profile_groups(env)}"]
+    control = [*control_overrides(control_config(env.knobs, env.staleness)), f"libra.control.profile_groups={profile_groups(env)}"]
     return {"events": events, "control": control, "static_tokens_per_s": round(st["tokens_per_s"], 3), "libra_tokens_per_s": round(lb["tokens_per_s"], 3),
             "static_step_s": round(st["mean_step_s"], 3), "libra_step_s": round(lb["mean_step_s"], 3),
             "ratio": round(lb["tokens_per_s"] / max(1e-9, st["tokens_per_s"]), 4),

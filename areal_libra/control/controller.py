@@ -113,7 +113,13 @@ class ControlConfig:
     interval_window: int = 10  # measured step intervals the gate averages (the current plan's step time)
     history: int = 2000  # finished trajectories the planner sees
     min_history: int = 16
-    warmup_steps: int = 2  # the asynchronous pipeline fills in the first steps: no decisions
+    # The run's staleness bound eta (AReaL rollout.max_head_offpolicyness), set by the adapter from the run: the
+    # asynchronous loop admits eta + 1 batches at once, so its first eta + 1 steps are the pipeline's fill.
+    staleness: int = 4
+    # No decision and no calibration in the first steps (None: the fill, staleness + 1): a fill step's times
+    # and pressure describe the admission burst, not the layout (at 128 x 16 the elastic pool released a
+    # replica at step 2 on every run, each predicted 0.31-1.97x of the next 5 steps; docs/pricing.md).
+    warmup_steps: int | None = None
     elastic_persist: int = 6  # chosen on seed 1 of the simulator from {3, 6, 10}
     elastic_project: bool = True  # give the policy pool sizes for its overshoot check
     elastic_policy: ElasticConfig = field(default_factory=ElasticConfig)  # join/release thresholds, cooldown
@@ -122,10 +128,15 @@ class ControlConfig:
     total_steps: int | None = None  # the run's length when known: the gate credits no gain beyond it
     predict_steps: int = 5  # a decision's prediction is held against the mean of this many next steps
 
+    @property
+    def warmup(self) -> int:
+        """Steps without decisions: warmup_steps, or the pipeline's fill (staleness + 1)."""
+        return self.warmup_steps if self.warmup_steps is not None else self.staleness + 1
+
     def __post_init__(self) -> None:
-        if self.settle_steps < 0 or self.interval_window < 1 or self.warmup_steps < 0:
-            raise ValueError(f"settle_steps and warmup_steps must be >= 0 and interval_window >= 1, got "
-                             f"{self.settle_steps}, {self.warmup_steps}, {self.interval_window}")
+        if self.settle_steps < 0 or self.interval_window < 1 or (self.warmup_steps or 0) < 0 or self.staleness < 0:
+            raise ValueError(f"settle_steps, warmup_steps and staleness must be >= 0 and interval_window >= 1, got "
+                             f"{self.settle_steps}, {self.warmup_steps}, {self.staleness}, {self.interval_window}")
         if self.elastic_persist < 1:
             raise ValueError(f"elastic_persist must be >= 1, got {self.elastic_persist}")
         if self.min_history < 1 or self.history < self.min_history:
@@ -261,7 +272,7 @@ class LibraController:
         if obs.rollout_busy is not None:
             self.roll_use.append(obs.rollout_busy)
         self._score_predictions(obs)
-        if self.calib is not None and obs.step >= self.cfg.warmup_steps:
+        if self.calib is not None and obs.step >= self.cfg.warmup:
             self._calibrate(obs, cluster)
         if self.ranking is not None and obs.step >= self.ranking.from_step and hasattr(self.planner, "price_terms"):
             hist = cluster.history(self.cfg.history)
@@ -269,7 +280,7 @@ class LibraController:
                 self.ranking.observe(obs.step, self.planner, hist, self.factors)
         # After a re-plan, wait settle_steps so the gate's measured step time is the new layout's in steady
         # state, not the reconfiguration's disruption.
-        settled = obs.step >= self.cfg.warmup_steps and obs.step - self.last_replan >= self.cfg.settle_steps
+        settled = obs.step >= self.cfg.warmup and obs.step - self.last_replan >= self.cfg.settle_steps
         # With calibration the periodic decision already prices the imbalance on the settled window; the ratio
         # trigger (one step's T_rollout estimate against T_train) would re-plan on a moment's backlog.
         ratio_in = (0.0, 0.0) if self.calib is not None else (_mean(self.t_roll), _mean(self.t_train))
@@ -277,7 +288,7 @@ class LibraController:
                 obs.step, obs.queue_pressure, obs.active_pressure, *ratio_in):
             if self._replan(obs.step, cluster):
                 return self.events[n0:]
-        if obs.step >= self.cfg.warmup_steps:
+        if obs.step >= self.cfg.warmup:
             self._elastic(obs, cluster)
         return self.events[n0:]
 

@@ -160,7 +160,9 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
     src = plan_source(libra, config, str(config.actor.path))
     if router is not None and hasattr(router, "set_pricing"):  # C-MLFQ prices moves on the planner's spec
         router.set_pricing(src.cluster.hardware, src.model)
-    control = LiveControl(libra.control, src, cluster,
+    # The controller's eta is the run's (its warm-up is the pipeline's fill: eta + 1 steps), not a setting.
+    control_cfg = replace(libra.control, staleness=int(config.rollout.max_head_offpolicyness))
+    control = LiveControl(control_cfg, src, cluster,
                           fleet=fleet, elastic_policy=script, pool_factory=pool_factory,
                           profile_steps=libra.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")

@@ -22,11 +22,14 @@ from areal_libra.planner.replan import ReplanConfig
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
 from areal_libra.sim.systems import (
     AREAL_STALENESS,
+    BASELINE_ROLLOUT_TP,
     Env,
     PolicyRouter,
     SimKnobs,
     SystemSpec,
     cached_sweep,
+    policy_router,
+    split_layout,
 )
 
 
@@ -546,14 +549,15 @@ class SimCluster:
         sim.call_at(sim.t + fetch, activate)
 
 
-def control_config(knobs: SimKnobs) -> ControlConfig:
+def control_config(knobs: SimKnobs, staleness: int = AREAL_STALENESS) -> ControlConfig:
     """The shared controller's settings in the simulator: ControlConfig's defaults (re-plan every 10 steps,
     5-step cooldown between early triggers, elastic decisions 4 steps after any change and only on a verdict
-    that persisted elastic_persist steps), the production gate cost, and the knobs that are set."""
+    that persisted elastic_persist steps, none in the pipeline's fill), the run's staleness bound, the
+    production gate cost, and the knobs that are set."""
     set_knobs = {k: v for k, v in (("replan", knobs.replan), ("elastic_persist", knobs.elastic_persist),
                                    ("elastic_project", knobs.elastic_project)) if v is not None}
     return ControlConfig(replan_policy=ReplanConfig(reconfig_cost_s=SIM_RECONFIG_COST_S), calibrate=CALIBRATE_ONLINE,
-                         **set_knobs)
+                         staleness=staleness, **set_knobs)
 
 
 class SimLibraControl(Controller):
@@ -657,6 +661,19 @@ def baseline_ranking(env: Env) -> RankingProbe | None:
     return RankingProbe(plans, [c["tokens_per_s"] for c in cands], RANK_FROM_STEP, labels)
 
 
+def libra_run_config(env: Env) -> RunConfig:
+    """Libra's loop: AReaL's staleness bound, and the version-lag bound at consumption when on (BOUND_LAG)."""
+    return RunConfig(max_staleness=env.staleness, strict_staleness=BOUND_LAG, edf=BOUND_LAG)
+
+
+def ladder_base(env: Env) -> SystemSpec:
+    """Ladder rung 0, static_uniform: a half/half split with homogeneous TP (verl's example TP) under Libra's
+    loop, so that each rung above it adds one lever and the loop's rule is not one of them (the bound's own
+    cost is AReaL-Static-Optimal against Libra in evaluation.throughput, which keeps AReaL's rule)."""
+    lay = split_layout(env, env.n_gpus // 2, BASELINE_ROLLOUT_TP)
+    return SystemSpec("static_uniform", lay, libra_run_config(env), policy_router("least_loaded"))
+
+
 def libra_system(name: str, env: Env) -> SystemSpec:
     knobs = env.knobs
     opts = RUNGS[name]
@@ -669,7 +686,7 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     cluster = SimCluster(env, opts, [])
     # Before the run the planner's slot fields are the profile's; then the finished groups' (slot_fields).
     source = SimPlanSource(env, opts.homogeneous, lambda: cluster.slot_fields() if cluster.sim is not None else slots)
-    lc = LibraController.from_profile(control_config(knobs), source, prof, triples=HISTORY_TRIPLES)
+    lc = LibraController.from_profile(control_config(knobs, env.staleness), source, prof, triples=HISTORY_TRIPLES)
     layout = layout_from_plan(lc.plan, env.workload.cfg.max_len, knobs.train_micro_batch)
     core, cluster.units = (make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic
                            else (layout, []))
@@ -681,7 +698,6 @@ def libra_system(name: str, env: Env) -> SystemSpec:
         lc.ranking = baseline_ranking(env)
         if lc.ranking is not None:
             extra["ranking"] = lc.ranking.record
-    run = RunConfig(max_staleness=env.staleness, strict_staleness=BOUND_LAG, edf=BOUND_LAG)
-    return SystemSpec(name, core, run, lambda lay: _router_for(lay, opts, None, prof.trajectories, knobs, env), ctl,
+    return SystemSpec(name, core, libra_run_config(env), lambda lay: _router_for(lay, opts, None, prof.trajectories, knobs, env), ctl,
                       extra=extra)
 

@@ -4,7 +4,7 @@ ablation rungs (sim/libra.py). Kept apart from both so that neither imports the 
 from __future__ import annotations
 
 from areal_libra.sim.cluster import Simulation
-from areal_libra.sim.libra import libra_system
+from areal_libra.sim.libra import ladder_base, libra_system
 from areal_libra.sim.systems import (
     LADDER,
     SYSTEMS,
@@ -12,7 +12,6 @@ from areal_libra.sim.systems import (
     SystemSpec,
     areal_static_optimal,
     check_cluster,
-    static_uniform_async,
     verl_colocated,
     verl_greedy,
     verl_static_uniform,
@@ -30,7 +29,7 @@ def build_system(name: str, env: Env) -> SystemSpec:
     if name == "areal_static_optimal":
         return areal_static_optimal(env)
     if name == "static_uniform":
-        return static_uniform_async(env)
+        return ladder_base(env)
     if name in ("libra", "+planner", "+hetero_tp", "+cmlfq", "+elastic"):
         return libra_system(name, env)
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS + LADDER)}")

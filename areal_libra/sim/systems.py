@@ -562,10 +562,4 @@ def areal_static_optimal(env: Env) -> SystemSpec:
                       policy_router("least_loaded"), extra=extra)
 
 
-def static_uniform_async(env: Env) -> SystemSpec:
-    """Ladder rung 0: AReaL-style asynchrony (as Libra) with a half/half split and homogeneous TP."""
-    lay = split_layout(env, env.n_gpus // 2, BASELINE_ROLLOUT_TP)
-    return SystemSpec("static_uniform", lay, RunConfig(max_staleness=AREAL_STALENESS), policy_router("least_loaded"))
-
-
 __all__ = ["Env", "SystemSpec", "SYSTEMS", "LADDER", "PolicyRouter", "replace"]

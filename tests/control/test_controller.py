@@ -233,7 +233,7 @@ def test_gate_applies_only_when_gain_beats_cost():
 
 def test_elastic_acts_only_on_a_persistent_verdict():
     cfg = ControlConfig(replan=False, elastic_persist=3, elastic_policy=ElasticConfig(cooldown_steps=0),
-                        elastic_project=False)
+                        elastic_project=False, staleness=1)  # decisions from step 2 (the fill: eta + 1)
     ctl = LibraController(cfg, _Planner(_Plan(1.0, "x"), 1.0), _Plan(1.0, "x"))
     cl = _Cluster(training=0, idle=1)
     # T_train/T_rollout = 2 (join) twice, then rollout-bound (means over the window): no persistent verdict.
@@ -265,13 +265,31 @@ class _ScriptCluster(_Cluster):
         return super().release(n, step)
 
 
+def test_no_decision_in_the_pipelines_fill():
+    """The first eta + 1 steps are the asynchronous pipeline's fill: a full pool while the trainer waits there
+    releases nothing (it did at step 2 on every 128 x 16 run, each move predicted 0.31-1.97x of the next 5
+    steps); from step eta + 1 the same observation releases at once."""
+    assert ControlConfig().warmup == 5 and ControlConfig(staleness=8).warmup == 9
+    assert ControlConfig(staleness=8, warmup_steps=2).warmup == 2
+    with pytest.raises(ValueError, match="staleness"):
+        ControlConfig(staleness=-1)
+    cfg = ControlConfig(replan=False, staleness=4)
+    ctl = LibraController(cfg, _Planner(_Plan(1.0, "x"), 1.0), _Plan(1.0, "x"))
+    cl = _Cluster(training=1, idle=0)
+    for s in range(1, 5):
+        ctl.on_step(_obs(s, roll=8.0, active=0.95), cl)
+    assert cl.moves == [] and ctl.events == []
+    ctl.on_step(_obs(5, roll=8.0, active=0.95), cl)
+    assert cl.moves == [("release", 5)]
+
+
 def test_scheduled_policy_is_one_more_policy_behind_the_same_interface():
     """The join_at_step/release_after script goes through the controller like the measured policy: join at
     step 5 (no persistence wait), release 3 steps after training started, never join again; rollout pressure
     still protects."""
     from areal_libra.elastic.policy import ScheduledPolicy
 
-    cfg = ControlConfig(replan=False, elastic_persist=6)
+    cfg = ControlConfig(replan=False, elastic_persist=6, warmup_steps=2)
     ctl = LibraController(cfg, _Planner(_Plan(1.0, "x"), 1.0), _Plan(1.0, "x"), ScheduledPolicy(5, 3))
     cl = _ScriptCluster(training=0, idle=1)
     for s in range(2, 16):
