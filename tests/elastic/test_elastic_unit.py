@@ -187,7 +187,7 @@ def test_the_libra_controller_drives_the_pool(tmp_path):
     for rid in ("h0", "h1"):
         core.kv.set(f"hb/{rid}/0", 1.0)  # the hybrids' first heartbeat: ready to join
     cluster = LiveCluster(None, ElasticPoolControl(core, LiveElasticConfig(enabled=True, hybrids=2)))
-    cfg = ControlConfig(replan=False, elastic_persist=1, elastic_project=False,
+    cfg = ControlConfig(replan=False, elastic_persist=1, elastic_project=False, warmup_steps=2,
                         elastic_policy=ElasticConfig(cooldown_steps=1))
     ctl = LibraController(cfg, None, SimpleNamespace(makespan_s=1.0))
 

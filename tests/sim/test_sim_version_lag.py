@@ -17,8 +17,18 @@ def _lags_by_trajectory(sim) -> list[int]:
 
 def test_version_lag_matches_every_trained_trajectory():
     # R2E-Gym's heavy tail on a small batch: stragglers that start before a step are trained after it.
+    from dataclasses import replace
+
+    from areal_libra.sim.registry import build_system, run_system
+    from areal_libra.sim.report import add_version_lag
+
     env = make_env("r2e_gym", "a800x16", "qwen3-14b", seed=0, batch_prompts=4, group_size=4)
-    res, sims = run_many(["verl_colocated", "verl_static_uniform", "static_uniform"], env, 12)
+    res, sims = run_many(["verl_colocated", "verl_static_uniform"], env, 12)
+    # The ladder's static layout under AReaL's rule (the ladder itself runs Libra's bound): asynchronous lag.
+    spec = build_system("static_uniform", env)
+    spec.run = replace(spec.run, strict_staleness=False, edf=False)
+    res["areal_rule"], sims["areal_rule"] = run_system("static_uniform", env, 12, spec)
+    add_version_lag(res["areal_rule"], sims["areal_rule"])
     seen_async_lag = False
     for name, r in res.items():
         sim = sims[name]
@@ -76,3 +86,17 @@ def test_bounded_lag_with_oldest_first_servers_trains_nothing_older_than_eta():
         eta = res["version_lag_eta"]
     assert lags[False] > eta  # the setting has stragglers, so the bound below is the mechanism's
     assert lags[True] <= eta
+
+
+def test_the_ladders_rungs_all_run_libras_loop():
+    # The ablation adds one lever a rung: its static base trains under the same consumption rule as the rungs
+    # above it (the bound's own cost is Libra against AReaL-Static-Optimal, which keeps AReaL's rule).
+    from areal_libra.sim import libra as sim_libra
+    from areal_libra.sim.registry import build_system
+    from areal_libra.sim.systems import LADDER
+
+    env = make_env("dapo_math", "a800x16", "qwen3-14b", seed=0, batch_prompts=4, group_size=4)
+    runs = {name: build_system(name, env).run for name in LADDER}
+    assert all(r == sim_libra.libra_run_config(env) for r in runs.values()), runs
+    assert runs["static_uniform"].strict_staleness == sim_libra.BOUND_LAG
+    assert not build_system("areal_static_optimal", env).run.strict_staleness
