@@ -231,6 +231,15 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
                            active_pressure=pressure[1])
 
 
+def emulated_time(obs: StepObservation, time_scale: float) -> StepObservation:
+    """`obs` in emulated seconds: an emulated cluster runs `time_scale` real seconds per emulated second, and the
+    planner, the gate's reconfiguration cost and the simulator all count emulated seconds (at time scale 0.25 the
+    calibration factors read 0.22-0.27, the time scale itself, and the gate's gain was a quarter of its price)."""
+    k = 1.0 / time_scale
+    return replace(obs, interval_s=obs.interval_s * k, train_s=obs.train_s * k, rollout_s=obs.rollout_s * k,
+                   wait_s=obs.wait_s * k)
+
+
 class LiveControl:
     """Owns the controller in the trainer: first plan after the profile steps, then one on_step per step."""
 
@@ -275,6 +284,9 @@ class LiveControl:
         measured = elastic.observation() if elastic is not None and hasattr(elastic, "observation") else None
         inputs = elastic.rollout_inputs() if measured is not None and hasattr(elastic, "rollout_inputs") else None
         obs = replace(observation(step, rec, pressure, measured, inputs), rollout_busy=self.rollout_busy())
+        emu = getattr(self.cluster, "emulation", None)
+        if emu is not None:
+            obs = emulated_time(obs, float(emu.time_scale))
         served = self._layout()  # the layout that served this step (decisions below change the next one)
         out: dict[str, float] = {}
         try:
