@@ -86,6 +86,8 @@ def replay(run: str) -> list[dict]:
     typed = libra_config(c.libra)
     lc = importlib.import_module(LiveCluster.__module__)  # before step 5 the trainer built ControlConfig itself
     cfg = lc.control_config(typed) if hasattr(lc, "control_config") else typed.control
+    if hasattr(lc, "run_control_config"):  # the run's eta, as the trainer's install_control sets it
+        cfg = lc.run_control_config(cfg, c.areal)
     old_tree = "integration" in LiveCluster.__module__
     source = plan_source(c.libra if old_tree else typed, c.areal, "unused")
     emu = ClusterEmulation.from_libra(c.libra)

@@ -231,6 +231,12 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
                            active_pressure=pressure[1])
 
 
+def run_control_config(control: ControlConfig, areal_cfg: Any) -> ControlConfig:
+    """The controller's settings for a run: `libra.control` with the run's eta (AReaL's
+    rollout.max_head_offpolicyness), so its warm-up is the run's pipeline fill (eta + 1 steps)."""
+    return replace(control, staleness=int(areal_cfg.rollout.max_head_offpolicyness))
+
+
 def emulated_time(obs: StepObservation, time_scale: float) -> StepObservation:
     """`obs` in emulated seconds: an emulated cluster runs `time_scale` real seconds per emulated second, and the
     planner, the gate's reconfiguration cost and the simulator all count emulated seconds (at time scale 0.25 the

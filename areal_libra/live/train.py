@@ -28,7 +28,13 @@ from areal_libra.control.profile import ProfilePass
 from areal_libra.elastic.policy import ScheduledPolicy
 from areal_libra.live import lag_bound
 from areal_libra.live.elastic_live import hybrids_serve, install_elastic, plan_pool_factory
-from areal_libra.live.live_cluster import LiveCluster, LiveControl, fit_profiled_training, plan_source
+from areal_libra.live.live_cluster import (
+    LiveCluster,
+    LiveControl,
+    fit_profiled_training,
+    plan_source,
+    run_control_config,
+)
 from areal_libra.live.rank_follower import LayoutFollower
 from areal_libra.live.recover import (
     ControlStateFile,
@@ -160,9 +166,7 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
     src = plan_source(libra, config, str(config.actor.path))
     if router is not None and hasattr(router, "set_pricing"):  # C-MLFQ prices moves on the planner's spec
         router.set_pricing(src.cluster.hardware, src.model)
-    # The controller's eta is the run's (its warm-up is the pipeline's fill: eta + 1 steps), not a setting.
-    control_cfg = replace(libra.control, staleness=int(config.rollout.max_head_offpolicyness))
-    control = LiveControl(control_cfg, src, cluster,
+    control = LiveControl(run_control_config(libra.control, config), src, cluster,
                           fleet=fleet, elastic_policy=script, pool_factory=pool_factory,
                           profile_steps=libra.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")
