@@ -15,20 +15,26 @@ def _lags_by_trajectory(sim) -> list[int]:
     return [i // per_step - tr.step for i, tr in enumerate(sim.trained)]
 
 
-def test_version_lag_matches_every_trained_trajectory():
-    # R2E-Gym's heavy tail on a small batch: stragglers that start before a step are trained after it.
+def _static_layout_run(env, bound: bool, steps: int = 12):
+    """The ladder's static layout (half/half, TP2) under Libra's bound (`bound`) or AReaL's rule: (result, sim)."""
     from dataclasses import replace
 
     from areal_libra.sim.registry import build_system, run_system
     from areal_libra.sim.report import add_version_lag
 
+    spec = build_system("static_uniform", env)
+    spec.run = replace(spec.run, strict_staleness=bound, edf=bound)
+    res, sim = run_system("static_uniform", env, steps, spec)
+    add_version_lag(res, sim)
+    return res, sim
+
+
+def test_version_lag_matches_every_trained_trajectory():
+    # R2E-Gym's heavy tail on a small batch: stragglers that start before a step are trained after it.
     env = make_env("r2e_gym", "a800x16", "qwen3-14b", seed=0, batch_prompts=4, group_size=4)
     res, sims = run_many(["verl_colocated", "verl_static_uniform"], env, 12)
     # The ladder's static layout under AReaL's rule (the ladder itself runs Libra's bound): asynchronous lag.
-    spec = build_system("static_uniform", env)
-    spec.run = replace(spec.run, strict_staleness=False, edf=False)
-    res["areal_rule"], sims["areal_rule"] = run_system("static_uniform", env, 12, spec)
-    add_version_lag(res["areal_rule"], sims["areal_rule"])
+    res["areal_rule"], sims["areal_rule"] = _static_layout_run(env, bound=False)
     seen_async_lag = False
     for name, r in res.items():
         sim = sims[name]
@@ -70,18 +76,10 @@ def test_bounded_lag_with_oldest_first_servers_trains_nothing_older_than_eta():
     # Libra's mechanism (sim/libra.py BOUND_LAG): the trainer waits for a group that would otherwise pass eta
     # and the servers admit the oldest start version first; on a heavy tail with a small batch AReaL's rule
     # alone trains stragglers well past eta (test_version_lag_matches_every_trained_trajectory's setting).
-    from dataclasses import replace
-
-    from areal_libra.sim.registry import build_system, run_system
-    from areal_libra.sim.report import add_version_lag
-
     env = make_env("r2e_gym", "a800x16", "qwen3-14b", seed=0, batch_prompts=4, group_size=4)
     lags = {}
     for bound in (False, True):
-        spec = build_system("static_uniform", env)
-        spec.run = replace(spec.run, strict_staleness=bound, edf=bound)
-        res, sim = run_system("static_uniform", env, 12, spec)
-        add_version_lag(res, sim)
+        res, _ = _static_layout_run(env, bound)
         lags[bound] = res["version_lag_max"]
         eta = res["version_lag_eta"]
     assert lags[False] > eta  # the setting has stragglers, so the bound below is the mechanism's
