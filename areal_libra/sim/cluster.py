@@ -121,6 +121,11 @@ class Controller:
     def on_step_end(self, sim: Simulation, rec: dict) -> None:
         pass
 
+    def before_train(self, sim: Simulation) -> float:
+        """Called when the trainer has a batch, before it starts the step; returns seconds the trainer must
+        still wait (replicas joining it). Base: none."""
+        return 0.0
+
 
 @dataclass
 class Group:
@@ -438,6 +443,11 @@ class Simulation:
         batch, why = select_batch(((g, g.version, g.ready) for g in self.pending), k, eta, self.batch)
         if batch is None:
             self._blocked_on = why
+            return
+        hold = self.controller.before_train(self)
+        if hold > 0:
+            self.trainer_available_at = self.t + hold
+            self._push(self.trainer_available_at, TRAIN_TRY, None)
             return
         chosen = set(id(g) for g in batch)
         self.trained.extend(tr for g in batch for tr in g.trajs)

@@ -401,6 +401,23 @@ def make_hybrid(layout: Layout, max_units: int, dp_div: int = 2) -> tuple[Layout
     return carve_hybrid(layout, max_units)
 
 
+# The pipeline's fill: AReaL's trainer has nothing to train on until the first batch, so the Elastic Hybrid
+# Pool's workers of the first plan serve rollout until then and join training, all at once, before step 0
+# (the core's topology is not yet running; the joiners load the initial snapshot). The live pool does the same
+# (live.elastic_live: a pool that starts training serves until the first step).
+LEND_IN_FILL = True
+
+
+def lend_in_fill(core: Layout, units: list[HybridUnit]) -> Layout:
+    """The first plan's pool lent to rollout for the fill: its training units start serving, and the trainer's
+    data-parallel size leaves them out until they join (SimCluster.end_fill)."""
+    lent = [u for u in units if u.training]
+    for u in lent:
+        u.training = False
+    t = core.train
+    return Layout(TrainLayout(t.tp, t.pp, t.dp - len(lent), t.micro_batch), core.servers, core.bucket_limits)
+
+
 class SimPlanSource:
     """The planner bound to the simulated cluster's spec (areal_libra.control.PlanSource)."""
 
@@ -432,6 +449,7 @@ class SimCluster:
         self.env, self.opts, self.units = env, opts, units
         self.sim: Simulation | None = None
         self.cohorts = SimCohorts()
+        self._fill_ended = False
 
     def attach(self, sim: Simulation) -> None:
         self.sim = sim
@@ -486,6 +504,38 @@ class SimCluster:
         gone = sum(tp for tp, _ in left)
         return start * gone / max(1, sum(tp for tp, _ in la.servers))
 
+    def end_fill(self) -> float:
+        """Before the first training step: the hybrids lent for the fill stop serving (their requests
+        re-prefill elsewhere) and join training at once; returns the seconds until the trainer can start (the
+        joiners' snapshot fetch, _join's). Later calls return 0."""
+        lent = [u for u in self.units if not u.training]
+        if self.sim is None or self.sim.version > 0 or not lent or self._fill_ended:
+            return 0.0
+        self._fill_ended = True
+        sim = self.sim
+        for u in lent:
+            self._hand_back(u)
+        sim.set_train_dp(sim.train_layout.dp + len(lent))
+        return self._fetch_s()
+
+    def _fetch_s(self) -> float:
+        sim, lay = self.sim, self.sim.train_layout
+        return 16.0 * sim.truth.model.params / (lay.tp * lay.pp) / sim.truth.gpu.internode_bw + 5.0
+
+    def _hand_back(self, u: HybridUnit) -> None:
+        """The unit's servers stop (their requests re-prefill on the others) and it leaves the rollout layout."""
+        sim = self.sim
+        for s in u.servers:
+            if not s.retired:
+                sim.retire_server(s)
+        specs = list(sim.layout.servers)
+        for spec in u.specs:
+            if spec in specs:
+                specs.remove(spec)
+        sim.layout = Layout(sim.train_layout, specs, sim.layout.bucket_limits)
+        u.servers = []
+        u.training = True
+
     def apply_plan(self, plan, step: int) -> None:
         sim, opts = self.sim, self.opts
         new_layout = self._layout(plan)
@@ -529,18 +579,8 @@ class SimCluster:
         """The unit stops serving (its requests re-prefill elsewhere), fetches the model + optimizer snapshot
         while the core keeps training, then trains as one more data-parallel replica."""
         sim = self.sim
-        for s in u.servers:
-            if not s.retired:
-                sim.retire_server(s)
-        specs = list(sim.layout.servers)
-        for spec in u.specs:
-            if spec in specs:
-                specs.remove(spec)
-        sim.layout = Layout(sim.train_layout, specs, sim.layout.bucket_limits)
-        u.servers = []
-        u.training = True
-        lay = sim.train_layout
-        fetch = 16.0 * sim.truth.model.params / (lay.tp * lay.pp) / sim.truth.gpu.internode_bw + 5.0
+        self._hand_back(u)
+        fetch = self._fetch_s()
 
         def activate() -> None:
             if u.training:
@@ -579,6 +619,9 @@ class SimLibraControl(Controller):
                               wait_s=rec["wait_s"], tokens=rec["final_tokens"],
                               rollout_busy=rec["rollout_busy_frac"])
         self.ctl.on_step(obs, self.cluster)
+
+    def before_train(self, sim: Simulation) -> float:
+        return self.cluster.end_fill()
 
     @property
     def log(self) -> list[str]:
@@ -690,6 +733,8 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     layout = layout_from_plan(lc.plan, env.workload.cfg.max_len, knobs.train_micro_batch)
     core, cluster.units = (make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic
                            else (layout, []))
+    if LEND_IN_FILL:
+        core = lend_in_fill(core, cluster.units)
     ctl = SimLibraControl(lc, cluster)
     # Filled while the run goes (the same objects): each decision's prediction against the next steps, and
     # the calibration factors in force at the end.

@@ -43,6 +43,9 @@ class RecordingCluster:
     def history(self, n):
         return self.inner.history(n)
 
+    def end_fill(self):
+        return self.inner.end_fill()
+
     def same_layout(self, a, b):
         return self.inner.same_layout(a, b)
 

@@ -40,3 +40,28 @@ def test_elastic_moves_are_counted_in_the_summary():
     res = sim.run(2)
     assert res["elastic_moves"] == 2
     assert res["reconfigurations"] == 0
+
+
+def test_the_pool_serves_rollout_through_the_fill_and_trains_from_the_first_step():
+    """The first plan's hybrids serve rollout until the first batch (AReaL's trainer has nothing to train before
+    it), then all join: step 0 trains on the plan's whole DP, and their servers did rollout work before."""
+    from areal_libra.sim.libra import lend_in_fill, make_hybrid
+    from areal_libra.sim.registry import build_system, run_system
+    from areal_libra.sim.report import make_env
+
+    env = make_env("search_r1", "a800x16", "qwen3-14b", 0, 4)
+    spec = build_system("libra", env)
+    units = spec.controller.cluster.units
+    assert units and not any(u.training for u in units)  # lent to rollout at t=0
+    plan_dp = spec.layout.train.dp + len(units)
+    lay = spec.layout
+    # the same pool, not lent: the plan's layout with every unit training
+    _, fresh = make_hybrid(type(lay)(type(lay.train)(lay.train.tp, lay.train.pp, plan_dp, lay.train.micro_batch),
+                                     lay.servers, lay.bucket_limits), len(units))
+    assert len(fresh) == len(units) and lend_in_fill(lay, []) == lay
+    res, sim = run_system("libra", env, 2, spec)
+    unit_gpus = lay.train.tp * lay.train.pp
+    assert sim.records[0]["train_gpus"] == plan_dp * unit_gpus
+    assert all(u.training and not u.servers for u in units)
+    assert sim._retired_busy > 0  # the lent servers decoded before they handed their GPUs back
+    assert res["elastic_moves"] == 0  # the pool's start, not a controller decision
