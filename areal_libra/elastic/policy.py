@@ -233,6 +233,12 @@ def _projected(ratio: float, replicas: int | None, rollout_gpus: int | None, uni
 
 
 # ------------------------------------------------------------------ the pool's size, chosen with the plan
+# The pipeline's fill: AReaL's trainer has nothing to train on until its first batch, so the first plan's hybrids
+# serve rollout until then and join training, all at once, before the first step (the core's topology is not yet
+# running). The simulator's pool (sim.libra.lend_in_fill) and the live one (live.elastic_live) both start so.
+LEND_IN_FILL = True
+
+
 def hybrid_count(train_dp: int, max_units: int, dp_div: int = 2) -> int:
     """How many of a plan's training data-parallel replicas are Elastic Hybrid Pool workers: at most
     `max_units`, never the last replica, and at most (dp - 1) // dp_div, so the core keeps more than half of the

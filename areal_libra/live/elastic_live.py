@@ -40,7 +40,7 @@ from typing import Any
 from areal_libra.config import LiveElasticConfig, libra_config
 from areal_libra.control.controller import PoolView, StepObservation
 from areal_libra.elastic.measure import RolloutIdleClock, rollout_time
-from areal_libra.elastic.policy import hybrid_count, hybrid_server_tp
+from areal_libra.elastic.policy import LEND_IN_FILL, hybrid_count, hybrid_server_tp
 from areal_libra.elastic.state import JOINING, Pool, ReplicaState
 from areal_libra.elastic_runtime.core import ElasticCore
 from areal_libra.live.elastic_hook import FSDPElasticHook
@@ -141,7 +141,8 @@ class LiveElastic:
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
                  router: Any = None, batch_size: int = 1, device: str = "cpu",
                  pacing: dict[str, Any] | None = None, fleet: Any = None, pressure: Any = None,
-                 unit: int | None = None, host_tp: int | None = None, start_training: bool = False) -> None:
+                 unit: int | None = None, host_tp: int | None = None, start_training: bool = False,
+                 lend_in_fill: bool = False) -> None:
         """engine: the actor FSDPEngine; inference: the RemoteInfEngine holding `addresses` (None: hybrids
         do not serve); router: the RequestRouter (hybrid servers need it to be routed to and drained);
         pacing: a hybrid's server's pacing, ServerPacing fields (an emulated cluster: rollout.emulation);
@@ -150,7 +151,8 @@ class LiveElastic:
         A pool sized with the plan: `unit` accelerators a hybrid; `host_tp`: on an emulated host a hybrid
         in rollout serves as one emulated server of that TP inside the host (rollout.emulated_host);
         `start_training`: every hybrid joins training once its worker is ready (the simulator's pool starts
-        training) and serves rollout only when the controller releases it."""
+        training) and serves rollout only when the controller releases it; with `lend_in_fill` it serves from its
+        start and joins at the first training step it is ready for (elastic.policy.LEND_IN_FILL)."""
         import torch.distributed as dist
 
         if int(engine.data_parallel_world_size) != 1:
@@ -194,7 +196,7 @@ class LiveElastic:
                     cmd += ["--emulated-host-tp", str(int(host_tp))]
                 elif pacing:
                     cmd += ["--pacing", json.dumps(pacing)]
-                if start_training:
+                if start_training and not lend_in_fill:
                     cmd += ["--serve-after-join"]
             log_f = open(self.dir / f"{rid}.log", "w")  # noqa: SIM115 - lives as long as the worker
             self.procs.append(subprocess.Popen(cmd, env=env, stdout=log_f, stderr=subprocess.STDOUT,
@@ -215,6 +217,8 @@ class LiveElastic:
         self.rejoin: list[str] = list(self.rids) if start_training else []
         self.starting: set[str] = set(self.rejoin)  # joining for the first time (training_hybrids)
         self.unit, self.host_tp, self.start_training = unit, host_tp, start_training
+        self.lend_in_fill = bool(start_training and lend_in_fill and self.serve)
+        self.resumed = False
         (self.dir / "config.json").write_text(json.dumps(asdict(cfg)))
 
     # -- measurements ------------------------------------------------------------------------------
@@ -301,7 +305,9 @@ class LiveElastic:
         """One line for control_events.jsonl: the pool's size and where its hybrids start."""
         unit = self.unit or 1
         serve = f"; released, each serves as one TP{self.host_tp} emulated server" if self.host_tp else ""
-        start = "training (each joins once its worker is ready)" if self.start_training else "rollout"
+        start = ("rollout through the fill (each joins training at the first step its worker is ready for)"
+                 if self.lend_in_fill else
+                 "training (each joins once its worker is ready)" if self.start_training else "rollout")
         return f"{len(self.rids)} hybrid replica(s) of {unit} accelerator(s), starting in {start}{serve}"
 
     # -- resuming after a restart (live.recover) ----------------------------------------------
@@ -311,6 +317,7 @@ class LiveElastic:
         so it cannot be marked training directly. Returns their ids; ValueError on a malformed state."""
         saved = Pool.from_state(state)
         self.core.pool.counters = saved.counters
+        self.resumed = True  # past its fill: the hybrids re-join
         self.rejoin = sorted(h.rid for h in saved.in_state(ReplicaState.TRAINING, *JOINING) if h.rid in self.rids)
         return list(self.rejoin)
 
@@ -319,6 +326,10 @@ class LiveElastic:
             if self._ready(rid):
                 asked = self.core.request_join(rid)
                 self.rejoin.remove(rid)
+                if self.start_training and not self.resumed:
+                    print(f"areal_libra elastic: step {step}: hybrid {rid} joins training (the plan's replica"
+                          f"{', after serving rollout through the fill' if self.lend_in_fill else ''})", flush=True)
+                    continue
                 print(f"areal_libra recover: step {step}: hybrid {rid} (training before the restart) "
                       f"{'asked to re-join training' if asked else 'could not re-join (not in rollout)'}", flush=True)
 
@@ -423,7 +434,7 @@ def plan_pool_factory(trainer: Any, libra: Any, run_dir: Path, metrics: Any, fle
         batch = int(trainer.config.train_dataset.batch_size) if hasattr(trainer, "config") else 1
         live = LiveElastic(trainer.actor, Path(run_dir), replace(cfg, hybrids=n), inference=inference,
                            router=router, batch_size=batch, device=libra.device, fleet=fleet, pressure=pressure,
-                           unit=unit, host_tp=host_tp, start_training=True,
+                           unit=unit, host_tp=host_tp, start_training=True, lend_in_fill=LEND_IN_FILL,
                            pacing=emu.pacing(host_tp or 1).as_dict() if emu is not None and host_tp is None else None)
         if emu is not None:  # the pool's overshoot projection counts the trainer's core in hybrid units
             live.pool.core_fn = lambda: emu.check_layout(cluster.groups)[1] - n * unit

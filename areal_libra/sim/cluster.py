@@ -114,6 +114,10 @@ class Router:
     def finish(self, req: SimRequest) -> None:
         pass
 
+    def displaced(self, req: SimRequest) -> int:
+        """The bucket for a request whose server was taken away (its context re-prefills elsewhere)."""
+        return req.bucket
+
 
 class Controller:
     """Hook called after every training step; may change the layout. Base: static."""
@@ -238,7 +242,7 @@ class Simulation:
             full = req.ctx + req.done_tokens
             req.migrated_tokens += full
             self.migrated_tokens += full
-            self._place(req, req.bucket, prior=0, new=full)
+            self._place(req, self.router.displaced(req), prior=0, new=full)
         self._defer = defer
         self._flush()
 

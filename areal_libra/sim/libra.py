@@ -17,7 +17,7 @@ from areal_libra.control.cohorts import CohortHistory
 from areal_libra.control.prediction import RankingProbe, layout_plan
 from areal_libra.control.profile import length_history, train_batch_lens
 from areal_libra.cost.training import TrainParallel
-from areal_libra.elastic.policy import hybrid_count, hybrid_server_tp
+from areal_libra.elastic.policy import LEND_IN_FILL, hybrid_count, hybrid_server_tp
 from areal_libra.planner.replan import ReplanConfig
 from areal_libra.sim.cluster import Controller, Layout, Router, RunConfig, SimError, Simulation, TrainLayout
 from areal_libra.sim.systems import (
@@ -401,13 +401,6 @@ def make_hybrid(layout: Layout, max_units: int, dp_div: int = 2) -> tuple[Layout
     return carve_hybrid(layout, max_units)
 
 
-# The pipeline's fill: AReaL's trainer has nothing to train on until the first batch, so the Elastic Hybrid
-# Pool's workers of the first plan serve rollout until then and join training, all at once, before step 0
-# (the core's topology is not yet running; the joiners load the initial snapshot). The live pool does the same
-# (live.elastic_live: a pool that starts training serves until the first step).
-LEND_IN_FILL = True
-
-
 def lend_in_fill(core: Layout, units: list[HybridUnit]) -> Layout:
     """The first plan's pool lent to rollout for the fill: its training units start serving, and the trainer's
     data-parallel size leaves them out until they join (SimCluster.end_fill)."""
@@ -541,10 +534,12 @@ class SimCluster:
         new_layout = self._layout(plan)
         core, units = (make_hybrid(new_layout, opts.hybrid_replicas, self.env.knobs.hybrid_dp_div) if opts.elastic
                        else (new_layout, []))
+        # The new layout's router first: the requests the retired servers carried are sent again through it (with
+        # the old one, all of them went to the new layout's first bucket).
+        sim.set_router(_router_for(core, opts, sim.router, knobs=self.env.knobs, env=self.env))
         sim.apply_layout(core, train_changed=True)
         self.units = units
         self._bind_units()
-        sim.set_router(_router_for(sim.layout, opts, sim.router, knobs=self.env.knobs, env=self.env))
 
     def pool(self) -> PoolView:
         sim = self.sim

@@ -168,6 +168,17 @@ class PolicyRouter(Router):
     def finish(self, req: SimRequest) -> None:
         self.policy.finish(req.traj)
 
+    def displaced(self, req: SimRequest) -> int:
+        """A request whose server was retired (a reconfiguration, an elastic join) is sent again, as the live
+        client resends an aborted request through the router: least-loaded's pick for a policy that keeps
+        buckets, else its bucket with load-aware spill-over. Placing it on its old bucket index unrouted piled a
+        re-plan's displaced requests onto the new layout's one small server."""
+        ctx = req.ctx + req.done_tokens
+        if self._keeps_bucket:
+            return self.policy.start(self._req(req, ctx))
+        # Its bucket (clipped to the layout's), or the one its context has reached if that is further.
+        return self._spill(max(min(req.bucket, self.n_buckets - 1), self.policy.bucket_of(ctx)))
+
     def end_step(self) -> None:
         if hasattr(self.policy, "bucket_gpus") and self.sim is not None:
             gpus = [0.0] * self.n_buckets  # the fallback's placement shares (C-MLFQ's fallback verdict)

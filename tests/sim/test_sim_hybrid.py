@@ -65,3 +65,31 @@ def test_the_pool_serves_rollout_through_the_fill_and_trains_from_the_first_step
     assert all(u.training and not u.servers for u in units)
     assert sim._retired_busy > 0  # the lent servers decoded before they handed their GPUs back
     assert res["elastic_moves"] == 0  # the pool's start, not a controller decision
+
+
+def test_a_replan_sends_the_displaced_requests_through_the_new_layouts_router():
+    """A re-plan from one bucket to three retires every server; their requests are sent again through the new
+    layout's router (its bucket of their context, spilled when that bucket is overloaded), as the live client
+    resends an aborted request, instead of all landing on the new first bucket's one TP1 server."""
+    from areal_libra.sim.cluster import Simulation
+    from areal_libra.sim.libra import LibraOptions, SimCluster, _router_for
+    from areal_libra.sim.registry import build_system
+    from areal_libra.sim.report import make_env
+
+    env = make_env("dapo_math", "a800x16", "qwen3-14b", 0, 8)
+    spec = build_system("+cmlfq", env)
+    old = Layout(TrainLayout(2, 1, 4), [(4, 0), (4, 0)], [env.workload.cfg.max_len])
+    sim = Simulation(env.truth, env.workload, env.n_gpus, old, spec.run, _router_for(old, LibraOptions(), None, env=env),
+                     seed=0)
+    sim.run(1)
+    carried = sum(s.load() for s in sim.servers)
+    assert carried > 20
+    m = env.workload.cfg.max_len
+    new = Layout(TrainLayout(2, 1, 4), [(1, 0), (2, 1), (4, 2)], [m // 8, m // 4, m])
+    cl = SimCluster(env, LibraOptions(), [])
+    cl.attach(sim)
+    sim.set_router(_router_for(new, LibraOptions(), sim.router, env=env))
+    sim.apply_layout(new, train_changed=True)
+    loads = {s.bucket: s.load() for s in sim.servers}
+    assert sum(loads.values()) >= carried
+    assert loads[0] < 0.8 * sum(loads.values())  # spread over the buckets, not piled on the TP1 server
