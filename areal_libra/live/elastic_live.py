@@ -328,7 +328,7 @@ class LiveElastic:
                 self.rejoin.remove(rid)
                 if self.start_training and not self.resumed:
                     print(f"areal_libra elastic: step {step}: hybrid {rid} joins training (the plan's replica"
-                          f"{', after serving rollout through the fill' if self.lend_in_fill else ''})", flush=True)
+                          f"{'; lent to rollout until this first step' if self.lend_in_fill else ''})", flush=True)
                     continue
                 print(f"areal_libra recover: step {step}: hybrid {rid} (training before the restart) "
                       f"{'asked to re-join training' if asked else 'could not re-join (not in rollout)'}", flush=True)
