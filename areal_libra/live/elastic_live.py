@@ -138,6 +138,11 @@ class ElasticPoolControl:
 
 
 class LiveElastic:
+    # How the pool started (set by __init__; the defaults describe a pool that starts in rollout)
+    start_training = False
+    lend_in_fill = False
+    resumed = False
+
     def __init__(self, engine: Any, run_dir: Path, cfg: LiveElasticConfig, inference: Any = None,
                  router: Any = None, batch_size: int = 1, device: str = "cpu",
                  pacing: dict[str, Any] | None = None, fleet: Any = None, pressure: Any = None,
