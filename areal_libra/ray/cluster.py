@@ -188,6 +188,11 @@ class LocalRayCluster:
                 os.killpg(node.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(timeout=5)
+        # SIGKILL is delivered asynchronously: wait until every signalled process is gone (a caller that checks
+        # right after stop() saw one still alive in a clean-clone run).
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+            time.sleep(0.1)
         self.procs.clear()
         if self.temp_dir:  # Ray's sockets and session logs of this cluster (the nodes' own logs are in log_dir)
             shutil.rmtree(self.temp_dir, ignore_errors=True)
