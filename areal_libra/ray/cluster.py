@@ -177,9 +177,7 @@ class LocalRayCluster:
         for node in reversed(self.procs):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(node.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
-            time.sleep(0.2)
+        _wait_gone(pids, grace_s)
         for pid in self.session_pids() + pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -190,10 +188,15 @@ class LocalRayCluster:
                 node.proc.wait(timeout=5)
         # SIGKILL is delivered asynchronously: wait until every signalled process is gone (a caller that checks
         # right after stop() saw one still alive in a clean-clone run).
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
-            time.sleep(0.1)
+        _wait_gone(pids, grace_s)
         self.procs.clear()
         if self.temp_dir:  # Ray's sockets and session logs of this cluster (the nodes' own logs are in log_dir)
             shutil.rmtree(self.temp_dir, ignore_errors=True)
         return pids
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> None:
+    """Wait up to `timeout_s` for every pid to be gone."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.1)

@@ -503,7 +503,7 @@ class SimCluster:
         joiners' snapshot fetch, _join's). Later calls return 0."""
         lent = [u for u in self.units if not u.training]
         if self.sim is None or self.sim.version > 0 or not lent or self._fill_ended:
-            return 0.0
+            return 0.0  # only before step 0 (a unit released later is the controller's to join)
         self._fill_ended = True
         sim = self.sim
         for u in lent:
@@ -530,8 +530,11 @@ class SimCluster:
         u.training = True
 
     def apply_plan(self, plan, step: int) -> None:
+        self.apply_layout(self._layout(plan))
+
+    def apply_layout(self, new_layout: Layout) -> None:
+        """Move to `new_layout` (the plan's, before the pool is carved from it)."""
         sim, opts = self.sim, self.opts
-        new_layout = self._layout(plan)
         core, units = (make_hybrid(new_layout, opts.hybrid_replicas, self.env.knobs.hybrid_dp_div) if opts.elastic
                        else (new_layout, []))
         # The new layout's router first: the requests the retired servers carried are sent again through it (with

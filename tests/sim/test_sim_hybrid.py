@@ -53,11 +53,12 @@ def test_the_pool_serves_rollout_through_the_fill_and_trains_from_the_first_step
     spec = build_system("libra", env)
     units = spec.controller.cluster.units
     assert units and not any(u.training for u in units)  # lent to rollout at t=0
-    plan_dp = spec.layout.train.dp + len(units)
     lay = spec.layout
+    plan_dp = lay.train.dp + len(units)
     # the same pool, not lent: the plan's layout with every unit training
-    _, fresh = make_hybrid(type(lay)(type(lay.train)(lay.train.tp, lay.train.pp, plan_dp, lay.train.micro_batch),
-                                     lay.servers, lay.bucket_limits), len(units))
+    t = lay.train
+    _, fresh = make_hybrid(Layout(TrainLayout(t.tp, t.pp, plan_dp, t.micro_batch), lay.servers, lay.bucket_limits),
+                           len(units))
     assert len(fresh) == len(units) and lend_in_fill(lay, []) == lay
     res, sim = run_system("libra", env, 2, spec)
     unit_gpus = lay.train.tp * lay.train.pp
@@ -86,10 +87,9 @@ def test_a_replan_sends_the_displaced_requests_through_the_new_layouts_router():
     assert carried > 20
     m = env.workload.cfg.max_len
     new = Layout(TrainLayout(2, 1, 4), [(1, 0), (2, 1), (4, 2)], [m // 8, m // 4, m])
-    cl = SimCluster(env, LibraOptions(), [])
+    cl = SimCluster(env, LibraOptions(elastic=False), [])
     cl.attach(sim)
-    sim.set_router(_router_for(new, LibraOptions(), sim.router, env=env))
-    sim.apply_layout(new, train_changed=True)
+    cl.apply_layout(new)  # what a re-plan to this layout does
     loads = {s.bucket: s.load() for s in sim.servers}
     assert sum(loads.values()) >= carried
     assert loads[0] < 0.8 * sum(loads.values())  # spread over the buckets, not piled on the TP1 server
