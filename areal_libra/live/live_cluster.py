@@ -211,10 +211,24 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
     interval = float(rec.get("step_time_s", 0.0))
     train = sum(float(rec.get(f"timeperf/{k}", 0.0)) for k in
                 ("recompute_logp", "ref_logp", "compute_advantage", "train_step", "update_weights"))
+    wait = float(rec.get("timeperf/rollout", 0.0))
+    emulated = "emul/train_s" in rec and "emul/wait_s" in rec
+    if emulated:
+        # An emulated trainer's own account (rollout.emulation.install_train_pacing): the step's training time
+        # on the emulated hardware and its wait for rollout; its real CPU work is absorbed by the pacing, as on
+        # the simulator's hardware, where it does not exist.
+        train, wait = float(rec["emul/train_s"]), float(rec["emul/wait_s"])
+        if inputs is not None:
+            inputs = {**inputs, "wait_s": wait}
+    elif inputs is not None:  # finished groups left beyond the batch: the trainer did not wait for rollout
+        wait = float(inputs["wait_s"]) if int(inputs["backlog"]) == 0 else 0.0
+    # The calibration's inputs, as the simulator gives them: the wait, and the batch's final-length tokens
+    # (known on an emulated run; 0 = unknown, the calibration then compares whole steps).
+    extra = {"wait_s": wait, "tokens": float(rec.get("emul/batch_tokens", 0.0))}
     if measured is not None:
         # The pool times the engine's own step; AReaL's timings also hold what wraps it (e.g. an emulated
         # cluster's pacing). Apply the shared rule to the pool's wait/backlog/idle on the longer train time.
-        full = max(train, measured.train_s)
+        full = train if emulated else max(train, measured.train_s)
         if inputs is not None:
             rollout = rollout_time(full, float(inputs["wait_s"]), int(inputs["backlog"]), int(inputs["batch"]),
                                    waited_for_count=int(inputs["backlog"]) == 0,
@@ -224,11 +238,11 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
         else:  # rollout was ahead by the backlog's share
             rollout = full * measured.rollout_s / max(1e-9, measured.train_s)
         return StepObservation(step=step, interval_s=interval, train_s=full, rollout_s=rollout,
-                               queue_pressure=measured.queue_pressure, active_pressure=measured.active_pressure)
-    wait = float(rec.get("timeperf/rollout", 0.0))
+                               queue_pressure=measured.queue_pressure, active_pressure=measured.active_pressure,
+                               **extra)
     return StepObservation(step=step, interval_s=interval, train_s=train,
                            rollout_s=rollout_time(train, wait, backlog=0, batch=1), queue_pressure=pressure[0],
-                           active_pressure=pressure[1])
+                           active_pressure=pressure[1], **extra)
 
 
 def run_control_config(control: ControlConfig, areal_cfg: Any) -> ControlConfig:

@@ -287,9 +287,13 @@ def install_emulation(trainer, libra: LibraConfig, run_dir: Path, metrics, contr
     host = EmulatedHostBackend.from_run_dir(run_dir)  # libra.emulated.host: its pacing error too
     if control is not None and host is not None:  # the rollout busy share each step (StepObservation.rollout_busy)
         control.busy_fn = host.pacing
+    try:  # the dispatcher's waits for results tell the wait for rollout from the trainer's own work
+        executor = getattr(getattr(trainer, "rollout", None), "workflow_executor", None)
+    except RuntimeError:  # not initialised
+        executor = None
     install_train_pacing(trainer, emu, groups_fn, metrics, version_fn=lambda: trainer.actor.get_version(),
                          hybrids_fn=hybrids_fn, host_pacing_fn=None if host is None else host.pacing,
-                         train_sample=int(libra.emulated.train_sample))
+                         train_sample=int(libra.emulated.train_sample), executor=executor)
 
 
 def main(argv: list[str] | None = None) -> int:

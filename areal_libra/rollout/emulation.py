@@ -36,6 +36,7 @@ from areal_libra.config import libra_config
 from areal_libra.cost.presets import PresetError, load_hardware, load_model
 from areal_libra.rollout.backend import LocalProcessBackend
 from areal_libra.rollout.launcher import ServerSpec
+from areal_libra.rollout.trainer_overhead import TrainerOverhead, paced_sleep
 from areal_libra.server.embedded_server import parse_args, run
 from areal_libra.sim.calib import calibrated_hardware
 from areal_libra.sim.hardware import HardwareTruth, truth_from_specs
@@ -388,23 +389,33 @@ class ClusterEmulation:
         return self.time_scale * best_train_layout(self.truth, lens, n_accel)[3]
 
     def pace_train_step(self, tokens: int | Sequence[int], n_accel: int, started_at: float | None = None,
-                        n_seqs: int = 1) -> dict[str, float]:
+                        n_seqs: int = 1, overhead_s: float = 0.0) -> dict[str, float]:
         """Sleep until the step (begun at ``started_at``, a time.perf_counter() value; None: now) has
         taken its target time. ``tokens``: per-sequence lengths (preferred: attention cost grows with each
-        sequence's square), or a total split evenly over ``n_seqs``. Returns emul/* metrics."""
+        sequence's square), or a total split evenly over ``n_seqs``. ``overhead_s``: the trainer's own real work
+        outside the window that this window absorbs (trainer_overhead.TrainerOverhead). Returns emul/* metrics:
+        emul/train_compute_s is the real work the target had to hold (the window's and the overhead)."""
         target = self.train_target_s(tokens, n_accel, n_seqs)  # tokens already scaled by the caller
         t0 = time.perf_counter() if started_at is None else started_at
         measured = time.perf_counter() - t0
-        sleep = max(0.0, target - measured)
+        sleep, overrun = paced_sleep(target, measured, overhead_s)
         if sleep > 0:
             time.sleep(sleep)
+        spent = measured + max(0.0, overhead_s)
         return {
             "emul/train_target_s": target,
-            "emul/train_compute_s": measured,
+            "emul/train_compute_s": spent,
+            "emul/train_overhead_s": max(0.0, overhead_s),
             "emul/train_sleep_s": sleep,
-            "emul/train_overrun": float(measured > target),
+            "emul/train_overrun": float(overrun > 0),
             "emul/train_accelerators": float(n_accel),
+            # The step's training time on the emulated hardware: the target, or the real work that overran it.
+            "emul/train_s": target + overrun,
         }
+
+    def weight_sync_target_s(self, n_servers: int) -> float:
+        """The truth's weight sync to ``n_servers`` rollout servers, scaled (the emulated host paces it)."""
+        return self.time_scale * self.truth.weight_sync_s(max(1, int(n_servers)))
 
     def describe(self, groups: Sequence[Any] = ()) -> str:
         line = f"{self.accelerators} x {self.gpu} emulating {self.model} (time x{self.time_scale:g})"
@@ -524,33 +535,79 @@ def stand_in_batch(batch: Any, n: int) -> Any:
 
 def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any,
                          version_fn: Any = lambda: 0, hybrids_fn: Any = lambda: 0,
-                         host_pacing_fn: Any = None, train_sample: int = 0) -> None:
+                         host_pacing_fn: Any = None, train_sample: int = 0, executor: Any = None) -> None:
     """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
     trainer's accelerators (all the rollout servers and the hybrid pool leave, as the current layout has
-    them), plus one per hybrid replica training now (`hybrids_fn`). Every step's metrics carry
-    emul/pacing_error: the trainer's (overruns of the paced updates over their targets, over the run) or, the
-    larger, the emulated host's (`host_pacing_fn`, its GET /pacing). `train_sample` > 0: the real update runs on
-    that many sequences of the batch (a stand-in: the pacing still counts the whole batch)."""
+    them), plus one per hybrid replica training now (`hybrids_fn`). The paced window opens when the batch is in
+    hand and absorbs the trainer's own real work around it (trainer_overhead.TrainerOverhead: the batch's
+    collection, the weight write, metrics, the controller), so a step takes the emulated hardware's time.
+    Every step's metrics carry emul/pacing_error: the trainer's (overruns of the paced updates over their
+    targets, over the run) or, the larger, the emulated host's (`host_pacing_fn`, its GET /pacing); and
+    emul/train_s, emul/wait_s: the step's training time and its wait for rollout in the emulation's account,
+    what the controller reads (live_cluster.observation). `executor`: AReaL's workflow executor, whose
+    dispatcher's waits for results tell the wait for rollout from the trainer's own work in prepare_batch.
+    `train_sample` > 0: the real update runs on that many sequences of the batch (a stand-in: the pacing still
+    counts the whole batch)."""
     configure(emulation)
     actor = trainer.actor
     original = actor.ppo_update
     last: dict[str, float] = {}
     total = {"target": 0.0, "overrun": 0.0}
+    ledger = TrainerOverhead()
+    # perf_counter marks: the batch in hand (the window opens), the window's end, the dispatcher's waits.
+    mark: dict[str, float | None] = {"ready": None, "window_end": None, "waited": 0.0, "wait_end": None}
 
-    # The paced window opens when the batch is ready (AReaL computes its advantages first), so the trainer's
-    # own work on it counts against the truth's training time, not only the update.
-    began: dict[str, float | None] = {"t": None}
+    dispatcher = None
+    try:
+        dispatcher = executor.dispatcher if executor is not None else None
+    except RuntimeError:  # not initialised: prepare_batch counts as the wait, as before
+        dispatcher = None
+    if dispatcher is not None and hasattr(dispatcher, "wait_results"):
+        wait_results = dispatcher.wait_results
+
+        def timed_wait(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return wait_results(*args, **kwargs)
+            finally:
+                mark["wait_end"] = time.perf_counter()
+                mark["waited"] += mark["wait_end"] - t
+
+        dispatcher.wait_results = timed_wait
+
+    prepare = getattr(actor, "prepare_batch", None)
+    if prepare is not None:
+        def prepare_batch(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            if mark["window_end"] is not None:
+                n_servers = sum(int(getattr(g, "count", 1)) for g in groups_fn())
+                ledger.after_window(t0 - mark["window_end"], emulation.weight_sync_target_s(n_servers))
+                mark["window_end"] = None
+            mark["waited"], mark["wait_end"] = 0.0, None
+            out = prepare(*args, **kwargs)
+            t1 = time.perf_counter()
+            after = t1 - mark["wait_end"] if mark["wait_end"] is not None else t1 - t0
+            own, wait = ledger.batch(t1 - t0, mark["waited"] if dispatcher is not None else t1 - t0, after)
+            last["emul/batch_overhead_s"], last["emul/wait_s"] = own, wait
+            mark["own"] = own
+            mark["ready"] = t1
+            return out
+
+        actor.prepare_batch = prepare_batch
+
     compute_adv = getattr(actor, "compute_advantages", None)
-    if compute_adv is not None:
+    if compute_adv is not None:  # a trainer without prepare_batch: the window opens with the advantages
         def advantages(*args: Any, **kwargs: Any) -> Any:
-            began["t"] = time.perf_counter()
+            if mark["ready"] is None:
+                mark["ready"] = time.perf_counter()
             return compute_adv(*args, **kwargs)
 
         actor.compute_advantages = advantages
 
     def paced(*args: Any, **kwargs: Any) -> Any:
-        t0 = began["t"] if began["t"] is not None else time.perf_counter()
-        began["t"] = None
+        t0 = mark["ready"] if mark["ready"] is not None else time.perf_counter()
+        mark["ready"] = None
+        debt = ledger.take(float(mark.pop("own", 0.0) or 0.0))
         batch = args[0] if args else next(iter(kwargs.values()), None)
         m = emulation.multiplier(version_fn())
         lens = _batch_lengths(batch, m)  # the whole batch's, before a stand-in takes a slice of it
@@ -558,8 +615,10 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
             args = (stand_in_batch(args[0], train_sample), *args[1:])
         out = original(*args, **kwargs)
         n_train = emulation.trainer_now(groups_fn(), int(hybrids_fn()))
-        last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0))
+        last.update(emulation.pace_train_step(lens or 1, n_train, started_at=t0, overhead_s=debt))
+        mark["window_end"] = time.perf_counter()
         last["emul/length_multiplier"] = m
+        last["emul/batch_tokens"] = float(sum(lens))
         total["target"] += last["emul/train_target_s"]
         total["overrun"] += max(0.0, last["emul/train_compute_s"] - last["emul/train_target_s"])
         return out
