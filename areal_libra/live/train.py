@@ -293,7 +293,8 @@ def install_emulation(trainer, libra: LibraConfig, run_dir: Path, metrics, contr
         executor = None
     install_train_pacing(trainer, emu, groups_fn, metrics, version_fn=lambda: trainer.actor.get_version(),
                          hybrids_fn=hybrids_fn, host_pacing_fn=None if host is None else host.pacing,
-                         train_sample=int(libra.emulated.train_sample), executor=executor)
+                         train_sample=int(libra.emulated.train_sample), executor=executor,
+                         rollout=getattr(trainer, "rollout", None))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,3 +118,30 @@ def test_the_controller_reads_the_emulated_account_of_a_step() -> None:
     assert observation(4, plain).wait_s == 6.0
     assert observation(4, plain, measured=measured,
                        inputs={"wait_s": 6.0, "backlog": 40, "batch": 64}).wait_s == 0.0
+
+
+def test_an_emulated_rollout_takes_new_groups_once_the_new_version_is_set() -> None:
+    """AReaL's step: pause submissions, update the weights, set the version, save, commit the stats (the
+    controller), resume. Emulated, submissions resume at the version: the rest is this machine's work."""
+    from areal_libra.rollout.emulation import resume_after_update
+
+    calls: list[str] = []
+
+    class Rollout:
+        def pause(self):
+            calls.append("pause")
+
+        def resume(self):
+            calls.append("resume")
+
+        def set_version(self, v):
+            calls.append(f"version {v}")
+
+    r = Rollout()
+    resume_after_update(r)
+    r.set_version(0)  # the start: nothing paused, nothing resumed
+    r.pause()
+    r.set_version(1)
+    calls.append("stats")
+    r.resume()
+    assert calls == ["version 0", "pause", "version 1", "resume", "stats", "resume"]
