@@ -288,12 +288,13 @@ def install_emulation(trainer, libra: LibraConfig, run_dir: Path, metrics, contr
     if control is not None and host is not None:  # the rollout busy share each step (StepObservation.rollout_busy)
         control.busy_fn = host.pacing
     try:  # the dispatcher's waits for results tell the wait for rollout from the trainer's own work
-        executor = getattr(getattr(trainer, "rollout", None), "workflow_executor", None)
+        found = lag_bound.dispatcher_of(getattr(trainer, "rollout", None))
     except RuntimeError:  # not initialised
-        executor = None
+        found = None
     install_train_pacing(trainer, emu, groups_fn, metrics, version_fn=lambda: trainer.actor.get_version(),
                          hybrids_fn=hybrids_fn, host_pacing_fn=None if host is None else host.pacing,
-                         train_sample=int(libra.emulated.train_sample), executor=executor,
+                         train_sample=int(libra.emulated.train_sample),
+                         dispatcher=found[0] if found is not None else None,
                          rollout=getattr(trainer, "rollout", None))
 
 

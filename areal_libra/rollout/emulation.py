@@ -535,7 +535,7 @@ def stand_in_batch(batch: Any, n: int) -> Any:
 
 def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: Any,
                          version_fn: Any = lambda: 0, hybrids_fn: Any = lambda: 0,
-                         host_pacing_fn: Any = None, train_sample: int = 0, executor: Any = None,
+                         host_pacing_fn: Any = None, train_sample: int = 0, dispatcher: Any = None,
                          rollout: Any = None) -> None:
     """cluster=emulated: every PPO update takes the truth's training time for its sequences on the
     trainer's accelerators (all the rollout servers and the hybrid pool leave, as the current layout has
@@ -545,8 +545,8 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
     Every step's metrics carry emul/pacing_error: the trainer's (overruns of the paced updates over their
     targets, over the run) or, the larger, the emulated host's (`host_pacing_fn`, its GET /pacing); and
     emul/train_s, emul/wait_s: the step's training time and its wait for rollout in the emulation's account,
-    what the controller reads (live_cluster.observation). `executor`: AReaL's workflow executor, whose
-    dispatcher's waits for results tell the wait for rollout from the trainer's own work in prepare_batch.
+    what the controller reads (live_cluster.observation). `dispatcher`: AReaL's task dispatcher
+    (live.lag_bound.dispatcher_of), whose waits for results tell the wait for rollout from the trainer's own work in prepare_batch.
     `train_sample` > 0: the real update runs on that many sequences of the batch (a stand-in: the pacing still
     counts the whole batch). `rollout`: AReaL's rollout engine, whose submissions resume once the new weight
     version is set (resume_after_update)."""
@@ -559,11 +559,6 @@ def install_train_pacing(trainer: Any, emulation: Any, groups_fn: Any, metrics: 
     # perf_counter marks: the batch in hand (the window opens), the window's end, the dispatcher's waits.
     mark: dict[str, float | None] = {"ready": None, "window_end": None, "waited": 0.0, "wait_end": None}
 
-    dispatcher = None
-    try:
-        dispatcher = executor.dispatcher if executor is not None else None
-    except RuntimeError:  # not initialised: prepare_batch counts as the wait, as before
-        dispatcher = None
     if dispatcher is not None and hasattr(dispatcher, "wait_results"):
         wait_results = dispatcher.wait_results
 

@@ -80,7 +80,7 @@ def test_the_paced_trainer_takes_the_truths_time_with_its_own_work_around_the_up
     trainer = SimpleNamespace(actor=Actor())
     m = _Metrics()
     install_train_pacing(trainer, emu, lambda: [RolloutGroup("g", 1, 4)], m,
-                         executor=SimpleNamespace(dispatcher=dispatcher))
+                         dispatcher=dispatcher)
     sync = emu.weight_sync_target_s(4)
     try:
         marks = []
