@@ -125,7 +125,9 @@ class ControlConfig:
     elastic_policy: ElasticConfig = field(default_factory=ElasticConfig)  # join/release thresholds, cooldown
     # Online calibration and the calibrated gate, when the plan source offers them (CalibratedPlanSource).
     calibrate: bool = True
-    total_steps: int | None = None  # the run's length when known: the gate credits no gain beyond it
+    # The step number of the run's last observation, when known (the simulator counts steps from 0, a live run
+    # from 1: each adapter sets its own); the gate credits a plan only with the steps after this one up to it.
+    last_step: int | None = None
     predict_steps: int = 5  # a decision's prediction is held against the mean of this many next steps
 
     @property
@@ -345,8 +347,8 @@ class LibraController:
         rp = self.replan_policy
         assert rp is not None
         horizon = rp.cfg.every_k
-        if self.cfg.total_steps is not None:
-            horizon = max(0, min(horizon, self.cfg.total_steps - step - 1))
+        if self.cfg.last_step is not None:
+            horizon = max(0, min(horizon, self.cfg.last_step - step))
         return horizon
 
     def _cost(self, cluster: Cluster, new: Any) -> float:

@@ -138,6 +138,21 @@ def test_calibrated_gate_moves_when_the_measured_term_is_slow_and_scores_its_pre
     assert ctl.metrics()["plan/predicted_vs_measured_step"] == pytest.approx(21.0 / 15.0)
 
 
+@pytest.mark.parametrize("last_step, applied", [(None, [(10, "B")]), (20, [(10, "B")]), (11, []), (10, [])])
+def test_calibrated_gate_credits_no_gain_beyond_the_runs_last_step(last_step, applied):
+    # The move of the test above gains 6 s a step against a 30 s cost: worth it over 10 steps or 9 (to step 20),
+    # not over 1 step (a run ending at step 11), nor when the decision comes after the last step (nothing left).
+    a, b = _Plan("A", 10.0, 10.0), _split(_Plan("B", 14.0, 5.0), 5, 3)
+    cfg = ControlConfig(replan_policy=ReplanConfig(every_k=10), last_step=last_step)
+    ctl = LibraController(cfg, _CalPlanner([a, b]), a)
+    cl = _Cluster()
+    for s in range(1, 11):
+        ctl.on_step(StepObservation(s, 21.0, 10.0, 20.0, wait_s=10.0, tokens=1000.0), cl)
+    assert cl.applied == applied
+    if not applied:
+        assert ctl.events[-1].kind == "kept" and f"gain x {max(0, last_step - 10)} steps" in ctl.events[-1].detail
+
+
 def test_calibrated_gate_keeps_the_plan_when_gain_over_every_k_does_not_beat_the_cost():
     a, b = _Plan("A", 10.0, 10.0), _split(_Plan("B", 14.0, 5.0), 3, 5)
     planner = _CalPlanner([a, b])

@@ -32,3 +32,16 @@ def test_the_controller_of_an_emulated_run_reads_emulated_seconds(tmp_path: Path
         seen[scale] = (out["plan/obs_train_s"], control.ctl.intervals[-1])
     assert seen[1.0] == (4.0, 12.0)
     assert seen[0.25] == (16.0, 48.0)
+
+
+def test_a_runs_controller_knows_its_last_step() -> None:
+    # A live run counts steps from 1: with total_train_steps=30 the last decision comes at step 30, with no step
+    # left to credit a plan with (the simulator's 30-step run ends at its step 29).
+    from omegaconf import OmegaConf
+
+    from areal_libra.config import compose
+    from areal_libra.live.live_cluster import run_control_config
+
+    c = compose(["cluster=emulated", "total_train_steps=30", "rollout.max_head_offpolicyness=2"])
+    cfg = run_control_config(OmegaConf.to_object(c.libra).control, OmegaConf.to_object(c.areal))
+    assert cfg.last_step == 30 and cfg.staleness == 2

@@ -42,3 +42,12 @@ def test_training_profiled_on_the_run_batch_prices_it():
         e0, e1 = (abs(TrainCost(replace(env.cluster, hardware=hw), env.model).step_time_s(par, lens) / truth - 1)
                   for hw in (hw0, hw1))
         assert e1 < e0 and e1 < 0.08, (par, e0, e1)
+
+
+def test_the_run_length_reaches_the_gate():
+    # The simulator counts steps from 0: a 3-step run's last observation is step 2, after which nothing is credited.
+    env = make_env("dapo_math", "a800x48", "qwen3-14b", seed=0)
+    spec = build_system("libra", env)
+    assert spec.controller.ctl.cfg.last_step is None
+    run_system("libra", env, 3, spec)
+    assert spec.controller.ctl.cfg.last_step == 2 and spec.controller.ctl._horizon(2) == 0
