@@ -9,7 +9,7 @@ trajectories, measured step/rollout/training times and server pressure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from areal_libra.cmlfq import aging
 from areal_libra.control import ControlConfig, LibraController, PoolView, ProfilePass, StepObservation
@@ -606,6 +606,11 @@ class SimLibraControl(Controller):
 
     def attach(self, sim: Simulation) -> None:
         self.cluster.attach(sim)
+
+    def set_run_length(self, steps: int) -> None:
+        """The run's length reaches the gate (ControlConfig.last_step): the simulator's steps count from 0, so a run
+        of `steps` observes its last at steps - 1 (the live adapter's counterpart: live_cluster.run_control_config)."""
+        self.ctl.cfg = replace(self.ctl.cfg, last_step=steps - 1)
 
     def on_step_end(self, sim: Simulation, rec: dict) -> None:
         cohorts = getattr(self.cluster, "cohorts", None)

@@ -3,8 +3,6 @@ ablation rungs (sim/libra.py). Kept apart from both so that neither imports the 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from areal_libra.sim.cluster import Simulation
 from areal_libra.sim.libra import ladder_base, libra_system
 from areal_libra.sim.systems import (
@@ -46,9 +44,9 @@ def run_system(name: str, env: Env, steps: int, spec: SystemSpec | None = None) 
     attach = getattr(spec.controller, "attach", None)
     if attach is not None:
         attach(sim)
-    ctl = getattr(spec.controller, "ctl", None)  # the shared LibraController: the run's last step (0-based)
-    if ctl is not None:
-        ctl.cfg = replace(ctl.cfg, last_step=steps - 1)
+    set_run_length = getattr(spec.controller, "set_run_length", None)
+    if set_run_length is not None:
+        set_run_length(steps)
     res = sim.run(steps)
     res.update(spec.extra)
     return res, sim
