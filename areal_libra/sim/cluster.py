@@ -98,6 +98,10 @@ class RunConfig:
     strict_staleness: bool = False  # also bound each consumed group's staleness (waits for stragglers)
     # Servers admit waiting requests oldest start version first (areal_libra.cmlfq.aging); False: FIFO.
     edf: bool = False
+    # AReaL's rollout.max_concurrent_rollouts: episodes (GRPO groups) running at once. 0: only the staleness
+    # bound (the emulated experiment sets 8192); None: AReaL's own default, the consumer batch
+    # (areal/infra/workflow_executor.py). evaluation.throughput --max-concurrent-rollouts.
+    max_concurrent_groups: int | None = 0
 
 
 class Router:
@@ -170,6 +174,10 @@ class Simulation:
         self.version = 0
         self.started_groups = 0
         self.in_flight = 0  # trajectories started and not finished (bounded by the truth's max_in_flight)
+        self.groups_running = 0  # groups started and not finished (bounded by RunConfig.max_concurrent_groups)
+        mc = self.cfg.max_concurrent_groups
+        self.max_groups = self.batch if mc is None else mc
+        self.max_groups_running = 0
         self.pending: deque[Group] = deque()  # started, not yet consumed, in start order
         self.train_layout = layout.train
         self.layout = layout
@@ -361,6 +369,11 @@ class Simulation:
         while self.started_groups < cap:
             if limit and self.in_flight >= limit:
                 break  # the environment runs no more trajectories at once; _traj_done admits again
+            if self.max_groups and self.groups_running >= self.max_groups:
+                break  # AReaL's concurrency cap; a finished group admits again (_traj_done)
+            self.groups_running += 1
+            if self.groups_running > self.max_groups_running:
+                self.max_groups_running = self.groups_running
             trajs = self.workload.sample_group(self.version, self.wl_rng)
             self.in_flight += len(trajs)
             g = Group(self.started_groups, self.version, len(trajs), trajs, self.t)
@@ -406,6 +419,9 @@ class Simulation:
         g = req.group
         g.n_left -= 1
         if g.n_left == 0:
+            self.groups_running -= 1
+            if self.max_groups and not self.truth.c.max_in_flight:
+                self.call_at(t, self._admit)
             g.ready = True
             g.t_ready = t
             self._try_train()

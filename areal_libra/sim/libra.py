@@ -709,7 +709,8 @@ def baseline_ranking(env: Env) -> RankingProbe | None:
 
 def libra_run_config(env: Env) -> RunConfig:
     """Libra's loop: AReaL's staleness bound, and the version-lag bound at consumption when on (BOUND_LAG)."""
-    return RunConfig(max_staleness=env.staleness, strict_staleness=BOUND_LAG, edf=BOUND_LAG)
+    return RunConfig(max_staleness=env.staleness, strict_staleness=BOUND_LAG, edf=BOUND_LAG,
+                     max_concurrent_groups=env.max_concurrent_groups)
 
 
 def ladder_base(env: Env) -> SystemSpec:

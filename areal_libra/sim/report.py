@@ -30,7 +30,7 @@ SCALES = {"default": (None, None, None), "paper": (128, 16, 40960)}
 
 def make_env(workload: str, cluster: str, model: str, seed: int = 0, batch_prompts: int | None = None,
              group_size: int | None = None, knobs: SimKnobs | None = None, truth: str = "default",
-             scale: str = "default") -> Env:
+             scale: str = "default", max_concurrent_groups: int | None = 0) -> Env:
     consts = truth_constants(truth)
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; choose from {', '.join(SCALES)}")
@@ -54,11 +54,12 @@ def make_env(workload: str, cluster: str, model: str, seed: int = 0, batch_promp
         m = _CLUSTER_RE.match(cluster.lower())
         if not m or m.group(1) not in GPUS:
             raise ValueError(f"unknown cluster {cluster!r}: use <gpu>x<count> with gpu in {', '.join(GPUS)}") from None
-        return Env(truth_for(m.group(1), model, consts), wl, int(m.group(2)), seed=seed, knobs=knobs or SimKnobs())
+        return Env(truth_for(m.group(1), model, consts), wl, int(m.group(2)), seed=seed, knobs=knobs or SimKnobs(),
+                   max_concurrent_groups=max_concurrent_groups)
     cl = load_cluster(cluster)
     md = load_model(model)
     return Env(truth_from_specs(cl.hardware, md, consts), wl, cl.n_gpus, cluster=cl, model=md, seed=seed,
-               knobs=knobs or SimKnobs())
+               knobs=knobs or SimKnobs(), max_concurrent_groups=max_concurrent_groups)
 
 
 def add_roofline(res: dict, sim) -> None:
@@ -221,7 +222,24 @@ def parse_common(argv, description: str, names: Sequence[str], default_ref: str)
                     help="a simulator switch (areal_libra.sim.systems.SimKnobs), e.g. replan=false")
     ap.add_argument("--truth", default="default", choices=sorted(TRUTH_PROFILES),
                     help="hardware truth profile (areal_libra/sim/hardware.py TRUTH_PROFILES; docs/simulator.md)")
+    ap.add_argument("--max-concurrent-rollouts", default="0", metavar="N|batch",
+                    help="AReaL's rollout.max_concurrent_rollouts (GRPO groups running at once) for every AReaL-loop "
+                         "system: 0 (default) only the staleness bound, as the emulated experiment's 8192; batch: "
+                         "AReaL's own default, the consumer batch")
     return ap.parse_args(argv)
+
+
+def parse_max_concurrent(value: str) -> int | None:
+    """--max-concurrent-rollouts: 'batch' -> None (AReaL's default), else a count >= 0."""
+    if value == "batch":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"--max-concurrent-rollouts must be a count >= 0 or 'batch', not {value!r}")
+    return n
 
 
 def main_common(argv, description: str, names: Sequence[str], default_ref: str) -> int:
@@ -234,7 +252,8 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         if args.steps < 1:
             raise ValueError("--steps must be >= 1")
         env = make_env(args.workload, args.cluster, args.model, args.seed, args.batch_prompts, args.group_size,
-                       parse_knobs(args.knob), truth=args.truth, scale=args.scale)
+                       parse_knobs(args.knob), truth=args.truth, scale=args.scale,
+                       max_concurrent_groups=parse_max_concurrent(args.max_concurrent_rollouts))
         from areal_libra.sim.systems import check_cluster
 
         check_cluster(env.truth, env.n_gpus)
@@ -250,6 +269,7 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
                           "steps": args.steps, "seed": args.seed,
                           "batch_prompts": env.workload.cfg.batch_prompts,
                           "group_size": env.workload.cfg.group_size, "truth": args.truth, "scale": args.scale,
+                          "max_concurrent_rollouts": args.max_concurrent_rollouts,
                           # AReaL-Static-Optimal's sweep: every candidate layout with its measured tokens/s
                           "baseline_candidates": results.get("areal_static_optimal", {}).get("baseline_candidates")},
                          indent=1))

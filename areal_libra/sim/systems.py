@@ -89,6 +89,8 @@ class Env:
     profile_groups: int = PROFILE_GROUPS  # the profiling pass before the first plan (control.profile)
     knobs: SimKnobs = field(default_factory=SimKnobs)
     staleness: int = AREAL_STALENESS  # eta of AReaL-Static-Optimal and Libra (the regime map sweeps it)
+    # AReaL's max_concurrent_rollouts for both (RunConfig.max_concurrent_groups: 0 none, None AReaL's default)
+    max_concurrent_groups: int | None = 0
 
 
 @dataclass
@@ -412,7 +414,8 @@ def measure_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | N
         return None
     # A private copy: the sweep must not advance the workload's own counters the measured runs use.
     wl = recorded.fresh() if recorded is not None else StationaryReplay(copy.deepcopy(env.workload))
-    sim = Simulation(env.truth, wl, env.n_gpus, lay, RunConfig(max_staleness=env.staleness),
+    sim = Simulation(env.truth, wl, env.n_gpus, lay, RunConfig(max_staleness=env.staleness,
+                                                               max_concurrent_groups=env.max_concurrent_groups),
                      policy_router("least_loaded")(lay), seed=env.seed + SWEEP_SEED_OFFSET)
     sim.run(SWEEP_END + 1)
     return {"rollout_gpus": roll, "tp": tp, "train": _train_desc(lay.train),
@@ -453,6 +456,7 @@ def sweep_key(env: Env) -> dict:
             "workload_digest": _workload_digest(env.workload), "n_gpus": env.n_gpus,
             "batch_prompts": env.workload.cfg.batch_prompts, "group_size": env.workload.cfg.group_size,
             "truth": repr((truth.gpu, truth.model, truth.c)), "staleness": env.staleness, "seed": env.seed,
+            "max_concurrent_groups": env.max_concurrent_groups,
             "window": [SWEEP_REPLAY, SWEEP_WARMUP, SWEEP_END, SWEEP_SEED_OFFSET], "code": code.hexdigest()}
 
 
@@ -569,7 +573,8 @@ def areal_static_optimal(env: Env) -> SystemSpec:
     extra = {"baseline_candidates": cands,
              "baseline_choice": {"rollout_gpus": best["rollout_gpus"], "tp": best["tp"], "train": best["train"],
                                  "sweep_tokens_per_s": best["tokens_per_s"]}}
-    return SystemSpec("areal_static_optimal", lay, RunConfig(max_staleness=env.staleness),
+    return SystemSpec("areal_static_optimal", lay, RunConfig(max_staleness=env.staleness,
+                                                             max_concurrent_groups=env.max_concurrent_groups),
                       policy_router("least_loaded"), extra=extra)
 
 

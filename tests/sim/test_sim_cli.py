@@ -47,6 +47,7 @@ def test_ablation_prints_the_ladder():
     (["--workload", "r2e_gym", "--cluster", "a800x4"], "smaller than one model replica"),
     (["--workload", "r2e_gym", "--systems", "bogus"], "unknown system 'bogus'"),
     (["--workload", "r2e_gym", "--model", "nomodel"], "nomodel"),
+    (["--workload", "r2e_gym", "--max-concurrent-rollouts", "many"], "--max-concurrent-rollouts must be"),
 ])
 def test_bad_input_is_one_clear_line(args, msg):
     p = _run("throughput.py", "--steps", "2", *args)

@@ -9,12 +9,13 @@ from areal_libra.sim.systems import Env
 from areal_libra.sim.workloads import WorkloadConfig, make_workload
 
 
-def _sim(eta, steps=10, seed=0, workload="r2e_gym", colocated=False, strict=False):
+def _sim(eta, steps=10, seed=0, workload="r2e_gym", colocated=False, strict=False, max_concurrent_groups=0):
     wl = make_workload(workload, WorkloadConfig(group_size=4, batch_prompts=4, drift=0.5, horizon=20))
     truth = truth_for("a800", "qwen3-14b")
     lay = Layout(TrainLayout(8, 1, 1), [(2, 0)] * 4)
     sim = Simulation(truth, wl, 16, lay, RunConfig(max_staleness=eta, colocated=colocated, strict_staleness=strict,
-                                                   mem_fraction=0.5 if colocated else None), seed=seed)
+                                                   mem_fraction=0.5 if colocated else None,
+                                                   max_concurrent_groups=max_concurrent_groups), seed=seed)
     res = sim.run(steps)
     return sim, res
 
@@ -35,6 +36,17 @@ def test_asynchrony_never_exceeds_the_staleness_bound(eta):
     assert max(strict.staleness_seen) <= eta and res_s["max_lead"] <= eta
     if eta > 0:
         assert max(strict.staleness_seen) >= 1
+
+
+def test_areal_concurrency_cap_bounds_the_groups_running_at_once():
+    # AReaL's max_concurrent_rollouts (None: its default, consumer_batch_size) caps the episodes (groups)
+    # running at once, on top of the staleness bound on how many may start
+    sim, res = _sim(3, max_concurrent_groups=None)
+    assert res["steps"] == 10 and sim.max_groups_running == sim.batch
+    loose, _ = _sim(3)  # 0, the simulator's default: only the staleness bound, more than one batch runs
+    assert loose.max_groups_running > loose.batch
+    capped, _ = _sim(3, max_concurrent_groups=2)
+    assert capped.max_groups_running == 2
 
 
 def test_asynchrony_beats_synchronous_on_the_same_layout():
