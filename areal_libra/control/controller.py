@@ -382,9 +382,13 @@ class LibraController:
         measured = _mean(self.intervals)
         scale = measured / max(1e-9, t_cur_pred)
         t_new = new.makespan_s * scale
-        if not self.replan_policy.accept(measured, t_new):
+        # the uncalibrated gate's own horizon, no more than the steps the run has left
+        horizon = self.replan_policy.cfg.horizon_steps
+        if self.cfg.last_step is not None:
+            horizon = max(0, min(horizon, self.cfg.last_step - step))
+        if not self.replan_policy.accept(measured, t_new, horizon_steps=horizon):
             self.events.append(ControlEvent(step, "kept", f"measured {measured:.1f}s; predicted {t_cur_pred:.1f}s "
-                                            f"now vs {new.makespan_s:.1f}s new"))
+                                            f"now vs {new.makespan_s:.1f}s new (gain x {horizon} steps)"))
             return False
         if not self._apply(cluster, new, step):
             return False

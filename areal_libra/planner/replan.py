@@ -65,10 +65,13 @@ class ReplanPolicy:
             self.last_reason = reason
         return bool(reason)
 
-    def accept(self, t_cur_s: float, t_new_s: float, reconfig_cost_s: float | None = None) -> bool:
-        """Apply the new plan only if (T_cur - T_new) * horizon - cost > 0 and the gain is >= min_gain of T_cur."""
+    def accept(self, t_cur_s: float, t_new_s: float, reconfig_cost_s: float | None = None,
+               horizon_steps: int | None = None) -> bool:
+        """Apply the new plan only if (T_cur - T_new) * horizon - cost > 0 and the gain is >= min_gain of T_cur;
+        `horizon_steps` (None: the configured one) caps the credit, e.g. at the steps a run has left."""
         cost = self.cfg.reconfig_cost_s if reconfig_cost_s is None else reconfig_cost_s
+        horizon = self.cfg.horizon_steps if horizon_steps is None else horizon_steps
         gain = t_cur_s - t_new_s
         if t_cur_s <= 0 or gain <= 0:
             return False
-        return gain * self.cfg.horizon_steps - cost > 0 and gain / t_cur_s >= self.cfg.min_gain
+        return gain * horizon - cost > 0 and gain / t_cur_s >= self.cfg.min_gain

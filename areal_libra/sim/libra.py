@@ -148,13 +148,11 @@ def planner_cluster(env: Env):
         return env.cluster
     cached = getattr(env, "_calibrated", None)
     if cached is None:
-        from dataclasses import replace as dc_replace
-
         from areal_libra.sim.calib import calibrated_hardware
 
         hw, err = calibrated_hardware(env.truth, env.cluster.hardware, env.model, env.seed,
                                       train_lens=getattr(env, "_train_profile_lens", None))
-        cached = dc_replace(env.cluster, hardware=hw)
+        cached = replace(env.cluster, hardware=hw)
         env._calibrated = cached
         env.calibration_error = err
     return cached

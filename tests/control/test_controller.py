@@ -234,6 +234,19 @@ def test_gate_applies_only_when_gain_beats_cost():
     assert cl.applied == [(10, "new")] and ctl.replans == 1 and ctl.metrics()["plan/replans"] == 1.0
 
 
+@pytest.mark.parametrize("last_step, applied", [(None, [(10, "new")]), (11, [(10, "new")]), (10, [])])
+def test_uncalibrated_gate_credits_no_gain_beyond_the_runs_last_step(last_step, applied):
+    # The applied move of the test above, decided at step 10: nothing to credit when 10 is the run's last step.
+    cfg = ControlConfig(replan_policy=ReplanConfig(every_k=10, reconfig_cost_s=3.0), last_step=last_step)
+    ctl = LibraController(cfg, _Planner(_Plan(3.0, "new"), 5.0), _Plan(5.0, "cur"))
+    cl = _Cluster()
+    for s in range(1, 11):
+        ctl.on_step(_obs(s), cl)
+    assert cl.applied == applied
+    if not applied:
+        assert ctl.events[-1].kind == "kept" and "gain x 0 steps" in ctl.events[-1].detail
+
+
 def test_elastic_acts_only_on_a_persistent_verdict():
     cfg = ControlConfig(replan=False, elastic_persist=3, elastic_policy=ElasticConfig(cooldown_steps=0),
                         elastic_project=False, staleness=1)  # decisions from step 2 (the fill: eta + 1)
