@@ -341,12 +341,12 @@ class LibraController:
     def factors(self) -> Factors:
         return self.calib.factors if self.calib is not None else Factors()
 
-    def _horizon(self, step: int) -> int:
-        """Steps a plan applied now is credited with in the gate: until the next periodic decision (every_k),
-        at most the steps the run has left."""
+    def _horizon(self, step: int, steps: int | None = None) -> int:
+        """Steps a plan applied now is credited with in the gate: `steps` (default: until the next periodic
+        decision, every_k), at most the steps the run has left."""
         rp = self.replan_policy
         assert rp is not None
-        horizon = rp.cfg.every_k
+        horizon = rp.cfg.every_k if steps is None else steps
         if self.cfg.last_step is not None:
             horizon = max(0, min(horizon, self.cfg.last_step - step))
         return horizon
@@ -382,10 +382,7 @@ class LibraController:
         measured = _mean(self.intervals)
         scale = measured / max(1e-9, t_cur_pred)
         t_new = new.makespan_s * scale
-        # the uncalibrated gate's own horizon, no more than the steps the run has left
-        horizon = self.replan_policy.cfg.horizon_steps
-        if self.cfg.last_step is not None:
-            horizon = max(0, min(horizon, self.cfg.last_step - step))
+        horizon = self._horizon(step, self.replan_policy.cfg.horizon_steps)  # the uncalibrated gate's own
         if not self.replan_policy.accept(measured, t_new, horizon_steps=horizon):
             self.events.append(ControlEvent(step, "kept", f"measured {measured:.1f}s; predicted {t_cur_pred:.1f}s "
                                             f"now vs {new.makespan_s:.1f}s new (gain x {horizon} steps)"))

@@ -27,6 +27,7 @@ from areal_libra.sim.systems import (
     PolicyRouter,
     SimKnobs,
     SystemSpec,
+    areal_run_config,
     cached_sweep,
     policy_router,
     split_layout,
@@ -707,8 +708,7 @@ def baseline_ranking(env: Env) -> RankingProbe | None:
 
 def libra_run_config(env: Env) -> RunConfig:
     """Libra's loop: AReaL's staleness bound, and the version-lag bound at consumption when on (BOUND_LAG)."""
-    return RunConfig(max_staleness=env.staleness, strict_staleness=BOUND_LAG, edf=BOUND_LAG,
-                     max_concurrent_groups=env.max_concurrent_groups)
+    return areal_run_config(env, strict_staleness=BOUND_LAG, edf=BOUND_LAG)
 
 
 def ladder_base(env: Env) -> SystemSpec:

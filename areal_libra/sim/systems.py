@@ -93,6 +93,11 @@ class Env:
     max_concurrent_groups: int | None = 0
 
 
+def areal_run_config(env: Env, **fields) -> RunConfig:
+    """AReaL's loop as the run sets it (eta, the concurrency cap), for every system built on it."""
+    return RunConfig(max_staleness=env.staleness, max_concurrent_groups=env.max_concurrent_groups, **fields)
+
+
 @dataclass
 class SystemSpec:
     name: str
@@ -414,8 +419,7 @@ def measure_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | N
         return None
     # A private copy: the sweep must not advance the workload's own counters the measured runs use.
     wl = recorded.fresh() if recorded is not None else StationaryReplay(copy.deepcopy(env.workload))
-    sim = Simulation(env.truth, wl, env.n_gpus, lay, RunConfig(max_staleness=env.staleness,
-                                                               max_concurrent_groups=env.max_concurrent_groups),
+    sim = Simulation(env.truth, wl, env.n_gpus, lay, areal_run_config(env),
                      policy_router("least_loaded")(lay), seed=env.seed + SWEEP_SEED_OFFSET)
     sim.run(SWEEP_END + 1)
     return {"rollout_gpus": roll, "tp": tp, "train": _train_desc(lay.train),
@@ -573,8 +577,7 @@ def areal_static_optimal(env: Env) -> SystemSpec:
     extra = {"baseline_candidates": cands,
              "baseline_choice": {"rollout_gpus": best["rollout_gpus"], "tp": best["tp"], "train": best["train"],
                                  "sweep_tokens_per_s": best["tokens_per_s"]}}
-    return SystemSpec("areal_static_optimal", lay, RunConfig(max_staleness=env.staleness,
-                                                             max_concurrent_groups=env.max_concurrent_groups),
+    return SystemSpec("areal_static_optimal", lay, areal_run_config(env),
                       policy_router("least_loaded"), extra=extra)
 
 
