@@ -155,7 +155,9 @@ def _member(i: int, port: int, weights, values, q) -> None:
 def test_domain_weighted_mean_and_zero_weight_joiner():
     weights, values = [2.0, 1.0, 0.0], [1.0, 4.0, 1000.0]  # the joiner's values must not leak in
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("fork")
+    # spawn, not fork: the store's server thread runs in this process, and a forked child can inherit a
+    # lock it holds (CI saw one member never reach the rendezvous). Same lesson as tests/rigs/elastic_bed.
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ps = [ctx.Process(target=_member, args=(i, store.port, weights, values, q)) for i in range(3)]
     for p in ps:
