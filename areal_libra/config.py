@@ -278,6 +278,9 @@ class LibraConfig:
     # request carries its trajectory's start version as priority (rollout/router.py, patch 15), and SGLang
     # servers order their waiting queues by it (cmlfq.aging.SGLANG_FLAGS); the simulated Libra's rule.
     bound_lag: bool = aging.BOUND_LAG
+    # libra mode: a new group starts only while the running trajectories' contexts fit the rollout servers' KV
+    # cache (patch 17, live/admission.py, cmlfq.aging.admit_group); the simulated Libra's rule.
+    working_set_admission: bool = aging.WORKING_SET_ADMISSION
 
     def __post_init__(self) -> None:
         if self.mode not in ("libra", "static"):

@@ -36,6 +36,20 @@ SGLANG_FLAGS: tuple[str, ...] = ("--schedule-policy", "fcfs", "--enable-priority
                                  "--schedule-low-priority-values-first", "--disable-priority-preemption")
 
 
+# Libra starts a new group only while the contexts of the running trajectories (the working set: prompt,
+# generated tokens and tool payloads so far, whether decoding, queued or waiting on a tool) fit the rollout
+# servers' KV cache. Past that, a new group's requests evict the cached contexts of older trajectories waiting
+# on a tool, whose next turn then re-prefills its whole context, and the servers thrash (R2E-Gym at 128 x
+# 16: 115-255 M prefill tokens a step against 11-16 M, hundreds of retractions a step, the trainer waiting
+# 800-2,600 s for stragglers at the bound).
+WORKING_SET_ADMISSION = True
+
+
+def admit_group(working_tokens: int, kv_capacity_tokens: int) -> bool:
+    """May a new group start: the running trajectories' contexts fill less than the rollout KV capacity."""
+    return working_tokens < kv_capacity_tokens
+
+
 def priority(start_version: int) -> int:
     """The request's scheduling priority (lower is served first): the policy version its trajectory started
     with, i.e. its deadline start_version + eta less the common eta."""

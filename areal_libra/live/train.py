@@ -26,7 +26,7 @@ from typing import Any
 from areal_libra.config import LibraConfig, lag_bounded, libra_config, load_run_config
 from areal_libra.control.profile import ProfilePass
 from areal_libra.elastic.policy import ScheduledPolicy
-from areal_libra.live import lag_bound
+from areal_libra.live import admission, lag_bound
 from areal_libra.live.elastic_live import hybrids_serve, install_elastic, plan_pool_factory
 from areal_libra.live.live_cluster import (
     LiveCluster,
@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             lag_bound.install(trainer.rollout)  # no group trained more than eta versions after it started
 
         pressure = rollout_pressure(trainer, libra)
+        if router is not None and pressure is not None and libra.mode == "libra" and libra.working_set_admission:
+            admission.install(trainer.rollout, router, pressure)  # no new group while the KV is full
         fleet = install_fleet(trainer, libra, run_dir, metrics, router)  # None: no layout changes, no hybrids
         follower = None
         if router is not None and not _rank0() and libra.mode == "libra":  # a multi-rank trainer (cluster=ray*)

@@ -36,6 +36,7 @@ class PressureSampler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.errors = 0
+        self._kv_capacity = 0  # the last sample's KV capacity over the servers that answered (0: unknown)
         self._thread = threading.Thread(target=self._run, name="rollout-pressure", daemon=True)
         self._thread.start()
 
@@ -48,7 +49,13 @@ class PressureSampler:
                     loads.append(server_load(json.loads(r.read())))
             except (OSError, ValueError):
                 self.errors += 1
+        if loads:
+            self._kv_capacity = sum(load.kv_capacity for load in loads)
         return pressure(loads) if loads else None
+
+    def kv_capacity(self) -> int:
+        """KV tokens of the serving servers at the last sample that reached any (0: none reports it yet)."""
+        return self._kv_capacity
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

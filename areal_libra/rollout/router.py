@@ -51,6 +51,7 @@ class _Track:
     anonymous: bool = False
     placements: list[tuple[int, str]] = field(default_factory=list)  # (tool returns seen, server) per send
     start_version: int | None = None  # the engine's weight version at the trajectory's first request
+    context: int = 0  # its context so far: the last request's input plus what that request generated
 
 
 @dataclass
@@ -443,6 +444,7 @@ class RequestRouter:
                                     c.fallback_moves += 1
                             tr.group, tr.addr = gi, addr
                         tr.placements.append((n_tools, addr))
+                        tr.context = int(meta.get("context_tokens", len(req.input_ids)))
                         for c in (self._step, self._totals):
                             c.routed += 1
                         start = tr.start_version
@@ -468,6 +470,7 @@ class RequestRouter:
             tr = self._tracks.get(tid)
             if tr is not None:
                 tr.decisions[-1][1] += n
+                tr.context += n
             if anonymous:
                 self._tracks.pop(tid, None)
         if anonymous:
@@ -586,6 +589,12 @@ class RequestRouter:
                 tr.placements.append((tr.n_tools, new))
         log.warning("request %s moved from %s to %s after %s", getattr(req, "rid", "?"), addr, new, type(exc).__name__)
         return new
+
+    def working_tokens(self) -> int:
+        """The running trajectories' contexts (prompt, generated tokens and tool payloads so far, whether
+        decoding, queued or waiting on a tool): the working set of Libra's admission (cmlfq.aging.admit_group)."""
+        with self._lock:
+            return sum(tr.context for tr in self._tracks.values())
 
     # --- trajectory end ---
     def on_trajectory(self, traj: Trajectory) -> None:

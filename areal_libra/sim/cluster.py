@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from areal_libra.cmlfq.aging import select_batch
+from areal_libra.cmlfq.aging import admit_group, select_batch
 from areal_libra.elastic.measure import pressure, rollout_busy_share, rollout_time
 from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import RolloutServer, SimRequest
@@ -102,6 +102,9 @@ class RunConfig:
     # bound (the emulated experiment sets 8192); None: AReaL's own default, the consumer batch
     # (areal/infra/workflow_executor.py). evaluation.throughput --max-concurrent-rollouts.
     max_concurrent_groups: int | None = 0
+    # Libra's working-set admission (cmlfq.aging.admit_group): no new group starts while the contexts of the
+    # running trajectories fill the rollout servers' KV; a finished trajectory looks again.
+    working_set_admission: bool = False
 
 
 class Router:
@@ -174,6 +177,8 @@ class Simulation:
         self.version = 0
         self.started_groups = 0
         self.in_flight = 0  # trajectories started and not finished (bounded by the truth's max_in_flight)
+        self.working_tokens = 0  # context tokens of the running trajectories (RunConfig.working_set_admission)
+        self._gated = False  # working-set admission held a group back; the next finished trajectory admits
         self.groups_running = 0  # groups started and not finished (bounded by RunConfig.max_concurrent_groups)
         mc = self.cfg.max_concurrent_groups
         self.max_groups = self.batch if mc is None else mc
@@ -366,7 +371,12 @@ class Simulation:
         self._flush()
 
     def _admit_groups(self, cap: int, limit: int) -> None:
+        gate = self.cfg.working_set_admission
+        kv_cap = sum(s.capacity for s in self.servers) if gate else 0
         while self.started_groups < cap:
+            if gate and not admit_group(self.working_tokens, kv_cap):
+                self._gated = True  # _traj_done admits again
+                break
             if limit and self.in_flight >= limit:
                 break  # the environment runs no more trajectories at once; _traj_done admits again
             if self.max_groups and self.groups_running >= self.max_groups:
@@ -382,6 +392,7 @@ class Simulation:
             self.max_lead = max(self.max_lead, -(-self.started_groups // self.batch) - self.version - 1)
             self.pending.append(g)
             for tr in trajs:
+                self.working_tokens += tr.prompt_tokens
                 req = SimRequest(tr, g, self.version, self.t)
                 b = self.router.start(req)
                 self._place(req, b, prior=0, new=tr.prompt_tokens)
@@ -393,6 +404,7 @@ class Simulation:
             seg = req.traj.segments[req.seg]
             gen = seg.gen_tokens
             self.gen_tokens += gen
+            self.working_tokens += gen
             req.done_tokens = 0
             after_gen = req.ctx + gen
             tool = seg.tool
@@ -402,13 +414,15 @@ class Simulation:
                 self._seq += 1  # _push, inlined
                 heapq.heappush(self.events, (t + tool.latency_s * scale * truth_scale, self._seq, TOOL, req, 0))
             else:
+                self.working_tokens -= after_gen
                 self._traj_done(req, t)
 
     def _traj_done(self, req: SimRequest, t: float) -> None:
         tr = req.traj
         self.router.finish(req)
         self.in_flight -= 1
-        if self.truth.c.max_in_flight:
+        if self.truth.c.max_in_flight or self._gated:
+            self._gated = False
             self.call_at(t, self._admit)  # a slot freed; admit after this event, not inside a server's update
         final = tr.final_length
         self.finished.append((tr.prompt_tokens, final, tr.model_tokens))
@@ -429,6 +443,7 @@ class Simulation:
     def _tool_return(self, req: SimRequest) -> None:
         seg = req.traj.segments[req.seg]
         payload = seg.tool.payload_tokens
+        self.working_tokens += payload
         req.tool_state.append(seg.tool)
         req.seg += 1
         old = req.server

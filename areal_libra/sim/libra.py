@@ -101,6 +101,7 @@ CALIBRATE_ONLINE = True
 # spans more than eta steps: at 16x16 (seed 3) 0.74 / 0.95 / 0.79x against 0.94 / 0.95 / 0.98x off; 64 x H200
 # with 64x16 Search-R1 0.77x against 1.00x off (docs/simulator.md).
 BOUND_LAG = aging.BOUND_LAG
+WORKING_SET = aging.WORKING_SET_ADMISSION
 # Plan for the in-flight window of an asynchronous run: with staleness bound eta, eta+1 batches are in
 # flight, so the planner sizes both sides for (eta+1) batches; the long tail is then paid once per window
 # instead of once per step, as it is in the running system.
@@ -708,7 +709,7 @@ def baseline_ranking(env: Env) -> RankingProbe | None:
 
 def libra_run_config(env: Env) -> RunConfig:
     """Libra's loop: AReaL's staleness bound, and the version-lag bound at consumption when on (BOUND_LAG)."""
-    return areal_run_config(env, strict_staleness=BOUND_LAG, edf=BOUND_LAG)
+    return areal_run_config(env, strict_staleness=BOUND_LAG, edf=BOUND_LAG, working_set_admission=WORKING_SET)
 
 
 def ladder_base(env: Env) -> SystemSpec:

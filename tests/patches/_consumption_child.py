@@ -61,6 +61,38 @@ def run(mode: str) -> dict:
         d.destroy()
 
 
+def gated() -> dict:
+    """Patch 17: with the admission gate closed no task starts although the staleness bound allows four; once
+    it opens they all run."""
+    ver = Version()
+    sm = StalenessManager(ver, max_concurrent_rollouts=64, consumer_batch_size=2, max_staleness=1)
+    started: list[str] = []
+
+    def factory(task: Task):
+        async def run() -> str:
+            started.append(task.name)
+            sm.on_rollout_accepted()
+            return task.name
+
+        return run
+
+    is_open = [False]
+    d = BatchTaskDispatcher(max_queue_size=64, task_factory=factory, staleness_manager=sm)
+    d.admit_gate = lambda: is_open[0]
+    d.initialize(logging.getLogger("child"))
+    try:
+        for i, name in enumerate("abcd"):
+            d.submit_task_input(Task(i, name, 0.0))
+        time.sleep(0.5)
+        while_closed = list(started)
+        is_open[0] = True
+        t0 = time.perf_counter()
+        got = sorted(d.wait_results(4, timeout=10))
+        return {"while_closed": while_closed, "after_open": got, "open_s": time.perf_counter() - t0}
+    finally:
+        d.destroy()
+
+
 def payload_priority() -> list:
     from areal.api.io_struct import ModelRequest
     from areal.engine.sglang_remote import SGLangBackend
@@ -72,7 +104,7 @@ def payload_priority() -> list:
 
 
 def main() -> int:
-    print(json.dumps({"rule": run("rule"), "areal": run("areal"), "payload": payload_priority()}))
+    print(json.dumps({"rule": run("rule"), "areal": run("areal"), "payload": payload_priority(), "gate": gated()}))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Patch 14 (consumption rule) on AReaL's real dispatcher: with Libra's rule installed the trainer's batch
 for version k holds every group that started at version <= k - eta (it waits for a straggler there), and
 without it AReaL's rule is unchanged (the first finished groups). Patch 15 puts the request priority the
-router set into SGLang's payload."""
+router set into SGLang's payload. Patch 17's admission gate holds tasks back while it is closed."""
 
 import json
 import os
@@ -52,3 +52,9 @@ def test_without_the_rule_areal_takes_the_first_finished(child: dict) -> None:
 
 def test_payload_carries_the_routers_priority(child: dict) -> None:
     assert child["payload"] == [3, False]
+
+
+def test_a_closed_admission_gate_holds_every_task_back(child: dict) -> None:
+    out = child["gate"]
+    assert out["while_closed"] == []  # the staleness bound alone would have started all four
+    assert out["after_open"] == ["a", "b", "c", "d"] and out["open_s"] < 5.0

@@ -569,3 +569,26 @@ def test_requests_carry_their_trajectorys_start_version_as_priority(oldest_first
     router.route(r2, None)
     got = [r.metadata.get("priority") for r in (r0, r1, r2)]
     assert got == ([3, 3, 5] if oldest_first else [None, None, None])
+
+
+def test_the_working_set_is_the_running_trajectories_contexts() -> None:
+    """Libra's admission (live/admission.py) counts each running trajectory's context: its last request's input
+    plus what that request generated, whether it decodes or waits on a tool; a finished one leaves the set."""
+    from areal_libra.live.admission import gate
+
+    router = make_router()
+    r0 = req("a", 10, [])
+    a0 = router.route(r0)
+    router.route(req("b", 30, []))
+    assert router.working_tokens() == 40
+    router.done(r0, a0, [1] * 20, "tool_calls")  # "a" waits on its tool with 30 tokens of context
+    assert router.working_tokens() == 60
+    r1 = req("a", 35, [tool("success")])  # back with a 5-token payload: the request's input is the context
+    a1 = router.route(r1)
+    router.done(r1, a1, [1] * 7, "stop")
+    assert router.working_tokens() == 42 + 30
+    router.on_trajectory(Trajectory("a", "p0", 0, 10, (Segment(20, ToolReturn("calc", 5, "success")), Segment(7)),
+                                    "stop", 1.0))
+    assert router.working_tokens() == 30
+    assert gate(router.working_tokens, lambda: 31)() and not gate(router.working_tokens, lambda: 30)()
+    assert gate(router.working_tokens, lambda: 0)()  # no server reports its KV size: nothing is held back

@@ -1,0 +1,44 @@
+"""Libra's working-set admission in the live trainer: AReaL's executor starts a new group only while the running
+trajectories' contexts fit the rollout servers' KV cache, by the rule the simulator runs (cmlfq.aging.admit_group,
+sim/cluster.py under RunConfig.working_set_admission). AReaL 1.0.4 admits by the staleness bound alone; patch 17
+(patches/areal-1.0.4/17-admission-gate.patch) gives its dispatcher an `admit_gate` hook, asked before each
+submission. The working set is the router's (rollout/router.py `working_tokens`), the capacity the servers' own
+`max_total_num_tokens` as the pressure sampler last read it (rollout/pressure.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from areal_libra.cmlfq.aging import admit_group
+from areal_libra.live.lag_bound import dispatcher_of
+
+
+class NotPatched(RuntimeError):
+    """AReaL's executor has no admission hook: patch 17 is not applied."""
+
+
+def gate(working_tokens: Callable[[], int], kv_capacity: Callable[[], int]) -> Callable[[], bool]:
+    """The executor's gate: admit while the working set fits; always admit while no server reports its KV size
+    (a server that does not say cannot be full by this rule)."""
+
+    def admit() -> bool:
+        cap = kv_capacity()
+        return cap <= 0 or admit_group(working_tokens(), cap)
+
+    return admit
+
+
+def install(rollout: Any, router: Any, sampler: Any) -> bool:
+    """Gate the trainer's executor on the router's working set and the sampler's KV capacity; False where there
+    is no local executor. NotPatched (one line: what to run) when AReaL lacks patch 17."""
+    found = dispatcher_of(rollout)
+    if found is None:
+        return False
+    dispatcher, _ = found
+    if not hasattr(dispatcher, "admit_gate"):
+        raise NotPatched("libra.working_set_admission needs AReaL patch 17 (admission gate): run "
+                         "`python -m areal_libra.patches apply`")
+    dispatcher.admit_gate = gate(router.working_tokens, sampler.kv_capacity)
+    return True
