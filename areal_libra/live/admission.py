@@ -36,9 +36,10 @@ def install(rollout: Any, router: Any, sampler: Any) -> bool:
     found = dispatcher_of(rollout)
     if found is None:
         return False
-    dispatcher, _ = found
+    dispatcher, eta = found
     if not hasattr(dispatcher, "admit_gate"):
         raise NotPatched("libra.working_set_admission needs AReaL patch 17 (admission gate): run "
                          "`python -m areal_libra.patches apply`")
-    dispatcher.admit_gate = gate(router.working_tokens, sampler.kv_capacity)
+    # A trajectory more than eta + 1 versions old has been trained (the lag bound) or failed: not in the set.
+    dispatcher.admit_gate = gate(lambda: router.working_tokens(max_lag=eta + 1), sampler.kv_capacity)
     return True

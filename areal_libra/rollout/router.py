@@ -590,11 +590,16 @@ class RequestRouter:
         log.warning("request %s moved from %s to %s after %s", getattr(req, "rid", "?"), addr, new, type(exc).__name__)
         return new
 
-    def working_tokens(self) -> int:
+    def working_tokens(self, max_lag: int | None = None) -> int:
         """The running trajectories' contexts (prompt, generated tokens and tool payloads so far, whether
-        decoding, queued or waiting on a tool): the working set of Libra's admission (cmlfq.aging.admit_group)."""
+        decoding, queued or waiting on a tool): the working set of Libra's admission (cmlfq.aging.admit_group).
+        With `max_lag`, trajectories that started more than max_lag weight versions ago are left out: under the
+        lag bound the trainer has taken them by then, so one still listed ended without reaching the sink (its
+        workflow failed) and holds no KV."""
+        now = self._version() if max_lag is not None else None
         with self._lock:
-            return sum(tr.context for tr in self._tracks.values())
+            return sum(tr.context for tr in self._tracks.values()
+                       if now is None or tr.start_version is None or now - tr.start_version <= max_lag)
 
     # --- trajectory end ---
     def on_trajectory(self, traj: Trajectory) -> None:

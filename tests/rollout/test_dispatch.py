@@ -592,3 +592,24 @@ def test_the_working_set_is_the_running_trajectories_contexts() -> None:
     assert router.working_tokens() == 30
     assert gate(router.working_tokens, lambda: 31)() and not gate(router.working_tokens, lambda: 30)()
     assert gate(router.working_tokens, lambda: 0)()  # no server reports its KV size: nothing is held back
+
+
+def test_a_trajectory_past_the_lag_bound_leaves_the_working_set() -> None:
+    """One whose workflow failed never reaches the sink: more than max_lag versions after it started it no longer
+    counts (the trainer has taken every trajectory that old under the lag bound)."""
+
+    class Engine:
+        v = 3
+
+        def get_version(self) -> int:
+            return self.v
+
+    router = make_router()
+    engine = Engine()
+    router.attach_engine(engine)
+    router.route(req("old", 50, []))
+    engine.v = 5
+    router.route(req("new", 20, []))
+    assert router.working_tokens() == 70 and router.working_tokens(max_lag=2) == 70
+    engine.v = 6
+    assert router.working_tokens(max_lag=2) == 20
