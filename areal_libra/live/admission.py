@@ -19,27 +19,37 @@ class NotPatched(RuntimeError):
     """AReaL's executor has no admission hook: patch 17 is not applied."""
 
 
-def gate(working_tokens: Callable[[], int], kv_capacity: Callable[[], int]) -> Callable[[], bool]:
+class WorkingSetGate:
     """The executor's gate: admit while the working set fits; always admit while no server reports its KV size
-    (a server that does not say cannot be full by this rule)."""
+    (a server that does not say cannot be full by this rule). `held` counts the answers that held a group back
+    (the executor asks again every admit_gate_poll_s while it waits)."""
 
-    def admit() -> bool:
-        cap = kv_capacity()
-        return cap <= 0 or admit_group(working_tokens(), cap)
+    def __init__(self, working_tokens: Callable[[], int], kv_capacity: Callable[[], int]) -> None:
+        self.working_tokens, self.kv_capacity = working_tokens, kv_capacity
+        self.held = 0
 
-    return admit
+    def __call__(self) -> bool:
+        cap = self.kv_capacity()
+        if cap <= 0 or admit_group(self.working_tokens(), cap):
+            return True
+        self.held += 1
+        return False
+
+    def metrics(self) -> dict[str, float]:
+        return {"libra/admission_held_polls": float(self.held)}
 
 
-def install(rollout: Any, router: Any, sampler: Any) -> bool:
-    """Gate the trainer's executor on the router's working set and the sampler's KV capacity; False where there
+def install(rollout: Any, router: Any, sampler: Any) -> WorkingSetGate | None:
+    """Gate the trainer's executor on the router's working set and the sampler's KV capacity; None where there
     is no local executor. NotPatched (one line: what to run) when AReaL lacks patch 17."""
     found = dispatcher_of(rollout)
     if found is None:
-        return False
+        return None
     dispatcher, eta = found
     if not hasattr(dispatcher, "admit_gate"):
         raise NotPatched("libra.working_set_admission needs AReaL patch 17 (admission gate): run "
                          "`python -m areal_libra.patches apply`")
     # A trajectory more than eta + 1 versions old has been trained (the lag bound) or failed: not in the set.
-    dispatcher.admit_gate = gate(lambda: router.working_tokens(max_lag=eta + 1), sampler.kv_capacity)
-    return True
+    gate = WorkingSetGate(lambda: router.working_tokens(max_lag=eta + 1), sampler.kv_capacity)
+    dispatcher.admit_gate = gate
+    return gate

@@ -354,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
 
         pressure = rollout_pressure(trainer, libra)
         if router is not None and pressure is not None and libra.mode == "libra" and libra.working_set_admission:
-            admission.install(trainer.rollout, router, pressure)  # no new group while the KV is full
+            gate = admission.install(trainer.rollout, router, pressure)  # no new group while the KV is full
+            if gate is not None:
+                metrics.add_source(gate.metrics)
         fleet = install_fleet(trainer, libra, run_dir, metrics, router)  # None: no layout changes, no hybrids
         follower = None
         if router is not None and not _rank0() and libra.mode == "libra":  # a multi-rank trainer (cluster=ray*)

@@ -574,7 +574,7 @@ def test_requests_carry_their_trajectorys_start_version_as_priority(oldest_first
 def test_the_working_set_is_the_running_trajectories_contexts() -> None:
     """Libra's admission (live/admission.py) counts each running trajectory's context: its last request's input
     plus what that request generated, whether it decodes or waits on a tool; a finished one leaves the set."""
-    from areal_libra.live.admission import gate
+    from areal_libra.live.admission import WorkingSetGate
 
     router = make_router()
     r0 = req("a", 10, [])
@@ -590,8 +590,12 @@ def test_the_working_set_is_the_running_trajectories_contexts() -> None:
     router.on_trajectory(Trajectory("a", "p0", 0, 10, (Segment(20, ToolReturn("calc", 5, "success")), Segment(7)),
                                     "stop", 1.0))
     assert router.working_tokens() == 30
-    assert gate(router.working_tokens, lambda: 31)() and not gate(router.working_tokens, lambda: 30)()
-    assert gate(router.working_tokens, lambda: 0)()  # no server reports its KV size: nothing is held back
+    gate = WorkingSetGate(router.working_tokens, lambda: 31)
+    assert gate() and gate.held == 0
+    gate.kv_capacity = lambda: 30
+    assert not gate() and gate.metrics() == {"libra/admission_held_polls": 1.0}
+    gate.kv_capacity = lambda: 0
+    assert gate()  # no server reports its KV size: nothing is held back
 
 
 def test_a_trajectory_past_the_lag_bound_leaves_the_working_set() -> None:
