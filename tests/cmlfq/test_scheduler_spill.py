@@ -12,8 +12,12 @@ def test_rule_spills_only_when_much_more_loaded():
     cfg = SpillConfig(ratio=1.5, slack=1.0)
     assert spill(1, [0.0, 2.0, 0.0], cfg) == 2  # 2 > 1.5*0 + 1: both neighbours qualify, tie -> larger
     assert spill(1, [0.0, 1.0, 0.0], cfg) == 1  # within slack: stays
-    assert spill(0, [10.0, 3.0, 0.0], cfg) == 1  # bucket 2 is out of reach (reach 1)
-    assert spill(0, [10.0, 3.0, 0.0], SpillConfig(reach=2)) == 2
+    assert spill(0, [10.0, 3.0, 0.0], cfg) == 2  # any larger bucket: the least loaded
+    assert spill(0, [10.0, 9.0, 0.0], cfg) == 2  # the neighbour as full as the target does not strand it
+    assert spill(0, [10.0, 9.0, 0.0], SpillConfig(up_any=False)) == 0  # one position up only: stranded
+    assert spill(0, [12.0, 6.0, 0.0], SpillConfig(up_any=False)) == 1
+    assert spill(0, [10.0, 0.0, 0.0], cfg) == 1  # ties: the nearer bucket
+    assert spill(2, [0.0, 9.0, 20.0], cfg) == 1  # below the target: `reach` (1) positions only
     assert spill(2, [0.0, 9.0, 6.0], cfg) == 2  # 6 < 1.5*9 + 1: the neighbour is busier
     assert spill(1, [3.0, 8.0, 5.0], cfg) == 0  # both qualify, the least loaded wins
     assert spill(5, [1.0], cfg) == 5  # out-of-range target is left to the caller's clamp
