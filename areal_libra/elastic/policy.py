@@ -234,13 +234,9 @@ def _projected(ratio: float, replicas: int | None, rollout_gpus: int | None, uni
 
 # ------------------------------------------------------------------ the pool's size, chosen with the plan
 # The pipeline's fill: AReaL's trainer has nothing to train on until its first batch, so the first plan's hybrids
-# could serve rollout until then and join training, all at once, before the first step (the core's topology is
-# not yet running). The simulator's pool (sim.libra.lend_in_fill) and the live one (live.elastic_live) both start
-# so when on. Off since Libra admits groups by working set (cmlfq.aging.admit_group): the lent servers' KV lets
-# the fill start groups whose contexts the servers that stay cannot hold once the hybrids leave, and the fill's
-# steps 2-4 then take 7,230 s instead of 4,230 (R2E-Gym at 128 x 16, seed 0: +elastic 5,026 tokens/s lent,
-# 5,278 not, = +cmlfq's; at 16 x 8 lending had gained 1.5%).
-LEND_IN_FILL = False
+# serve rollout until then and join training, all at once, before the first step (the core's topology is not yet
+# running). The simulator's pool (sim.libra.lend_in_fill) and the live one (live.elastic_live) both start so.
+LEND_IN_FILL = True
 
 
 def hybrid_count(train_dp: int, max_units: int, dp_div: int = 2) -> int:

@@ -42,18 +42,14 @@ def test_elastic_moves_are_counted_in_the_summary():
     assert res["reconfigurations"] == 0
 
 
-def test_the_pool_serves_rollout_through_the_fill_and_trains_from_the_first_step(monkeypatch):
-    """With LEND_IN_FILL (off by default since the working-set admission) the first plan's hybrids serve rollout
-    until the first batch (AReaL's trainer has nothing to train before it), then all join: step 0 trains on the
-    plan's whole DP, and their servers did rollout work before."""
-    import areal_libra.sim.libra as sim_libra
+def test_the_pool_serves_rollout_through_the_fill_and_trains_from_the_first_step():
+    """The first plan's hybrids serve rollout until the first batch (AReaL's trainer has nothing to train before
+    it), then all join: step 0 trains on the plan's whole DP, and their servers did rollout work before."""
     from areal_libra.sim.libra import lend_in_fill, make_hybrid
     from areal_libra.sim.registry import build_system, run_system
     from areal_libra.sim.report import make_env
 
     env = make_env("search_r1", "a800x16", "qwen3-14b", 0, 4)
-    assert all(u.training for u in build_system("libra", env).controller.cluster.units)  # the default: not lent
-    monkeypatch.setattr(sim_libra, "LEND_IN_FILL", True)
     spec = build_system("libra", env)
     units = spec.controller.cluster.units
     assert units and not any(u.training for u in units)  # lent to rollout at t=0
