@@ -48,6 +48,7 @@ def test_libra_mode_replans_the_emulated_cluster_live(tmp_path: Path) -> None:
     assert [rec["step"] for rec in recs] == [1, 2, 3]
     assert all(k in recs[-1] for k in ("plan/replans", "plan/rollout_gpus", "plan/train_gpus", "plan/reconfig_s",
                                         "plan/predicted_vs_measured_step", "emul/train_target_s"))
+    assert "libra/admission_held_polls" in recs[-1]  # the working-set admission gates AReaL's executor (patch 17)
     events = [json.loads(line) for line in (run / "control_events.jsonl").read_text().splitlines()]
     # The profiling pass before step 1, then the first plan solved on it (control.profile), both at step 0.
     assert [(e["step"], e["event"]) for e in events[:2]] == [(0, "profile"), (0, "initial_plan")]
