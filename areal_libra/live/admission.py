@@ -12,11 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from areal_libra.cmlfq.aging import admit_group
-from areal_libra.live.lag_bound import dispatcher_of
-
-
-class NotPatched(RuntimeError):
-    """AReaL's executor has no admission hook: patch 17 is not applied."""
+from areal_libra.live.lag_bound import NotPatched, dispatcher_of
 
 
 class WorkingSetGate:

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class NotPatched(RuntimeError):
-    """AReaL's executor has no consumption-rule hook: patch 14 is not applied."""
+    """AReaL's executor lacks the hook a Libra feature installs (patch 14's consumption rule, patch 17's
+    admission gate): the patch is not applied."""
 
 
 def consume_rule(eta: int) -> Callable[[Sequence[tuple[int, int, bool]], int, int], list[int] | None]:

@@ -424,6 +424,7 @@ class RequestRouter:
                     placed = self.dispatcher.placement(tid)
                     bucket = placed[0] if placed else self.group_of[addr]
                     gi = self.group_of[addr]
+                    ctx = int(meta.get("context_tokens", len(req.input_ids)))
                     with self._lock:
                         self.addr_requests[addr] = self.addr_requests.get(addr, 0) + 1
                         tr = self._tracks.get(tid)
@@ -435,7 +436,6 @@ class RequestRouter:
                                 tr.decisions.append([bucket, 0])
                                 tr.n_tools = n_tools
                                 if 0 <= tr.group != gi:  # -1: its group left the layout (no migration)
-                                    ctx = int(meta.get("context_tokens", len(req.input_ids)))
                                     for c in (self._step, self._totals):
                                         c.migrations += 1
                                         c.migrated_tokens += ctx
@@ -444,7 +444,7 @@ class RequestRouter:
                                     c.fallback_moves += 1
                             tr.group, tr.addr = gi, addr
                         tr.placements.append((n_tools, addr))
-                        tr.context = int(meta.get("context_tokens", len(req.input_ids)))
+                        tr.context = ctx
                         for c in (self._step, self._totals):
                             c.routed += 1
                         start = tr.start_version
