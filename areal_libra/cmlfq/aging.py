@@ -46,7 +46,10 @@ WORKING_SET_ADMISSION = True
 
 
 def admit_group(working_tokens: int, kv_capacity_tokens: int) -> bool:
-    """May a new group start: the running trajectories' contexts fill less than the rollout KV capacity."""
+    """May a new group start: the running trajectories' contexts fill less than the rollout KV capacity.
+    The capacity is the servers' that stay: an Elastic Hybrid Pool worker's servers do not count, since the pool
+    takes them back for training at any step and their contexts then re-prefill on the core's (R2E-Gym at 128 x
+    16: counting the hybrids lent through the pipeline's fill cost the +elastic rung 4.8%)."""
     return working_tokens < kv_capacity_tokens
 
 

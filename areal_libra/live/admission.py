@@ -3,7 +3,8 @@ trajectories' contexts fit the rollout servers' KV cache, by the rule the simula
 sim/cluster.py under RunConfig.working_set_admission). AReaL 1.0.4 admits by the staleness bound alone; patch 17
 (patches/areal-1.0.4/17-admission-gate.patch) gives its dispatcher an `admit_gate` hook, asked before each
 submission. The working set is the router's (rollout/router.py `working_tokens`), the capacity the servers' own
-`max_total_num_tokens` as the pressure sampler last read it (rollout/pressure.py).
+`max_total_num_tokens` as the pressure sampler last read it (rollout/pressure.py), the elastic hybrids' servers
+left out (the pool takes them back at any step: the fleet's `hybrid_addresses`).
 """
 
 from __future__ import annotations

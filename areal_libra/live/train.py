@@ -358,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             if gate is not None:
                 metrics.add_source(gate.metrics)
         fleet = install_fleet(trainer, libra, run_dir, metrics, router)  # None: no layout changes, no hybrids
+        if fleet is not None and pressure is not None:
+            pressure.lent = fleet.hybrid_addresses  # the admission counts the KV of the servers that stay
         follower = None
         if router is not None and not _rank0() and libra.mode == "libra":  # a multi-rank trainer (cluster=ray*)
             follower = LayoutFollower(trainer.rollout, router, run_dir).start()  # rank 0's fleet's layout

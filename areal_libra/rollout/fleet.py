@@ -357,6 +357,11 @@ class ServerFleet:
             self._inner.addresses.remove(addr)
         return routed
 
+    def hybrid_addresses(self) -> set[str]:
+        """Every attached hybrid's server, routed or still taking its first weight update."""
+        with self._lock:
+            return set(self._hybrid_pending) | set(self._hybrid_updating) | self._hybrids
+
     def hybrids(self) -> list[str]:
         """The attached hybrids' servers that are routed now."""
         with self._lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from areal_libra.elastic.measure import Pressure, ServerLoad, mean_pressure, pressure
@@ -30,8 +30,12 @@ class PressureSampler:
     gives the window's mean Pressure (queue, active) and starts the next window. One per run: the elastic
     pool's measurement and the controller read the same windows."""
 
-    def __init__(self, addresses: Callable[[], list[str]], interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
+    def __init__(self, addresses: Callable[[], list[str]], interval_s: float = 1.0, timeout_s: float = 1.0,
+                 lent: Callable[[], Collection[str]] | None = None) -> None:
+        """`lent`: the addresses among them that the elastic pool may take back (its hybrids' servers): sampled
+        for pressure, left out of kv_capacity (cmlfq.aging.admit_group)."""
         self.addresses, self.interval_s, self.timeout_s = addresses, interval_s, timeout_s
+        self.lent = lent
         self._samples: list[Pressure] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -42,19 +46,24 @@ class PressureSampler:
 
     def sample(self) -> Pressure | None:
         """The pressure now, over the servers that answered; None if none did."""
-        loads = []
+        loads, staying = [], 0
+        lent = set(self.lent()) if self.lent is not None else set()
         for addr in self.addresses():
             try:
                 with urllib.request.urlopen(f"http://{addr}/server_info", timeout=self.timeout_s) as r:
                     loads.append(server_load(json.loads(r.read())))
             except (OSError, ValueError):
                 self.errors += 1
+                continue
+            if addr not in lent:
+                staying += loads[-1].kv_capacity
         if loads:
-            self._kv_capacity = sum(load.kv_capacity for load in loads)
+            self._kv_capacity = staying
         return pressure(loads) if loads else None
 
     def kv_capacity(self) -> int:
-        """KV tokens of the serving servers at the last sample that reached any (0: none reports it yet)."""
+        """KV tokens of the serving servers that stay (not `lent`) at the last sample that reached any (0: none
+        reports it yet)."""
         return self._kv_capacity
 
     def _run(self) -> None:

@@ -228,13 +228,14 @@ class Simulation:
         if not layout.servers:
             raise SimError("layout has no rollout server")
 
-    def _add_server(self, tp: int, bucket: int, available_at: float) -> RolloutServer:
+    def _add_server(self, tp: int, bucket: int, available_at: float, lent: bool = False) -> RolloutServer:
         s = RolloutServer(self._sid, tp, bucket, self.truth, random.Random(self.rng.random()),
                           self.cfg.mem_fraction, self.cfg.max_running)
         self._sid += 1
         s.available_at = available_at
         s.clock = available_at
         s.edf = self.cfg.edf
+        s.lent = lent
         self._gpu_time_origin[s.sid] = self.t
         self.servers.append(s)
         return s
@@ -372,7 +373,7 @@ class Simulation:
 
     def _admit_groups(self, cap: int, limit: int) -> None:
         gate = self.cfg.working_set_admission
-        kv_cap = sum(s.capacity for s in self.servers) if gate else 0
+        kv_cap = sum(s.capacity for s in self.servers if not s.lent) if gate else 0
         while self.started_groups < cap:
             if gate and not admit_group(self.working_tokens, kv_cap):
                 self._gated = True  # _traj_done admits again

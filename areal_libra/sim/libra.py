@@ -457,7 +457,7 @@ class SimCluster:
         for u in self.units:
             if u.training:
                 continue
-            u.servers = [sim._add_server(tp, b, sim.t) for tp, b in u.specs]
+            u.servers = [sim._add_server(tp, b, sim.t, lent=True) for tp, b in u.specs]
             u.training = False
             sim.layout = Layout(sim.layout.train, sim.layout.servers + list(u.specs), sim.layout.bucket_limits)
 
@@ -569,7 +569,7 @@ class SimCluster:
         """The replica leaves training (core TP/PP untouched) and its GPUs start rollout servers again."""
         sim = self.sim
         sim.set_train_dp(sim.train_layout.dp - 1)
-        u.servers = [sim._add_server(tp, b, sim.t + sim.truth.server_start_s(tp)) for tp, b in u.specs]
+        u.servers = [sim._add_server(tp, b, sim.t + sim.truth.server_start_s(tp), lent=True) for tp, b in u.specs]
         u.training = False
         sim.layout = Layout(sim.train_layout, sim.layout.servers + list(u.specs), sim.layout.bucket_limits)
 

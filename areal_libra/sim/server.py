@@ -76,6 +76,7 @@ class RolloutServer:
         self.truth = truth
         self.rng = rng
         self.capacity = truth.kv_capacity_tokens(tp, mem_fraction)
+        self.lent = False  # an Elastic Hybrid Pool worker's server: the pool may take it back any step
         if self.capacity <= 0:
             raise ValueError(f"model does not fit on a TP{tp} server (no room left for the KV cache)")
         self.max_running = max_running

@@ -142,3 +142,41 @@ def test_an_embedded_server_reports_the_kv_tokens_the_sampler_reads(tiny_model_d
         for t in threads:
             t.join(30)
         srv.close()
+
+
+def test_the_sampler_leaves_the_lent_servers_out_of_the_kv_capacity():
+    # Two servers answering /server_info over loopback; one is an elastic hybrid's (lent): it is sampled for
+    # pressure but its KV is not the working-set admission's to count on.
+    def serve(capacity: int) -> ThreadingHTTPServer:
+        info = {"num_running_requests": 1, "num_waiting_requests": 0, "max_running_requests": 8,
+                "num_used_tokens": 10, "max_total_num_tokens": capacity}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                body = json.dumps(info).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd
+
+    core, hybrid = serve(1000), serve(300)
+    addrs = [f"127.0.0.1:{h.server_address[1]}" for h in (core, hybrid)]
+    lent: set[str] = set()
+    sampler = PressureSampler(lambda: addrs, interval_s=3600, lent=lambda: lent)
+    try:
+        both = sampler.sample()
+        assert sampler.kv_capacity() == 1300
+        lent.add(addrs[1])
+        assert sampler.sample() == both  # the pressure still reads every serving server
+        assert sampler.kv_capacity() == 1000
+    finally:
+        sampler.close()
+        core.shutdown()
+        hybrid.shutdown()

@@ -263,6 +263,7 @@ def test_hybrids_attach_and_detach_through_the_fleet(servers, tiny_model_pair, t
     try:
         fleet.attach_hybrid(hyb.addr, "tp1", lambda addr, ok: ready.append((addr, ok)))
         assert hyb.addr not in eng._engine.addresses and hyb.addr not in router.all_addresses  # own weights yet
+        assert fleet.hybrid_addresses() == {hyb.addr} and fleet.hybrids() == []  # lent already, not routed
         disk_weight_update(eng, tmp_path, "fleet-h", tiny_model_pair[1], version=1)
         assert ready == [(hyb.addr, True)]  # recorded before the update's waiter woke
         assert eng._engine.addresses == [g.addr, hyb.addr] and router.all_addresses == [g.addr, hyb.addr]
@@ -272,7 +273,8 @@ def test_hybrids_attach_and_detach_through_the_fleet(servers, tiny_model_pair, t
         assert out["started"] == out["stopped"] == [] and [gr.name for gr in router.groups] == ["short"]
         assert eng._engine.addresses == [g.addr, hyb.addr] and set(router.all_addresses) == {g.addr, hyb.addr}
         assert layout(tmp_path) == {"short": [g.addr]}  # the fleet's own servers; the hybrid is not its
-        assert fleet.detach_hybrid(hyb.addr) and fleet.hybrids() == []
+        assert fleet.hybrid_addresses() == {hyb.addr}
+        assert fleet.detach_hybrid(hyb.addr) and fleet.hybrids() == [] and fleet.hybrid_addresses() == set()
         assert eng._engine.addresses == [g.addr] and router.all_addresses == [g.addr]
         disk_weight_update(eng, tmp_path / "v2", "fleet-h", tiny_model_pair[0], version=2)
         assert greedy(g.addr)[2] == "2" and greedy(hyb.addr)[2] == "1"  # detached: the update passed it by

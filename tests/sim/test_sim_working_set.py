@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from areal_libra.cmlfq.aging import admit_group
 from areal_libra.sim import cluster
-from areal_libra.sim.registry import build_system
+from areal_libra.sim.registry import build_system, run_system
 from areal_libra.sim.report import make_env
 
 
@@ -44,3 +44,22 @@ def test_libra_admits_by_working_set_and_areals_loop_does_not():
     env = make_env("r2e_gym", "a800x16", "qwen3-14b", seed=0)
     assert build_system("libra", env).run.working_set_admission
     assert not build_system("areal_static_optimal", env).run.working_set_admission
+
+
+def test_the_admission_counts_only_the_servers_that_stay(monkeypatch):
+    # R2E-Gym on 48 A800s: Libra's pool is lent to rollout through the fill and joins training at step 0; the
+    # gate must not admit against the KV the pool takes back.
+    caps = []  # (all servers' KV, the staying servers' KV, what the gate was given)
+    orig = cluster.Simulation._admit_groups
+
+    def admit_groups(self, cap, limit):
+        caps.append([sum(s.capacity for s in self.servers), sum(s.capacity for s in self.servers if not s.lent)])
+        return orig(self, cap, limit)
+
+    monkeypatch.setattr(cluster.Simulation, "_admit_groups", admit_groups)
+    monkeypatch.setattr(cluster, "admit_group", lambda w, c: caps[-1].append(c) or admit_group(w, c))
+    env = make_env("r2e_gym", "a800x48", "qwen3-14b", seed=0)
+    run_system("+elastic", env, 2)
+    gated = [c for c in caps if len(c) > 2]
+    assert gated and all(c[2:] == [c[1]] * (len(c) - 2) for c in gated)
+    assert any(total > staying for total, staying, *_ in gated)  # the lent hybrids were serving then
