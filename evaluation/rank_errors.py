@@ -1,0 +1,68 @@
+"""Where the calibrated Cost Evaluator's ranking of AReaL-Static-Optimal's candidates goes wrong.
+
+    python -m evaluation.rank_errors RUN.json [--system libra] [--json]
+
+RUN.json is an `evaluation.throughput --json` output. For each sweep candidate (rollout GPUs x TP, its training
+layout) it sets the controller's last prediction (`ranking.last_predicted_step_s`, the calibrated evaluator's step
+time) against the candidate's measured tokens/s. The candidates replay the same stationary workload, so their
+tokens per step are one constant: predicted step x measured tokens/s is proportional to predicted / measured. The
+table prints it over its median (1.0: as the median candidate; above: predicted too slow; below: too fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def relative_errors(run: dict, system: str = "libra") -> list[dict]:
+    """One row per candidate: rollout_gpus, tp, train_gpus, measured tokens/s, predicted step s, rel."""
+    cands = run.get("baseline_candidates") or []
+    sys_ = run.get("systems", {}).get(system)
+    if sys_ is None:
+        raise ValueError(f"no system {system!r} in the run (has {sorted(run.get('systems', {}))})")
+    pred = (sys_.get("ranking") or {}).get("last_predicted_step_s")
+    if not cands or not pred or len(pred) != len(cands):
+        raise ValueError(f"{system}: no ranking of the baseline's candidates in the run (a cached sweep is needed)")
+    rows = [{"rollout_gpus": c["rollout_gpus"], "tp": c["tp"], "train_gpus": c["train"]["gpus"],
+             "tokens_per_s": c["tokens_per_s"], "predicted_step_s": p}
+            for c, p in zip(cands, pred)]
+    x = [r["predicted_step_s"] * r["tokens_per_s"] if r["predicted_step_s"] and r["tokens_per_s"] else None
+         for r in rows]
+    mid = statistics.median(v for v in x if v is not None)
+    for r, v in zip(rows, x):
+        r["rel"] = None if v is None else round(v / mid, 3)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    tps = sorted({r["tp"] for r in rows})
+    out = ["rollout GPUs | train GPUs | " + " | ".join(f"TP{t}" for t in tps)]
+    for g in sorted({r["rollout_gpus"] for r in rows}):
+        cell = {r["tp"]: r for r in rows if r["rollout_gpus"] == g}
+        train = next(iter(cell.values()))["train_gpus"]
+        out.append(f"{g:>12} | {train:>10} | " + " | ".join(
+            f"{cell[t]['rel']:.2f}" if t in cell and cell[t]["rel"] is not None else "  - " for t in tps))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="an evaluation.throughput --json output")
+    ap.add_argument("--system", default="libra")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        rows = relative_errors(json.loads(a.run.read_text()), a.system)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"rank_errors: {a.run}: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=1) if a.json else table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
