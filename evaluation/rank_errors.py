@@ -7,6 +7,11 @@ layout) it sets the controller's last prediction (`ranking.last_predicted_step_s
 time) against the candidate's measured tokens/s. The candidates replay the same stationary workload, so their
 tokens per step are one constant: predicted step x measured tokens/s is proportional to predicted / measured. The
 table prints it over its median (1.0: as the median candidate; above: predicted too slow; below: too fast).
+
+Below it, the Spearman of the last prediction against the measurement, and what it would be if one kind of error
+were removed by an oracle that knows the measurements (an upper bound on what a calibration could win, never
+used by the planner): each TP's error, as its median over the candidates where training has the most GPUs (the
+upper half: there rollout binds), or each training size's error (its row's median).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+from areal_libra.control.prediction import spearman
 
 
 def relative_errors(run: dict, system: str = "libra") -> list[dict]:
@@ -36,6 +43,25 @@ def relative_errors(run: dict, system: str = "libra") -> list[dict]:
     for r, v in zip(rows, x):
         r["rel"] = None if v is None else round(v / mid, 3)
     return rows
+
+
+def oracle_spearman(rows: list[dict]) -> dict[str, float | None]:
+    """Spearman of predicted against measured throughput: as predicted, with each TP's error divided out, and
+    with each training size's error divided out (see the module's doc)."""
+    rows = [r for r in rows if r["rel"] is not None]
+    meas = [r["tokens_per_s"] for r in rows]
+
+    def sp(div) -> float | None:
+        v = spearman([-r["predicted_step_s"] / div(r) for r in rows], meas)
+        return None if v is None else round(v, 4)
+
+    many = statistics.median(r["train_gpus"] for r in rows)
+    by_tp = {t: statistics.median([r["rel"] for r in rows if r["tp"] == t and r["train_gpus"] >= many] or [1.0])
+             for t in {r["tp"] for r in rows}}
+    by_train = {g: statistics.median(r["rel"] for r in rows if r["train_gpus"] == g) for g in {r["train_gpus"] for r in rows}}
+    return {"as_predicted": sp(lambda r: 1.0),
+            "tp_error_removed": sp(lambda r: by_tp[r["tp"]] if r["train_gpus"] >= many else 1.0),
+            "train_size_error_removed": sp(lambda r: by_train[r["train_gpus"]])}
 
 
 def table(rows: list[dict]) -> str:
@@ -60,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"rank_errors: {a.run}: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(rows, indent=1) if a.json else table(rows))
+    what_if = oracle_spearman(rows)
+    if a.json:
+        print(json.dumps({"candidates": rows, "spearman": what_if}, indent=1))
+    else:
+        print(table(rows))
+        print("spearman: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in what_if.items()))
     return 0
 
 

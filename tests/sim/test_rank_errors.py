@@ -31,3 +31,19 @@ def test_a_run_without_a_ranking_is_one_line_and_exit_2(tmp_path):
     f.write_text(json.dumps({"systems": {"areal_static_optimal": {}}}))
     p = subprocess.run([sys.executable, "-m", "evaluation.rank_errors", str(f)], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no system 'libra'" in p.stderr
+
+
+def test_the_oracle_removes_an_error_that_follows_the_tp():
+    from evaluation.rank_errors import oracle_spearman
+
+    # Four rollout sizes x TP1/TP4, all with training GPUs to spare; the evaluator prices every TP4 candidate
+    # at half its true step time, which scrambles the ranking until the TP's error is divided out.
+    cands, pred = [], []
+    for g in (8, 16, 24, 32):
+        for tp, speed in ((1, 1.0), (4, 1.2)):
+            tokens = 100.0 * g * speed
+            cands.append({"rollout_gpus": g, "tp": tp, "train": {"gpus": 48}, "tokens_per_s": tokens})
+            pred.append(1e5 / tokens * (0.5 if tp == 4 else 1.0))
+    run = {"systems": {"libra": {"ranking": {"last_predicted_step_s": pred}}}, "baseline_candidates": cands}
+    sp = oracle_spearman(relative_errors(run))
+    assert sp["as_predicted"] < 0.9 and sp["tp_error_removed"] == 1.0
