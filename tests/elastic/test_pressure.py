@@ -59,12 +59,8 @@ def _busy_sim_server() -> RolloutServer:
     return s
 
 
-def test_the_live_sampler_and_the_simulator_give_the_same_pressure_for_one_server_state():
-    sim = _busy_sim_server()
-    # The same state as a live server reports it (SGLang's /server_info field names), over loopback HTTP.
-    info = {"num_running_requests": sim.batch, "num_waiting_requests": len(sim.queue),
-            "max_running_requests": sim.max_running, "num_used_tokens": sim.kv(),
-            "max_total_num_tokens": sim.capacity}
+def _serve_info(info: dict) -> ThreadingHTTPServer:
+    """A loopback server answering /server_info (any GET) with `info`, SGLang's field names."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -79,6 +75,17 @@ def test_the_live_sampler_and_the_simulator_give_the_same_pressure_for_one_serve
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def test_the_live_sampler_and_the_simulator_give_the_same_pressure_for_one_server_state():
+    sim = _busy_sim_server()
+    # The same state as a live server reports it (SGLang's /server_info field names), over loopback HTTP.
+    info = {"num_running_requests": sim.batch, "num_waiting_requests": len(sim.queue),
+            "max_running_requests": sim.max_running, "num_used_tokens": sim.kv(),
+            "max_total_num_tokens": sim.capacity}
+
+    httpd = _serve_info(info)
     sampler = PressureSampler(lambda: [f"127.0.0.1:{httpd.server_address[1]}"], interval_s=3600)
     try:
         live = sampler.sample()
@@ -148,23 +155,8 @@ def test_the_sampler_leaves_the_lent_servers_out_of_the_kv_capacity():
     # Two servers answering /server_info over loopback; one is an elastic hybrid's (lent): it is sampled for
     # pressure but its KV is not the working-set admission's to count on.
     def serve(capacity: int) -> ThreadingHTTPServer:
-        info = {"num_running_requests": 1, "num_waiting_requests": 0, "max_running_requests": 8,
-                "num_used_tokens": 10, "max_total_num_tokens": capacity}
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                body = json.dumps(info).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        return httpd
+        return _serve_info({"num_running_requests": 1, "num_waiting_requests": 0, "max_running_requests": 8,
+                            "num_used_tokens": 10, "max_total_num_tokens": capacity})
 
     core, hybrid = serve(1000), serve(300)
     addrs = [f"127.0.0.1:{h.server_address[1]}" for h in (core, hybrid)]
