@@ -450,6 +450,7 @@ class EmulatedHost:
 
     def pacing(self) -> dict[str, Any]:
         st = [s.stats for s in self.servers.values()] + [self._retired]
+        now = self.now() if self._loop is not None else 0.0
         target = sum(x.target_s for x in st)
         over = sum(x.overrun_s for x in st)
         return {"pacing_error": over / target if target > 0 else 0.0, "target_s": target, "overrun_s": over,
@@ -457,11 +458,13 @@ class EmulatedHost:
                 "servers": len(self.servers), "time_scale": self.time_scale,
                 "generated_tokens": sum(s.generated for s in self.servers.values()),
                 # the rollout side's measured use (elastic.measure.rollout_busy_share): busy accelerator-seconds
-                # of every server so far, the accelerators serving now and the host's clock, in real seconds
-                "busy_gpu_s": self.time_scale * (self._retired_busy + sum(s.sim.busy_s * s.tp
+                # of every server so far (the running chunks' part before now included: a reading at a step's
+                # end must not wait for them to finish), the accelerators serving now and the host's clock, in
+                # real seconds
+                "busy_gpu_s": self.time_scale * (self._retired_busy + sum(s.sim.busy_at(now) * s.tp
                                                                            for s in self.servers.values())),
                 "serving_gpus": sum(s.tp for s in self.servers.values()),
-                "now_s": self.now() * self.time_scale if self._loop is not None else 0.0}
+                "now_s": now * self.time_scale}
 
     # --------------------------------------------------------------- control API
     def control_app(self) -> web.Application:
@@ -499,7 +502,7 @@ class EmulatedHost:
             self._retired.target_s += s.stats.target_s
             self._retired.overrun_s += s.stats.overrun_s
             self._retired.late_chunks += s.stats.late_chunks
-            self._retired_busy += s.sim.busy_s * s.tp
+            self._retired_busy += s.sim.busy_at(now) * s.tp
         return web.json_response({"stopped": await self.stop_server(addr)})
 
     async def _c_list(self, request: web.Request) -> web.Response:

@@ -180,6 +180,14 @@ class RolloutServer:
         self.epoch += 1
         return []
 
+    def busy_at(self, t: float) -> float:
+        """Busy seconds up to time `t`: busy_s credits a decode chunk when it ends or is interrupted, so a
+        reading taken while one runs (the live host's, at any moment) adds the part of it before `t`."""
+        ch = self.chunk
+        if ch is None or ch[6] is None or t <= ch[0]:
+            return self.busy_s
+        return self.busy_s + min(t, ch[7]) - ch[0]
+
     def finish_chunk(self) -> list[SimRequest]:
         t0, k, a, b, kv0, B, xi, t_end = self.chunk
         self.it += k

@@ -175,6 +175,27 @@ def test_rollout_busy_share_measured_from_the_host(host):
     assert host.pacing()["busy_gpu_s"] - busy0 == pytest.approx(busy, rel=0.05)  # retired servers' time stays
 
 
+def test_a_busy_reading_mid_generation_counts_the_time_so_far(host):
+    """One long request is one decode chunk (it runs until the request ends); a reading of the host's busy time
+    half-way through counts the half that has run (a step's end does not wait for the servers' chunks)."""
+    truth = emulated_truth("qwen3-14b", "h200")
+    hs = host.start("unused", [ServerSpec(tp=1)], "")
+    try:
+        busy0 = host.pacing()["busy_gpu_s"]
+        full = SCALE * _single_request_s(truth, 1, 2000, 800)  # real seconds (TP1)
+        th = threading.Thread(target=_gen, args=(hs[0].addr, emulated_rid("u", "mid", 2000, True), 800))
+        t0 = time.perf_counter()
+        th.start()
+        time.sleep(full / 2)
+        mid, elapsed = host.pacing()["busy_gpu_s"] - busy0, time.perf_counter() - t0
+        th.join()
+        assert 0.6 * (full / 2) < mid <= 1.05 * elapsed, (mid, full, elapsed)
+        assert host.pacing()["busy_gpu_s"] - busy0 == pytest.approx(full, rel=0.05)
+    finally:
+        for h in hs:
+            host.stop(h)
+
+
 class _Metrics:
     def __init__(self) -> None:
         self.sources, self.hooks = [], []
