@@ -502,7 +502,7 @@ class EmulatedHost:
             self._retired.target_s += s.stats.target_s
             self._retired.overrun_s += s.stats.overrun_s
             self._retired.late_chunks += s.stats.late_chunks
-            self._retired_busy += s.sim.busy_at(now) * s.tp
+            self._retired_busy += s.sim.busy_at(self.now()) * s.tp  # the running chunk served until now
         return web.json_response({"stopped": await self.stop_server(addr)})
 
     async def _c_list(self, request: web.Request) -> web.Response:

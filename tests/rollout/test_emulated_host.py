@@ -155,6 +155,7 @@ def test_rollout_busy_share_measured_from_the_host(host):
     truth = emulated_truth("qwen3-14b", "h200")
     ctl = LiveControl(ControlConfig(), None, LiveCluster(None))
     assert ctl.rollout_busy() is None  # no source: not measured
+    serving0 = host.pacing()["serving_gpus"]
     hs = host.start("unused", [ServerSpec(tp=2), ServerSpec(tp=2)], "")
     try:
         ctl.busy_fn = host.pacing
@@ -172,6 +173,7 @@ def test_rollout_busy_share_measured_from_the_host(host):
     finally:
         for h in hs:
             host.stop(h)
+    assert host.pacing()["serving_gpus"] == serving0  # stopped through the control API (host.stop hides errors)
     assert host.pacing()["busy_gpu_s"] - busy0 == pytest.approx(busy, rel=0.05)  # retired servers' time stays
 
 
