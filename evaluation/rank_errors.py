@@ -58,7 +58,8 @@ def oracle_spearman(rows: list[dict]) -> dict[str, float | None]:
     many = statistics.median(r["train_gpus"] for r in rows)
     by_tp = {t: statistics.median([r["rel"] for r in rows if r["tp"] == t and r["train_gpus"] >= many] or [1.0])
              for t in {r["tp"] for r in rows}}
-    by_train = {g: statistics.median(r["rel"] for r in rows if r["train_gpus"] == g) for g in {r["train_gpus"] for r in rows}}
+    by_train = {g: statistics.median(r["rel"] for r in rows if r["train_gpus"] == g)
+                for g in {r["train_gpus"] for r in rows}}
     return {"as_predicted": sp(lambda r: 1.0),
             "tp_error_removed": sp(lambda r: by_tp[r["tp"]] if r["train_gpus"] >= many else 1.0),
             "train_size_error_removed": sp(lambda r: by_train[r["train_gpus"]])}

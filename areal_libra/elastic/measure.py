@@ -139,5 +139,6 @@ def rollout_busy_share(busy_gpu_s: float, interval_s: float, rollout_gpus: int) 
     """The rollout side's measured use over one step: the accelerator-seconds its servers spent serving
     (a server's busy time x its TP, summed) over the step's interval x the rollout accelerators, capped at 1
     (StepObservation.rollout_busy, the calibrated gate's measured-use check). The simulator's servers and the
-    emulated host's count their busy time the same way (sim.server.RolloutServer.busy_s)."""
+    emulated host's count their busy time the same way (sim.server.RolloutServer.busy_s; the host, which reads at
+    any moment, adds the running chunk's part: RolloutServer.busy_at)."""
     return min(1.0, max(0.0, busy_gpu_s) / max(1e-9, interval_s * max(1, rollout_gpus)))

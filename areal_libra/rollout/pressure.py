@@ -51,12 +51,13 @@ class PressureSampler:
         for addr in self.addresses():
             try:
                 with urllib.request.urlopen(f"http://{addr}/server_info", timeout=self.timeout_s) as r:
-                    loads.append(server_load(json.loads(r.read())))
+                    load = server_load(json.loads(r.read()))
             except (OSError, ValueError):
                 self.errors += 1
                 continue
+            loads.append(load)
             if addr not in lent:
-                staying += loads[-1].kv_capacity
+                staying += load.kv_capacity
         if loads:
             self._kv_capacity = staying
         return pressure(loads) if loads else None
