@@ -1,10 +1,11 @@
 """Where the calibrated Cost Evaluator's ranking of AReaL-Static-Optimal's candidates goes wrong.
 
-    python -m evaluation.rank_errors RUN.json [--system libra] [--json]
+    python -m evaluation.rank_errors RUN.json [--system libra] [--loop areal|libra] [--json]
 
 RUN.json is an `evaluation.throughput --json` output. For each sweep candidate (rollout GPUs x TP, its training
 layout) it sets the controller's last prediction (`ranking.last_predicted_step_s`, the calibrated evaluator's step
-time) against the candidate's measured tokens/s. The candidates replay the same stationary workload, so their
+time) against the candidate's measured tokens/s (--loop areal, the default: as AReaL's loop ran them in
+AReaL-Static-Optimal's sweep; --loop libra: as Libra's loop ran them in static_libra_loop's). The candidates replay the same stationary workload, so their
 tokens per step are one constant: predicted step x measured tokens/s is proportional to predicted / measured. The
 table prints it over its median (1.0: as the median candidate; above: predicted too slow; below: too fast).
 
@@ -24,16 +25,21 @@ from pathlib import Path
 
 from areal_libra.control.prediction import spearman
 
+# --loop: the run's JSON keys of the candidates' measurement and of the probe held against it.
+LOOPS = {"areal": ("baseline_candidates", "ranking"), "libra": ("loop_candidates", "ranking_own_loop")}
 
-def relative_errors(run: dict, system: str = "libra") -> list[dict]:
+
+def relative_errors(run: dict, system: str = "libra", loop: str = "areal") -> list[dict]:
     """One row per candidate: rollout_gpus, tp, train_gpus, measured tokens/s, predicted step s, rel."""
-    cands = run.get("baseline_candidates") or []
+    cand_key, probe_key = LOOPS[loop]
+    cands = run.get(cand_key) or []
     sys_ = run.get("systems", {}).get(system)
     if sys_ is None:
         raise ValueError(f"no system {system!r} in the run (has {sorted(run.get('systems', {}))})")
-    pred = (sys_.get("ranking") or {}).get("last_predicted_step_s")
+    pred = (sys_.get(probe_key) or {}).get("last_predicted_step_s")
     if not cands or not pred or len(pred) != len(cands):
-        raise ValueError(f"{system}: no ranking of the baseline's candidates in the run (a cached sweep is needed)")
+        raise ValueError(f"{system}: no ranking of the candidates as {loop}'s loop runs them in the run (its "
+                         f"sweep must be cached before {system} runs)")
     rows = [{"rollout_gpus": c["rollout_gpus"], "tp": c["tp"], "train_gpus": c["train"]["gpus"],
              "tokens_per_s": c["tokens_per_s"], "predicted_step_s": p}
             for c, p in zip(cands, pred)]
@@ -80,10 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path, help="an evaluation.throughput --json output")
     ap.add_argument("--system", default="libra")
+    ap.add_argument("--loop", default="areal", choices=sorted(LOOPS),
+                    help="hold the prediction against the candidates as this loop ran them")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
-        rows = relative_errors(json.loads(a.run.read_text()), a.system)
+        rows = relative_errors(json.loads(a.run.read_text()), a.system, a.loop)
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"rank_errors: {a.run}: {e}", file=sys.stderr)
         return 2

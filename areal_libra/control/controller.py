@@ -196,7 +196,7 @@ class LibraController:
         self._pending: list[dict[str, Any]] = []
         # Candidate layouts with their measured throughput (a sweep's), priced every step from the probe's
         # from_step on by the calibrated evaluator: how well it ranks layouts it did not choose (reporting only).
-        self.ranking: RankingProbe | None = None
+        self.rankings: dict[str, RankingProbe] = {}  # by the name the run reports each under
         self._pool_training0: int | None = None  # hybrid replicas training when the plan was applied
         self.factor_record: dict[str, float] = Factors().as_dict()  # the factors in force, for reports
         # Measured step time per final-length token of each layout run so far (the steps after its settle):
@@ -276,10 +276,12 @@ class LibraController:
         self._score_predictions(obs)
         if self.calib is not None and obs.step >= self.cfg.warmup:
             self._calibrate(obs, cluster)
-        if self.ranking is not None and obs.step >= self.ranking.from_step and hasattr(self.planner, "price_terms"):
+        probes = [p for p in self.rankings.values() if obs.step >= p.from_step]
+        if probes and hasattr(self.planner, "price_terms"):
             hist = cluster.history(self.cfg.history)
             if len(hist) >= self.cfg.min_history:
-                self.ranking.observe(obs.step, self.planner, hist, self.factors)
+                for probe in probes:
+                    probe.observe(obs.step, self.planner, hist, self.factors)
         # After a re-plan, wait settle_steps so the gate's measured step time is the new layout's in steady
         # state, not the reconfiguration's disruption.
         settled = obs.step >= self.cfg.warmup and obs.step - self.last_replan >= self.cfg.settle_steps

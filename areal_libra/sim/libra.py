@@ -28,9 +28,11 @@ from areal_libra.sim.systems import (
     SimKnobs,
     SystemSpec,
     areal_run_config,
+    best_static,
     cached_sweep,
     policy_router,
     split_layout,
+    sweep_key,
 )
 
 
@@ -694,10 +696,11 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
 RANK_FROM_STEP = 5
 
 
-def baseline_ranking(env: Env) -> RankingProbe | None:
-    """The sweep's candidate layouts as plans, with their measured tokens/s (None without a cached sweep: the
-    ranking is a report, never a reason to run the sweep)."""
-    cands = cached_sweep(env)
+def baseline_ranking(env: Env, run: RunConfig | None = None) -> RankingProbe | None:
+    """The sweep's candidate layouts as plans, with their measured tokens/s under the loop `run` (default
+    AReaL's: AReaL-Static-Optimal's sweep; libra_run_config: static_libra_loop's). None without a cached sweep:
+    the ranking is a report, never a reason to run the sweep."""
+    cands = cached_sweep(env, sweep_key(env, run))
     if not cands:
         return None
     plans = [layout_plan(c["rollout_gpus"], c["tp"], TrainParallel(c["train"]["tp"], c["train"]["pp"],
@@ -710,6 +713,15 @@ def baseline_ranking(env: Env) -> RankingProbe | None:
 def libra_run_config(env: Env) -> RunConfig:
     """Libra's loop: AReaL's staleness bound, and the version-lag bound at consumption when on (BOUND_LAG)."""
     return areal_run_config(env, strict_staleness=BOUND_LAG, edf=BOUND_LAG, working_set_admission=WORKING_SET)
+
+
+def static_libra_loop(env: Env) -> SystemSpec:
+    """The best static layout under Libra's loop: the same candidates as AReaL-Static-Optimal's sweep, each
+    measured under libra_run_config (the version-lag bound, working-set admission) with least-loaded routing,
+    the best one run. Not a rung: it splits Libra's lead over AReaL-Static-Optimal into the loop's share and
+    the planner's, and its sweep is the measurement the calibrated evaluator's ranking is held against on the
+    loop it prices (own_loop_ranking)."""
+    return best_static("static_libra_loop", env, libra_run_config(env), "loop", label="Libra-loop static")
 
 
 def ladder_base(env: Env) -> SystemSpec:
@@ -743,9 +755,13 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     # the calibration factors in force at the end.
     extra = {"predictions": lc.predictions, "cost_factors": lc.factor_record}
     if name == "libra":  # the full system only: each probe prices every candidate every step
-        lc.ranking = baseline_ranking(env)
-        if lc.ranking is not None:
-            extra["ranking"] = lc.ranking.record
+        # "ranking": against the candidates as AReaL's loop ran them (the issue's line); "ranking_own_loop":
+        # the same layouts as Libra's loop runs them, the loop the evaluator prices.
+        for key, run in (("ranking", None), ("ranking_own_loop", libra_run_config(env))):
+            probe = baseline_ranking(env, run)
+            if probe is not None:
+                lc.rankings[key] = probe
+                extra[key] = probe.record
     return SystemSpec(name, core, libra_run_config(env), lambda lay: _router_for(lay, opts, None, prof.trajectories, knobs, env), ctl,
                       extra=extra)
 

@@ -4,7 +4,7 @@ ablation rungs (sim/libra.py). Kept apart from both so that neither imports the 
 from __future__ import annotations
 
 from areal_libra.sim.cluster import Simulation
-from areal_libra.sim.libra import ladder_base, libra_system
+from areal_libra.sim.libra import ladder_base, libra_system, static_libra_loop
 from areal_libra.sim.systems import (
     LADDER,
     SYSTEMS,
@@ -28,6 +28,8 @@ def build_system(name: str, env: Env) -> SystemSpec:
         return verl_greedy(env)
     if name == "areal_static_optimal":
         return areal_static_optimal(env)
+    if name == "static_libra_loop":
+        return static_libra_loop(env)
     if name == "static_uniform":
         return ladder_base(env)
     if name in ("libra", "+planner", "+hetero_tp", "+cmlfq", "+elastic"):

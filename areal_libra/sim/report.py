@@ -147,7 +147,8 @@ def table(results: dict, ref: str | None) -> str:
 
 def prediction_lines(results: dict) -> list[str]:
     """For each Libra rung: its decisions' predictions against the mean of the next measured steps, and the
-    calibrated evaluator's ranking of AReaL-Static-Optimal's candidates (Spearman) when the sweep was cached."""
+    calibrated evaluator's ranking of AReaL-Static-Optimal's candidates (Spearman) as each loop runs them,
+    where that loop's sweep was cached."""
     lines = []
     for n, r in results.items():
         pc = r.get("prediction_check")
@@ -156,12 +157,13 @@ def prediction_lines(results: dict) -> list[str]:
             rows = ", ".join(f"{d['step']} {d['kind']} {d['ratio']:.2f}" for d in pc["decisions"]) or "none"
             lines.append(f"{n} predictions (predicted / mean of the next 5 steps): {rows}; re-plans and elastic moves "
                          f"within {lo}-{hi}: {'yes' if pc['moves_within'] else 'no'} ({pc['n_moves']} scored)")
-        rk = r.get("ranking")
-        if rk is not None and rk["spearman"]:
-            lines.append(f"{n} ranking of AReaL-Static-Optimal's {rk['n_candidates']} candidates by the calibrated "
-                         f"evaluator, steps {rk['steps'][0]}-{rk['steps'][-1]}: Spearman min {rk['min']:.2f} mean "
-                         f"{rk['mean']:.2f} (last step's best {rk['last_predicted_best']}, measured best "
-                         f"{rk['measured_best']})")
+        for key, loop in (("ranking", "AReaL's loop"), ("ranking_own_loop", "Libra's loop")):
+            rk = r.get(key)
+            if rk is not None and rk["spearman"]:
+                lines.append(f"{n} ranking of AReaL-Static-Optimal's {rk['n_candidates']} candidates, as {loop} runs "
+                             f"them, by the calibrated evaluator, steps {rk['steps'][0]}-{rk['steps'][-1]}: Spearman "
+                             f"min {rk['min']:.2f} mean {rk['mean']:.2f} (last step's best "
+                             f"{rk['last_predicted_best']}, measured best {rk['measured_best']})")
     return lines
 
 
@@ -271,7 +273,9 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
                           "group_size": env.workload.cfg.group_size, "truth": args.truth, "scale": args.scale,
                           "max_concurrent_rollouts": args.max_concurrent_rollouts,
                           # AReaL-Static-Optimal's sweep: every candidate layout with its measured tokens/s
-                          "baseline_candidates": results.get("areal_static_optimal", {}).get("baseline_candidates")},
+                          "baseline_candidates": results.get("areal_static_optimal", {}).get("baseline_candidates"),
+                          # the same layouts under Libra's loop (static_libra_loop's sweep)
+                          "loop_candidates": results.get("static_libra_loop", {}).get("loop_candidates")},
                          indent=1))
     else:
         print(f"workload={wname} cluster={args.cluster} ({env.n_gpus} GPUs) model={args.model} steps={args.steps} "

@@ -26,7 +26,8 @@ from areal_libra.sim.hardware import HardwareTruth
 from areal_libra.sim.server import SimRequest
 from areal_libra.sim.workloads import Workload
 
-SYSTEMS = ("verl_colocated", "verl_static_uniform", "verl_greedy", "areal_static_optimal", "libra")
+SYSTEMS = ("verl_colocated", "verl_static_uniform", "verl_greedy", "areal_static_optimal", "static_libra_loop",
+           "libra")
 LADDER = ("static_uniform", "+planner", "+hetero_tp", "+cmlfq", "+elastic")
 
 BASELINE_ROLLOUT_TP = 2  # verl's Qwen3-14B example scripts: rollout tensor_model_parallel_size=2
@@ -314,7 +315,7 @@ SWEEP_FORMAT = 1  # bump when what a cached sweep means changes
 SWEEP_SEED_OFFSET = 1000  # the sweep's own sample of the workload, not the measured run's
 # Source files whose behaviour a cached sweep depends on: a change to any of them starts a new cache entry.
 _SWEEP_SOURCES = ("sim/cluster.py", "sim/server.py", "sim/hardware.py", "sim/workloads.py", "sim/systems.py",
-                  "trace.py", "elastic/measure.py", "cmlfq/policy.py", "cmlfq/__init__.py")
+                  "trace.py", "elastic/measure.py", "cmlfq/policy.py", "cmlfq/__init__.py", "cmlfq/aging.py")
 
 
 class StationaryReplay(Workload):
@@ -407,10 +408,11 @@ def _train_desc(t: TrainLayout) -> dict:
     return {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "dp": t.dp}
 
 
-def measure_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | None = None) -> dict | None:
+def measure_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | None = None,
+                      run: RunConfig | None = None) -> dict | None:
     """Simulate one static layout on the stationary replay and measure its steady throughput; None when the
     layout does not fit (no training layout for the remaining GPUs). `recorded`: the replay's groups drawn
-    once for every candidate (same results, less time)."""
+    once for every candidate (same results, less time). `run`: the loop it runs under (default AReaL's)."""
     import copy
 
     try:
@@ -419,7 +421,7 @@ def measure_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | N
         return None
     # A private copy: the sweep must not advance the workload's own counters the measured runs use.
     wl = recorded.fresh() if recorded is not None else StationaryReplay(copy.deepcopy(env.workload))
-    sim = Simulation(env.truth, wl, env.n_gpus, lay, areal_run_config(env),
+    sim = Simulation(env.truth, wl, env.n_gpus, lay, run or areal_run_config(env),
                      policy_router("least_loaded")(lay), seed=env.seed + SWEEP_SEED_OFFSET)
     sim.run(SWEEP_END + 1)
     return {"rollout_gpus": roll, "tp": tp, "train": _train_desc(lay.train),
@@ -447,9 +449,10 @@ def _workload_digest(wl: Workload) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def sweep_key(env: Env) -> dict:
+def sweep_key(env: Env, run: RunConfig | None = None) -> dict:
     """Everything a cached sweep depends on: workload (config, initial sample), cluster and model (the
-    truth's spec sheets and constants), scale, staleness, seed, the sweep's window and the simulator's code."""
+    truth's spec sheets and constants), scale, staleness, seed, the loop the candidates run under (`run`,
+    default AReaL's), the sweep's window and the simulator's code."""
     root = Path(__file__).resolve().parents[1]
     code = hashlib.sha256()
     for rel in _SWEEP_SOURCES:
@@ -460,7 +463,7 @@ def sweep_key(env: Env) -> dict:
             "workload_digest": _workload_digest(env.workload), "n_gpus": env.n_gpus,
             "batch_prompts": env.workload.cfg.batch_prompts, "group_size": env.workload.cfg.group_size,
             "truth": repr((truth.gpu, truth.model, truth.c)), "staleness": env.staleness, "seed": env.seed,
-            "max_concurrent_groups": env.max_concurrent_groups,
+            "max_concurrent_groups": env.max_concurrent_groups, "run": repr(run or areal_run_config(env)),
             "window": [SWEEP_REPLAY, SWEEP_WARMUP, SWEEP_END, SWEEP_SEED_OFFSET], "code": code.hexdigest()}
 
 
@@ -471,14 +474,15 @@ def sweep_cache_path(env: Env, key: dict | None = None) -> Path:
     return default_cache_root() / "static_sweep" / f"{name}-{env.n_gpus}gpus-seed{env.seed}-{h}.json"
 
 
-# The environment and recorded replay forked sweep workers measure with (inherited, not pickled).
-_SWEEP_ENV: tuple[Env, RecordedReplay] | None = None
+# The environment, recorded replay and loop forked sweep workers measure with (inherited, not pickled).
+_SWEEP_ENV: tuple[Env, RecordedReplay, RunConfig | None] | None = None
 
 
 def _measure_indexed(args: tuple[int, int, int]) -> tuple[int, dict | None]:
     i, roll, tp = args
     assert _SWEEP_ENV is not None
-    return i, measure_candidate(_SWEEP_ENV[0], roll, tp, _SWEEP_ENV[1])
+    env, recorded, run = _SWEEP_ENV
+    return i, measure_candidate(env, roll, tp, recorded, run)
 
 
 def sweep_jobs() -> int:
@@ -511,12 +515,14 @@ def cached_sweep(env: Env, key: dict | None = None) -> list[dict] | None:
 
 
 def static_sweep(env: Env, jobs: int | None = None, log: Callable[[str], None] | None = None,
-                 use_cache: bool = True) -> list[dict]:
+                 use_cache: bool = True, run: RunConfig | None = None,
+                 label: str = "AReaL-Static-Optimal") -> list[dict]:
     """Measure every candidate static layout (sweep_candidates) on the stationary replay of the initial
-    workload; cached per workload, cluster, scale and seed as an atomic JSON file under the cache root.
-    Progress goes to `log` (default: stderr) once the sweep has run for more than 10 s."""
+    workload, under the loop `run` (default AReaL's); cached per workload, cluster, scale, seed and loop as an
+    atomic JSON file under the cache root. Progress goes to `log` (default: stderr), each line headed by
+    `label`, once the sweep has run for more than 10 s."""
     global _SWEEP_ENV
-    key = sweep_key(env)
+    key = sweep_key(env, run)
     path = sweep_cache_path(env, key)
     if use_cache:
         cached = cached_sweep(env, key)
@@ -532,7 +538,7 @@ def static_sweep(env: Env, jobs: int | None = None, log: Callable[[str], None] |
         results[i] = r
         if time.time() - t0 > 10:
             what = f"{r['rollout_gpus']} rollout GPUs TP{r['tp']}: {r['tokens_per_s']:.0f} tokens/s" if r else "skipped"
-            log(f"AReaL-Static-Optimal sweep [{len(results)}/{len(cands)}] {what} ({time.time() - t0:.0f} s)")
+            log(f"{label} sweep [{len(results)}/{len(cands)}] {what} ({time.time() - t0:.0f} s)")
 
     import copy
 
@@ -542,11 +548,11 @@ def static_sweep(env: Env, jobs: int | None = None, log: Callable[[str], None] |
     todo = [(i, roll, tp) for i, (roll, tp) in enumerate(cands)]
     if jobs <= 1 or len(todo) <= 1:
         for i, roll, tp in todo:
-            done(i, measure_candidate(env, roll, tp, recorded))
+            done(i, measure_candidate(env, roll, tp, recorded, run))
     else:
         import multiprocessing as mp
 
-        _SWEEP_ENV = (env, recorded)
+        _SWEEP_ENV = (env, recorded, run)
         try:
             with mp.get_context("fork").Pool(min(jobs, len(todo))) as pool:
                 for i, r in pool.imap_unordered(_measure_indexed, todo):
@@ -571,14 +577,19 @@ def areal_static_optimal(env: Env) -> SystemSpec:
     workload: every candidate of `sweep_candidates` measured after warm-up on a stationary replay of the
     workload's first steps (static_sweep); the training layout for the remaining GPUs is the best measured
     Megatron layout (best_train_layout, token-balanced: DP need not divide the batch)."""
-    cands = static_sweep(env)
+    return best_static("areal_static_optimal", env, areal_run_config(env), "baseline")
+
+
+def best_static(name: str, env: Env, run: RunConfig, report: str, label: str = "AReaL-Static-Optimal") -> SystemSpec:
+    """The best candidate of the sweep under the loop `run` (static_sweep), run under that loop with
+    least-loaded routing; the sweep is reported as `<report>_candidates` and `<report>_choice`."""
+    cands = static_sweep(env, run=run, label=label)
     best = max(cands, key=lambda c: c["tokens_per_s"])  # first of equals: candidate order
     lay = split_layout(env, best["rollout_gpus"], best["tp"])
-    extra = {"baseline_candidates": cands,
-             "baseline_choice": {"rollout_gpus": best["rollout_gpus"], "tp": best["tp"], "train": best["train"],
-                                 "sweep_tokens_per_s": best["tokens_per_s"]}}
-    return SystemSpec("areal_static_optimal", lay, areal_run_config(env),
-                      policy_router("least_loaded"), extra=extra)
+    extra = {f"{report}_candidates": cands,
+             f"{report}_choice": {"rollout_gpus": best["rollout_gpus"], "tp": best["tp"], "train": best["train"],
+                                  "sweep_tokens_per_s": best["tokens_per_s"]}}
+    return SystemSpec(name, lay, run, policy_router("least_loaded"), extra=extra)
 
 
 __all__ = ["Env", "SystemSpec", "SYSTEMS", "LADDER", "PolicyRouter", "replace"]

@@ -125,18 +125,23 @@ def test_controller_probes_every_step_from_step_5_with_its_history():
     plans, names = _candidates()
     base = [1.0 / t for t in RankingProbe(plans, [0.0] * 5).predicted_step_s(_Evaluator(), h, Factors())]
     ctl = LibraController(ControlConfig(replan=False, replan_policy=ReplanConfig(every_k=100)), _Source(), plans[1])
-    ctl.ranking = RankingProbe(plans, base, from_step=5, labels=names)
+    probe = ctl.rankings["ranking"] = RankingProbe(plans, base, from_step=5, labels=names)
+    # A second probe (other measurements of the same layouts, here ranked the other way round) is priced beside
+    # it from its own step.
+    other = ctl.rankings["ranking_own_loop"] = RankingProbe(plans, [1.0 / b for b in base], from_step=7,
+                                                          labels=names)
     cl = _Cluster(h)
     for s in range(0, 9):
         ctl.on_step(StepObservation(s, 20.0, 10.0, 10.0, tokens=1000.0), cl)
-    assert ctl.ranking.record["steps"] == [5, 6, 7, 8]
+    assert probe.record["steps"] == [5, 6, 7, 8] and other.record["steps"] == [7, 8]
+    assert other.record["spearman"][-1] == pytest.approx(-probe.record["spearman"][-1], abs=1e-4)
     # The controller calibrated on the steps (a measured 10 s training against the model's): the probe priced
     # with the factors in force, which rank the candidates otherwise than the uncalibrated evaluator.
     f = ctl.factors
     assert f.train != pytest.approx(1.0)
-    pred = ctl.ranking.predicted_step_s(_Evaluator(), h, f)
-    assert ctl.ranking.record["spearman"][-1] == pytest.approx(spearman([1.0 / t for t in pred], base), abs=1e-4)
-    assert ctl.ranking.record["spearman"][-1] < 1.0
+    pred = probe.predicted_step_s(_Evaluator(), h, f)
+    assert probe.record["spearman"][-1] == pytest.approx(spearman([1.0 / t for t in pred], base), abs=1e-4)
+    assert probe.record["spearman"][-1] < 1.0
 
 
 def test_projected_step_of_an_elastic_move():

@@ -98,3 +98,36 @@ def test_recorded_replay_gives_the_same_measurement(n_groups):
     assert S.measure_candidate(env, 8, 2, rec) == alone  # a second reader starts from the beginning again
     with pytest.raises(S.SimError, match="another seed"):
         rec.fresh().sample_group(0, random.Random(0))
+
+
+def test_the_libra_loop_sweep_is_its_own_cache_entry_and_ranked_by_libra(tmp_path, monkeypatch):
+    """static_libra_loop measures the same candidates under Libra's loop (a cache entry of its own, never AReaL's
+    read back), runs the best of them under that loop, and Libra's controller holds its ranking against both."""
+    from areal_libra.sim.libra import libra_run_config, static_libra_loop
+    from areal_libra.sim.registry import run_system
+
+    monkeypatch.setenv("AREAL_LIBRA_CACHE", str(tmp_path))
+    monkeypatch.setenv("AREAL_LIBRA_SWEEP_JOBS", "1")  # in this process, where the recording wrapper is
+    env = make_env("search_r1", "a800x16", "qwen3-14b", seed=0, batch_prompts=2, group_size=2)
+    full = S.sweep_candidates(env)
+    some = [full[0], full[-1]]
+    monkeypatch.setattr(S, "sweep_candidates", lambda e: some)
+    areal = S.static_sweep(env, jobs=1)
+    run = libra_run_config(env)
+    assert run != S.areal_run_config(env) and run.working_set_admission
+    assert S.sweep_cache_path(env, S.sweep_key(env, run)) != S.sweep_cache_path(env)
+    measured = []
+    real = S.measure_candidate
+    monkeypatch.setattr(S, "measure_candidate", lambda *a, **k: measured.append(a[-1]) or real(*a, **k))
+    spec = static_libra_loop(env)
+    assert measured == [run, run]  # measured under Libra's loop, not read from AReaL's entry
+    loop = spec.extra["loop_candidates"]
+    assert [(c["rollout_gpus"], c["tp"]) for c in loop] == [(c["rollout_gpus"], c["tp"]) for c in areal]
+    assert spec.run == run and spec.layout.rollout_gpus == max(loop, key=lambda c: c["tokens_per_s"])["rollout_gpus"]
+    assert len(list((tmp_path / "static_sweep").glob("*.json"))) == 2
+    res, _ = run_system("libra", env, 8)
+    for key, cands in (("ranking", areal), ("ranking_own_loop", loop)):
+        rk = res[key]
+        assert rk["n_candidates"] == 2 and rk["steps"] == [5, 6, 7]
+        best = max(cands, key=lambda c: c["tokens_per_s"])
+        assert rk["measured_best"] == f"{best['rollout_gpus']}xTP{best['tp']} train {best['train']['gpus']}"
