@@ -408,11 +408,11 @@ def _train_desc(t: TrainLayout) -> dict:
     return {"gpus": t.gpus, "tp": t.tp, "pp": t.pp, "dp": t.dp}
 
 
-def measure_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | None = None,
-                      run: RunConfig | None = None) -> dict | None:
-    """Simulate one static layout on the stationary replay and measure its steady throughput; None when the
-    layout does not fit (no training layout for the remaining GPUs). `recorded`: the replay's groups drawn
-    once for every candidate (same results, less time). `run`: the loop it runs under (default AReaL's)."""
+def run_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | None = None,
+                  run: RunConfig | None = None) -> Simulation | None:
+    """Simulate one static layout on the stationary replay through the sweep's window; None when the layout
+    does not fit (no training layout for the remaining GPUs). `recorded`: the replay's groups drawn once for
+    every candidate (same results, less time). `run`: the loop it runs under (default AReaL's)."""
     import copy
 
     try:
@@ -424,7 +424,17 @@ def measure_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | N
     sim = Simulation(env.truth, wl, env.n_gpus, lay, run or areal_run_config(env),
                      policy_router("least_loaded")(lay), seed=env.seed + SWEEP_SEED_OFFSET)
     sim.run(SWEEP_END + 1)
-    return {"rollout_gpus": roll, "tp": tp, "train": _train_desc(lay.train),
+    return sim
+
+
+def measure_candidate(env: Env, roll: int, tp: int, recorded: RecordedReplay | None = None,
+                      run: RunConfig | None = None) -> dict | None:
+    """One static layout's steady throughput on the stationary replay (run_candidate); None when it does not
+    fit."""
+    sim = run_candidate(env, roll, tp, recorded, run)
+    if sim is None:
+        return None
+    return {"rollout_gpus": roll, "tp": tp, "train": _train_desc(sim.layout.train),
             "tokens_per_s": steady_tokens_per_s(sim.records)}
 
 
