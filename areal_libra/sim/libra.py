@@ -719,8 +719,8 @@ def static_libra_loop(env: Env) -> SystemSpec:
     """The best static layout under Libra's loop: the same candidates as AReaL-Static-Optimal's sweep, each
     measured under libra_run_config (the version-lag bound, working-set admission) with least-loaded routing,
     the best one run. Not a rung: it splits Libra's lead over AReaL-Static-Optimal into the loop's share and
-    the planner's, and its sweep is the measurement the calibrated evaluator's ranking is held against on the
-    loop it prices (own_loop_ranking)."""
+    the rest of Libra's, and its sweep is what the calibrated evaluator's ranking is held against on the loop
+    it prices (baseline_ranking with libra_run_config: Libra's "ranking_own_loop")."""
     return best_static("static_libra_loop", env, libra_run_config(env), "loop", label="Libra-loop static")
 
 
