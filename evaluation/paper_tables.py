@@ -48,9 +48,11 @@ def cell(r: dict) -> str:
 
 
 def table(title: str, names, runs: dict[str, dict]) -> list[str]:
+    """One row per system, one column per workload; a run kept from before a system existed shows "—"."""
     lines = [f"| {title} | " + " | ".join(runs) + " |", "| --- | " + " | ".join("---" for _ in runs) + " |"]
     for n in names:
-        lines.append(f"| {n} | " + " | ".join(cell(runs[w]["systems"][n]) for w in runs) + " |")
+        lines.append(f"| {n} | " + " | ".join(cell(runs[w]["systems"][n]) if n in runs[w]["systems"] else "—"
+                                             for w in runs) + " |")
     return lines
 
 

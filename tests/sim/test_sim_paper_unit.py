@@ -119,3 +119,13 @@ def test_paper_tables_renders_costs_and_a_regime_map():
     assert lines[0].startswith("truth `paper-level`")
     rows = [line for line in lines if line.startswith("| base |")]
     assert len(rows) == 1 and "(" in rows[0]  # both units in each cell
+
+
+def test_paper_tables_marks_a_system_a_kept_run_lacks():
+    from evaluation.paper_tables import table
+
+    r = {"tokens_per_s": 1000.0, "paper_tokens_per_s": 2500.0}
+    runs = {"search_r1": {"systems": {"libra": r, "static_libra_loop": r}}, "r2e_gym": {"systems": {"libra": r}}}
+    lines = table("system", ["static_libra_loop", "libra"], runs)
+    assert lines[2] == "| static_libra_loop | 1,000 (2,500) | — |"
+    assert lines[3] == "| libra | 1,000 (2,500) | 1,000 (2,500) |"
