@@ -261,7 +261,10 @@ class Simulation:
         self._flush()
 
     def apply_layout(self, layout: Layout, train_changed: bool, start_delay: float | None = None) -> None:
-        """Reconfigure to `layout`: keep matching servers, retire the rest, start the new ones."""
+        """Reconfigure to `layout`: keep matching servers, retire the rest, start the new ones. A server is kept
+        for any spec of its TP, as the live fleet keeps every server whose kind the new layout still needs: one in
+        the same bucket first, else it moves to another bucket of its TP with what it holds (a bucket is the
+        router's, not the server's). The pool's servers (lent) only keep their own bucket."""
         self._check_layout(layout)
         want: dict[tuple[int, int], int] = {}
         for spec in layout.servers:
@@ -272,6 +275,16 @@ class Simulation:
             if want.get(key, 0) > 0:
                 want[key] -= 1
                 keep.append(s)
+        for s in self.servers:
+            if s in keep or s.lent:
+                continue
+            key = next((k for k, n in sorted(want.items()) if k[0] == s.tp and n > 0), None)
+            if key is not None:
+                want[key] -= 1
+                s.relabel(key[1])
+                keep.append(s)
+        for s in keep:
+            s.lent = False  # a server of the new layout's core
         self.layout = layout
         new = []
         for (tp, b), n in want.items():

@@ -486,17 +486,17 @@ class SimCluster:
         change costs the new servers' start, as a share of the rollout GPUs that stop serving meanwhile."""
         la, lb = self._layout(a), self._layout(b)
         sim = self.sim
-        left = list(la.servers)
+        left = [tp for tp, _ in la.servers]  # a server is kept for any bucket of its TP (Simulation.apply_layout)
         new = []
-        for spec in lb.servers:
-            if spec in left:
-                left.remove(spec)
+        for tp, _ in lb.servers:
+            if tp in left:
+                left.remove(tp)
             else:
-                new.append(spec)
-        start = max((sim.truth.server_start_s(tp) for tp, _ in new), default=0.0)
+                new.append(tp)
+        start = max((sim.truth.server_start_s(tp) for tp in new), default=0.0)
         if la.train != lb.train:
             return sim.cfg.reconfig_train_s + start
-        gone = sum(tp for tp, _ in left)
+        gone = sum(left)
         return start * gone / max(1, sum(tp for tp, _ in la.servers))
 
     def end_fill(self) -> float:

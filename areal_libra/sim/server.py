@@ -224,6 +224,17 @@ class RolloutServer:
         self.idle_cache[req] = tokens
         self.idle_tokens += tokens
 
+    def relabel(self, bucket: int) -> None:
+        """Serve another routing bucket from now on; the requests it holds (running, queued, cached while on a
+        tool) count as placed in that bucket."""
+        self.bucket = bucket
+        for req in self.active:
+            req.bucket = bucket
+        for req, _, _ in self.queue:
+            req.bucket = bucket
+        for req in self.idle_cache:
+            req.bucket = bucket
+
     def drop_cache(self, req: SimRequest) -> bool:
         tok = self.idle_cache.pop(req, None)
         if tok is None:
