@@ -59,13 +59,13 @@ def candidate_costs(env, roll: int, tp: int, loop: str = "areal") -> dict | None
     plan = layout_plan(roll, tp, TrainParallel(t.tp, t.pp, t.dp), env.workload.cfg.max_len, env.n_gpus)
     t_train, t_roll, priced = SimPlanSource(env, homogeneous=True).price_terms(plan, history_of(sim, 2000))
     per = final / priced if priced > 0 else 1.0  # the model's terms at the trained batch's tokens
-    busy = sum(s.busy_s * s.tp for s in sim.servers) / max(1e-9, roll * sim.t)
     all_final = sum(r["final_tokens"] for r in sim.records)
     return {"rollout_gpus": roll, "tp": tp, "train": {"tp": t.tp, "pp": t.pp, "dp": t.dp, "gpus": t.gpus},
             "loop": loop, "step_s": interval, "train_s": train_s,
             "wait_s": statistics.mean(r["wait_s"] for r in recs), "waited_steps": len(waited),
             "prefill_per_final_token": sum(s.prefill_tokens for s in sim.servers) / max(1, all_final),
-            "preemptions": sum(s.preemptions for s in sim.servers), "rollout_busy": busy,
+            "preemptions": sum(s.preemptions for s in sim.servers),
+            "rollout_busy": sim.summary()["rollout_busy_frac"],
             "model_t_train_s": t_train * per, "model_t_rollout_s": t_roll * per,
             "model_over_measured_train": t_train * per / train_s if train_s > 0 else None,
             "model_over_measured_rollout": (t_roll * per / statistics.mean(r["interval_s"] for r in waited)
