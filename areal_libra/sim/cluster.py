@@ -533,6 +533,11 @@ class Simulation:
             sync = self.truth.reshard_s(self.n_gpus)
         else:
             sync = self.truth.weight_sync_s(len(self.servers))
+        # The trainer is busy with the weight update until the sync ends; set before the servers pause, since a
+        # group that a pause completes tries to start the next step (it started at once, with no sync, and
+        # its "wait" counted from the previous step's start: a spurious rollout-bound step).
+        self.trainer_available_at = max(self.trainer_available_at, self.t + sync)
+        self._trainer_ready_t = self.trainer_available_at
         for s in list(self.servers):
             done = s.pause(self.t, sync, self.cfg.flush_kv_on_sync)
             if done:
@@ -541,8 +546,6 @@ class Simulation:
                 r = s.start_chunk(s.clock)
                 if r is not None:
                     self._push(r[0], CHUNK, s, r[1])
-        self.trainer_available_at = max(self.trainer_available_at, self.t + sync)
-        self._trainer_ready_t = self.trainer_available_at
         busy = self._busy_total()
         interval = max(1e-9, self.t - self._last_step_t)
         roll_gpus = sum(s.tp for s in self.servers)

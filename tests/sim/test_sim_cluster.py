@@ -77,3 +77,19 @@ def test_greedy_reconfigures_once_and_keeps_running():
     assert res["reconfigurations"] == 1
     assert res["steps"] == 4
     assert sum(s.tp for s in sim.servers) + sim.train_layout.gpus <= 32
+
+
+def test_a_step_starts_only_after_the_weight_sync_and_its_wait_is_inside_the_interval():
+    # A group that a server's pause at the weight update completes tries to start the next step; it once did so
+    # before the sync had ended, and its "wait" counted from the previous step's start (Search-R1 128 x 16 seed 2:
+    # steps 3 and 8 read train 158 s, wait 144 s in an interval of 158 s, and the calibration took them for
+    # rollout-bound steps).
+    from areal_libra.sim.report import make_env
+
+    env = make_env("search_r1", "a800x48", "qwen3-14b", seed=2, batch_prompts=128, group_size=16)
+    res, sim = run_system("libra", env, 10)
+    recs = sim.records[1:]
+    assert len(recs) == 9
+    sync = env.truth.weight_sync_s(1)  # the update's fixed part: any step waits at least this long
+    assert all(r["interval_s"] >= r["train_s"] + r["wait_s"] + sync - 1e-6 for r in recs), [
+        (r["step"], round(r["interval_s"], 1), round(r["train_s"], 1), round(r["wait_s"], 1)) for r in recs]
