@@ -247,11 +247,13 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
 
 def run_control_config(control: ControlConfig, areal_cfg: Any) -> ControlConfig:
     """The controller's settings for a run: `libra.control` with the run's eta (AReaL's
-    rollout.max_head_offpolicyness), so its warm-up is the run's pipeline fill (eta + 1 steps), and its last
-    step (AReaL's total_train_steps: a live run's steps count from 1), after which no plan is credited."""
+    rollout.max_head_offpolicyness), so its warm-up is the run's pipeline fill (eta + 1 steps), its last step
+    (AReaL's total_train_steps: a live run's steps count from 1), after which no plan is credited, and a history
+    covering the eta + 1 batches in flight (ControlConfig.covering: batch_size prompts x n_samples each)."""
     total = getattr(areal_cfg, "total_train_steps", None)
-    return replace(control, staleness=int(areal_cfg.rollout.max_head_offpolicyness),
-                   last_step=int(total) if total else control.last_step)
+    cfg = replace(control, staleness=int(areal_cfg.rollout.max_head_offpolicyness),
+                  last_step=int(total) if total else control.last_step)
+    return cfg.covering(int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples))
 
 
 def emulated_time(obs: StepObservation, time_scale: float) -> StepObservation:

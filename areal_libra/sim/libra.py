@@ -744,7 +744,9 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     cluster = SimCluster(env, opts, [])
     # Before the run the planner's slot fields are the profile's; then the finished groups' (slot_fields).
     source = SimPlanSource(env, opts.homogeneous, lambda: cluster.slot_fields() if cluster.sim is not None else slots)
-    lc = LibraController.from_profile(control_config(knobs, env.staleness), source, prof, triples=HISTORY_TRIPLES)
+    per_step = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
+    lc = LibraController.from_profile(control_config(knobs, env.staleness).covering(per_step), source, prof,
+                                      triples=HISTORY_TRIPLES)
     layout = layout_from_plan(lc.plan, env.workload.cfg.max_len, knobs.train_micro_batch)
     core, cluster.units = (make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic
                            else (layout, []))

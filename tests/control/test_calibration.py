@@ -37,6 +37,42 @@ def test_rollout_factor_rises_on_waited_steps_and_only_falls_to_bounds():
     assert cal.factors.rollout == pytest.approx(1.2)
 
 
+def test_waited_steps_count_against_the_same_window_as_the_others():
+    # Rare waits (one step in five, the trainer waiting for a straggler) must not outlive the window: after 30
+    # steps the last 10 hold two waits, below the third that fits the factor on them, so only the bounds act.
+    cal = StepCalibration(window=10, settle=0)
+    for i in range(30):
+        wait = 20.0 if i % 5 == 4 else 0.0
+        cal.observe(interval_s=12.0 + wait, train_s=10.0, wait_s=wait, t_train_model=10.0, t_roll_model=10.0)
+    assert len(cal.roll_bound) == 2 and len(cal.roll_upper) == 8
+    assert cal.factors.rollout == pytest.approx(1.0)  # never raised to the waits' 3.0
+    # Waits on half the steps are rollout falling behind: the factor is theirs.
+    for i in range(10):
+        wait = 20.0 if i % 2 else 0.0
+        cal.observe(interval_s=12.0 + wait, train_s=10.0, wait_s=wait, t_train_model=10.0, t_roll_model=10.0)
+    assert cal.factors.rollout == pytest.approx(3.0)
+
+
+def test_calibration_state_round_trips_and_reads_the_older_format():
+    cal = StepCalibration(window=10, settle=0)
+    for i in range(7):
+        cal.observe(interval_s=32.0, train_s=10.0, wait_s=20.0 if i % 2 else 0.0, t_train_model=10.0,
+                    t_roll_model=10.0)
+    again = StepCalibration(window=10, settle=0)
+    again.load_state(cal.to_state())
+    assert list(again.roll) == list(cal.roll) and again.factors == cal.factors
+    old = {k: v for k, v in cal.to_state().items() if k != "roll"}
+    old.update(roll_bound=[3.0, 3.0], roll_upper=[1.0])
+    again.load_state(old)
+    assert again.roll_bound == [3.0, 3.0] and again.roll_upper == [1.0]
+
+
+def test_history_covers_the_batches_in_flight():
+    cfg = ControlConfig(staleness=4)
+    assert cfg.covering(2048).history == 5 * 2048  # 128 x 16: five batches, not one cohort
+    assert cfg.covering(128).history == cfg.history  # never fewer rows than configured
+
+
 def _history(seed=0, n=400):
     rng = random.Random(seed)
     out = []
