@@ -24,14 +24,15 @@ import sys
 from pathlib import Path
 
 from areal_libra.control.prediction import spearman
+from areal_libra.sim.libra import RANKING_PROBES
 
-# --loop: the run's JSON keys of the candidates' measurement and of the probe held against it.
-LOOPS = {"areal": ("baseline_candidates", "ranking"), "libra": ("loop_candidates", "ranking_own_loop")}
+# --loop: the run's JSON keys of the probe and of the candidates' measurement it is held against.
+LOOPS = RANKING_PROBES
 
 
 def relative_errors(run: dict, system: str = "libra", loop: str = "areal") -> list[dict]:
     """One row per candidate: rollout_gpus, tp, train_gpus, measured tokens/s, predicted step s, rel."""
-    cand_key, probe_key = LOOPS[loop]
+    probe_key, cand_key, _ = LOOPS[loop]
     cands = run.get(cand_key) or []
     sys_ = run.get("systems", {}).get(system)
     if sys_ is None:

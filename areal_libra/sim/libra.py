@@ -691,6 +691,12 @@ def _router_for(layout: Layout, opts: LibraOptions, old: Router | None, fit=None
     return PolicyRouter(pol, spill_cfg=_spill_cfg(knobs))
 
 
+# The rankings Libra's controller reports, by loop: the JSON key of the probe, the JSON key of the sweep's
+# candidates it is held against, and how a report names the loop. "areal": the candidates as AReaL's loop ran
+# them (the issue's line); "libra": the same layouts as Libra's loop runs them, the loop the evaluator prices.
+RANKING_PROBES = {"areal": ("ranking", "baseline_candidates", "AReaL's loop"),
+                  "libra": ("ranking_own_loop", "loop_candidates", "Libra's loop")}
+
 # From this step on the controller prices AReaL-Static-Optimal's candidates (the steady window of the sweep
 # starts at step 5 too): the Spearman of its ranking against their measured throughput (issue 23).
 RANK_FROM_STEP = 5
@@ -757,10 +763,8 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     # the calibration factors in force at the end.
     extra = {"predictions": lc.predictions, "cost_factors": lc.factor_record}
     if name == "libra":  # the full system only: each probe prices every candidate every step
-        # "ranking": against the candidates as AReaL's loop ran them (the issue's line); "ranking_own_loop":
-        # the same layouts as Libra's loop runs them, the loop the evaluator prices.
-        for key, run in (("ranking", None), ("ranking_own_loop", libra_run_config(env))):
-            probe = baseline_ranking(env, run)
+        for loop, (key, _, _) in RANKING_PROBES.items():
+            probe = baseline_ranking(env, libra_run_config(env) if loop == "libra" else None)
             if probe is not None:
                 lc.rankings[key] = probe
                 extra[key] = probe.record

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from areal_libra.control.prediction import prediction_summary
 from areal_libra.sim.cluster import SimError
 from areal_libra.sim.hardware import GPUS, TRUTH_PROFILES, truth_constants, truth_for, truth_from_specs
+from areal_libra.sim.libra import RANKING_PROBES
 from areal_libra.sim.registry import run_system
 from areal_libra.sim.systems import Env, SimKnobs, parse_knobs
 from areal_libra.sim.workloads import make_workload
@@ -157,7 +158,7 @@ def prediction_lines(results: dict) -> list[str]:
             rows = ", ".join(f"{d['step']} {d['kind']} {d['ratio']:.2f}" for d in pc["decisions"]) or "none"
             lines.append(f"{n} predictions (predicted / mean of the next 5 steps): {rows}; re-plans and elastic moves "
                          f"within {lo}-{hi}: {'yes' if pc['moves_within'] else 'no'} ({pc['n_moves']} scored)")
-        for key, loop in (("ranking", "AReaL's loop"), ("ranking_own_loop", "Libra's loop")):
+        for key, _, loop in RANKING_PROBES.values():
             rk = r.get(key)
             if rk is not None and rk["spearman"]:
                 lines.append(f"{n} ranking of AReaL-Static-Optimal's {rk['n_candidates']} candidates, as {loop} runs "
