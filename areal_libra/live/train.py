@@ -145,7 +145,8 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
         return None
 
     groups = read_groups_file(run_dir / GROUPS_FILE)[0] if (run_dir / GROUPS_FILE).exists() else []
-    cluster = LiveCluster(fleet, elastic, history_len=libra.control.history,
+    ctl_cfg = run_control_config(libra.control, config)  # its history covers the batches in flight
+    cluster = LiveCluster(fleet, elastic, history_len=ctl_cfg.history,
                           max_running=groups[0].max_running if groups else 256,
                           max_tokens=int(config.gconfig.max_tokens), groups=groups)
     sinks.append(cluster.on_trajectory)
@@ -166,7 +167,7 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
     src = plan_source(libra, config, str(config.actor.path))
     if router is not None and hasattr(router, "set_pricing"):  # C-MLFQ prices moves on the planner's spec
         router.set_pricing(src.cluster.hardware, src.model)
-    control = LiveControl(run_control_config(libra.control, config), src, cluster,
+    control = LiveControl(ctl_cfg, src, cluster,
                           fleet=fleet, elastic_policy=script, pool_factory=pool_factory,
                           profile_steps=libra.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")

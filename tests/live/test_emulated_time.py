@@ -45,3 +45,17 @@ def test_a_runs_controller_knows_its_last_step() -> None:
     c = compose(["cluster=emulated", "total_train_steps=30", "rollout.max_head_offpolicyness=2"])
     cfg = run_control_config(OmegaConf.to_object(c.libra).control, OmegaConf.to_object(c.areal))
     assert cfg.last_step == 30 and cfg.staleness == 2
+
+
+def test_a_runs_history_covers_its_batches_in_flight() -> None:
+    # eta + 1 batches of batch_size prompts x n_samples each: the planner, the gate and a restart's saved history
+    # read that many finished trajectories, not one cohort.
+    from omegaconf import OmegaConf
+
+    from areal_libra.config import compose
+    from areal_libra.live.live_cluster import run_control_config
+
+    c = compose(["cluster=emulated", "rollout.max_head_offpolicyness=4", "train_dataset.batch_size=128",
+                 "gconfig.n_samples=16"])
+    cfg = run_control_config(OmegaConf.to_object(c.libra).control, OmegaConf.to_object(c.areal))
+    assert cfg.history == 5 * 128 * 16
