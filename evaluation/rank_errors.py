@@ -26,13 +26,10 @@ from pathlib import Path
 from areal_libra.control.prediction import spearman
 from areal_libra.sim.libra import RANKING_PROBES
 
-# --loop: the run's JSON keys of the probe and of the candidates' measurement it is held against.
-LOOPS = RANKING_PROBES
-
 
 def relative_errors(run: dict, system: str = "libra", loop: str = "areal") -> list[dict]:
     """One row per candidate: rollout_gpus, tp, train_gpus, measured tokens/s, predicted step s, rel."""
-    probe_key, cand_key, _ = LOOPS[loop]
+    probe_key, cand_key, _ = RANKING_PROBES[loop]
     cands = run.get(cand_key) or []
     sys_ = run.get("systems", {}).get(system)
     if sys_ is None:
@@ -87,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path, help="an evaluation.throughput --json output")
     ap.add_argument("--system", default="libra")
-    ap.add_argument("--loop", default="areal", choices=sorted(LOOPS),
+    ap.add_argument("--loop", default="areal", choices=sorted(RANKING_PROBES),
                     help="hold the prediction against the candidates as this loop ran them")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)

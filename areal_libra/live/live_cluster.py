@@ -245,6 +245,11 @@ def observation(step: int, rec: dict, pressure: tuple[float, float] = (0.0, 0.0)
                            active_pressure=pressure[1], **extra)
 
 
+def trajectories_per_step(areal_cfg: Any) -> int:
+    """A run's global batch in trajectories: train_dataset.batch_size prompts x gconfig.n_samples each."""
+    return int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples)
+
+
 def run_control_config(control: ControlConfig, areal_cfg: Any) -> ControlConfig:
     """The controller's settings for a run: `libra.control` with the run's eta (AReaL's
     rollout.max_head_offpolicyness), so its warm-up is the run's pipeline fill (eta + 1 steps), its last step
@@ -253,7 +258,7 @@ def run_control_config(control: ControlConfig, areal_cfg: Any) -> ControlConfig:
     total = getattr(areal_cfg, "total_train_steps", None)
     cfg = replace(control, staleness=int(areal_cfg.rollout.max_head_offpolicyness),
                   last_step=int(total) if total else control.last_step)
-    return cfg.covering(int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples))
+    return cfg.covering(trajectories_per_step(areal_cfg))
 
 
 def emulated_time(obs: StepObservation, time_scale: float) -> StepObservation:
@@ -618,7 +623,7 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any 
         n = int(emulated.accelerators) - hybrids
     if n > 0:
         cluster = ClusterSpec(cluster.hardware, nodes=1, gpus_per_node=n, name=f"{cluster.hardware.name}x{n}")
-    batch = int(areal_cfg.train_dataset.batch_size) * int(areal_cfg.gconfig.n_samples)
+    batch = trajectories_per_step(areal_cfg)
     # The servers the run starts (libra.rollout_alloc wins over rollout_groups, as at launch): their batch cap.
     servers = resolve_groups(libra, int(areal_cfg.gconfig.max_tokens))
     max_running = int(servers[0].max_running) if servers else 256

@@ -34,6 +34,7 @@ from areal_libra.live.live_cluster import (
     fit_profiled_training,
     plan_source,
     run_control_config,
+    trajectories_per_step,
 )
 from areal_libra.live.rank_follower import LayoutFollower
 from areal_libra.live.recover import (
@@ -172,7 +173,7 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
                           profile_steps=libra.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")
     if libra.emulated.enabled and libra.emulated.profile_planner:  # the pass also times a training step
-        batch = int(config.train_dataset.batch_size) * int(config.gconfig.n_samples)
+        batch = trajectories_per_step(config)
 
         def train_fit(prof) -> None:
             if fit_profiled_training(src, libra.emulated, prof, batch) and router is not None and hasattr(

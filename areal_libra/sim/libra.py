@@ -116,11 +116,16 @@ PLAN_WINDOW = AREAL_STALENESS + 1
 # since the planner models the re-prefill after each weight update (docs/simulator.md).
 
 
+def trajectories_per_step(env: Env) -> int:
+    """The workload's batch in trajectories: batch_prompts groups x group_size members."""
+    return env.workload.cfg.batch_prompts * env.workload.cfg.group_size
+
+
 def planner_config(env: Env, **fields):
     """The PlannerConfig the simulated Libra plans with (global batch and rollout mode per the planner_mode
     knob)."""
     _, PlannerConfig, _ = _planner()
-    per_step = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
+    per_step = trajectories_per_step(env)
     if env.knobs.planner_mode == "async":
         fields.setdefault("length_biased_kv", LENGTH_BIASED_KV)
         return PlannerConfig(global_batch=per_step, mode="async", staleness=env.staleness, **fields)
@@ -139,7 +144,7 @@ def train_profile_lens(env: Env, trajs) -> tuple[int, ...] | None:
     """One global batch of the profile's final lengths (the batch a user times a training step on)."""
     if not PROFILE_TRAIN:
         return None
-    return train_batch_lens(trajs, env.workload.cfg.batch_prompts * env.workload.cfg.group_size)
+    return train_batch_lens(trajs, trajectories_per_step(env))
 
 
 def planner_cluster(env: Env):
@@ -750,9 +755,8 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     cluster = SimCluster(env, opts, [])
     # Before the run the planner's slot fields are the profile's; then the finished groups' (slot_fields).
     source = SimPlanSource(env, opts.homogeneous, lambda: cluster.slot_fields() if cluster.sim is not None else slots)
-    per_step = env.workload.cfg.batch_prompts * env.workload.cfg.group_size
-    lc = LibraController.from_profile(control_config(knobs, env.staleness).covering(per_step), source, prof,
-                                      triples=HISTORY_TRIPLES)
+    cfg = control_config(knobs, env.staleness).covering(trajectories_per_step(env))
+    lc = LibraController.from_profile(cfg, source, prof, triples=HISTORY_TRIPLES)
     layout = layout_from_plan(lc.plan, env.workload.cfg.max_len, knobs.train_micro_batch)
     core, cluster.units = (make_hybrid(layout, opts.hybrid_replicas, knobs.hybrid_dp_div) if opts.elastic
                            else (layout, []))
