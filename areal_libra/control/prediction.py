@@ -69,13 +69,16 @@ class RankingProbe:
     records the Spearman correlation of predicted against measured throughput (`record`, JSON-able)."""
 
     def __init__(self, plans: Sequence[Any], measured: Sequence[float], from_step: int = 5,
-                 labels: Sequence[str] | None = None) -> None:
+                 labels: Sequence[str] | None = None, loop: dict[str, Any] | None = None) -> None:
+        """`loop`: how the loop the candidates were measured under differs from the one the evaluator prices by
+        default (planner config fields, e.g. {"admission": "unbounded"} for AReaL's), passed to price_terms."""
         if len(plans) != len(measured):
             raise ValueError(f"{len(plans)} candidate plans but {len(measured)} measurements")
         if labels is not None and len(labels) != len(plans):
             raise ValueError(f"{len(plans)} candidate plans but {len(labels)} labels")
         self.plans, self.measured, self.from_step = list(plans), [float(m) for m in measured], from_step
         self.labels = list(labels) if labels is not None else [str(i) for i in range(len(plans))]
+        self.loop = dict(loop or {})
         self.record: dict[str, Any] = {"from_step": from_step, "n_candidates": len(self.plans), "steps": [],
                                        "spearman": [], "min": None, "mean": None}
 
@@ -85,7 +88,7 @@ class RankingProbe:
         out: list[tuple[float, float] | None] = []
         for p in self.plans:
             try:
-                t_train, t_roll, _ = planner.price_terms(p, history)
+                t_train, t_roll, _ = planner.price_terms(p, history, **self.loop)
             except ValueError:
                 out.append(None)
                 continue
@@ -117,6 +120,8 @@ class RankingProbe:
         if rho is None:
             return None
         rec = self.record
+        if self.loop:
+            rec["loop"] = dict(self.loop)
         rec["steps"].append(step)
         rec["spearman"].append(round(rho, 4))
         rho_raw = rho_of(raw)

@@ -187,6 +187,19 @@ class RolloutCost:
             total = lin(comp0, comp_s, 0, split) + lin(mem0, mem_s, split, k)
         return total + k * const
 
+    def evicted_reprefill_s(self, n_req, in_flight, resident_ctx, returns, return_ctx):
+        """Re-prefill time of `n_req` requests' tool returns on a server that admits every trajectory the loop
+        lets start (AReaL's loop: no working-set admission). The contexts of its `in_flight` trajectories
+        (`resident_ctx` tokens each, running or parked on a tool) share the KV cache; SGLang evicts the least
+        recently used, so a return finds its context with probability h = min(1, capacity / working set) and
+        otherwise prefills it again. Each request has `returns` tool returns with `return_ctx` tokens of
+        context on average: n_req x returns x (1 - h) x one prefill of return_ctx. Zero while the working set
+        fits (Libra's admission keeps it so)."""
+        cap = float(self.kv_capacity_tokens())
+        working = np.maximum(np.asarray(in_flight, dtype=float) * resident_ctx, 1.0)
+        miss = 1.0 - np.minimum(1.0, cap / working)
+        return n_req * returns * miss * self.prefill_s(return_ctx)
+
     def group_makespan_s(self, n_req, mean_prompt, mean_output, max_output, max_final, window: float = 1.0,
                          reprefill: bool = True, slot_output: float | None = None, slot_wait_s: float = 0.0,
                          resident_output=None):

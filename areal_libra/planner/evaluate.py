@@ -2,7 +2,9 @@
 
 Training: the plan's layout on the new batch statistics. Rollout: the history sample is routed to the
 plan's instance groups by final length (group i takes lengths up to its max_len, the last group takes
-everything longer), and each group's cost is the same fluid estimate the planner optimised.
+everything longer), and each group's cost is the same fluid estimate the planner optimised; under a loop
+without working-set admission (PlannerConfig.admission "unbounded", AReaL's) plus the re-prefill of the
+contexts its KV cache could not keep.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def price(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, histor
     groups = sorted((i for i in plan.instances if not i.filler), key=lambda i: i.max_len)  # fillers: capacity only
     edges = [g.max_len for g in groups[:-1]]
     which = np.searchsorted(np.asarray(edges, dtype=float), f, side="left")  # f <= max_len -> that group
+    # "unbounded" admission: the window's batches are in flight, unless the loop caps them (max_in_flight)
+    window_trajs = cfg.rollout_window * cfg.global_batch
+    in_flight_share = min(1.0, cfg.max_in_flight / window_trajs) if cfg.max_in_flight > 0 else 1.0
     costs = []
     for gi, g in enumerate(groups):
         sel = which == gi
@@ -61,10 +66,14 @@ def price(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, histor
         mp, mo = float((w[sel] * p[sel]).sum() / W), float((w[sel] * o[sel]).sum() / W)
         res = (float((w[sel] * o[sel] ** 2).sum() / W) / (2.0 * mo) if cfg.length_biased_kv and mo > 0 else None)
         n_req = max(W / g.count, min(1.0, W))
-        costs.append(float(rc.group_makespan_s(n_req, mp, mo, float(o[sel].max()), float(f[sel].max()),
-                                                 window=cfg.rollout_window, reprefill=cfg.reprefill_on_sync,
-                                                 slot_output=cfg.slot_output, slot_wait_s=cfg.slot_wait_s,
-                                                 resident_output=res)))
+        t = float(rc.group_makespan_s(n_req, mp, mo, float(o[sel].max()), float(f[sel].max()),
+                                      window=cfg.rollout_window, reprefill=cfg.reprefill_on_sync,
+                                      slot_output=cfg.slot_output, slot_wait_s=cfg.slot_wait_s, resident_output=res))
+        if cfg.admission == "unbounded" and cfg.tool_returns > 0:
+            t += float(rc.evicted_reprefill_s(n_req, n_req * cfg.rollout_window * in_flight_share,
+                                              mp + (res if res is not None else mo / 2.0), cfg.tool_returns,
+                                              mp + mo / 2.0))
+        costs.append(t)
     rf = cfg.rollout_factor
     return PlanPrice(t_train * cfg.train_factor, (max(costs) if costs else 0.0) * rf, tuple(c * rf for c in costs))
 

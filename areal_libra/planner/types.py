@@ -59,6 +59,19 @@ class PlannerConfig:
     # async mode: a running request's resident KV is length-biased (E[o^2] / 2E[o] of its interval's
     # generated tokens, RolloutCost.group_makespan_s `resident_output`) instead of half the mean
     length_biased_kv: bool = True
+    # The loop's admission rule, for pricing a plan under another loop than Libra's: "working_set" (Libra's: no
+    # trajectory starts while the running ones' contexts fill the KV cache, so tool returns find their context)
+    # or "unbounded" (AReaL's: every trajectory the staleness bound lets start is admitted, and the contexts
+    # that do not fit are evicted and prefilled again at their tool returns, RolloutCost.evicted_reprefill_s).
+    admission: str = "working_set"
+    tool_returns: float = 0.0  # "unbounded": tool returns per trajectory, measured on finished trajectories
+    max_in_flight: int = 0  # "unbounded": trajectories in flight at most (AReaL's max_concurrent_rollouts); 0: none
+
+    def __post_init__(self) -> None:
+        if self.admission not in ("working_set", "unbounded"):
+            raise ValueError(f"admission must be working_set or unbounded, got {self.admission!r}")
+        if self.tool_returns < 0 or self.max_in_flight < 0:
+            raise ValueError("tool_returns and max_in_flight must be >= 0")
 
     @property
     def rollout_window(self) -> float:

@@ -185,6 +185,11 @@ def traj_tool_wait_s(env: Env, tr, run_scale: float = 1.0) -> float:
     return sum(s.tool.latency_s for s in tr.segments if s.tool is not None) * scale
 
 
+def traj_tool_returns(tr) -> int:
+    """Tool calls of a finished trajectory whose result the model read (a generation segment follows)."""
+    return sum(1 for s in tr.segments[:-1] if s.tool is not None)
+
+
 def traj_gen_tokens(tr) -> int:
     """Generated tokens as the planner's history counts them (HISTORY_TRIPLES: model tokens only)."""
     return tr.model_tokens if HISTORY_TRIPLES else tr.final_length - tr.prompt_tokens
@@ -421,9 +426,10 @@ def lend_in_fill(core: Layout, units: list[HybridUnit]) -> Layout:
 class SimPlanSource:
     """The planner bound to the simulated cluster's spec (areal_libra.control.PlanSource)."""
 
-    def __init__(self, env: Env, homogeneous: bool, slots=None) -> None:
+    def __init__(self, env: Env, homogeneous: bool, slots=None, returns=None) -> None:
         self.env, self.homogeneous = env, homogeneous
         self.slots = slots or (lambda: {})  # the slot fields of the finished groups (group_slot_fields)
+        self.returns = returns or (lambda: 0.0)  # tool returns per finished trajectory (SimCluster.tool_returns)
 
     def solve(self, history):
         return plan_for(self.env, history, self.homogeneous, **self.slots())
@@ -435,11 +441,15 @@ class SimPlanSource:
         t_train, t_roll, _ = self.price_terms(plan, history)
         return max(t_train, t_roll)
 
-    def price_terms(self, plan, history) -> tuple[float, float, float]:
+    def price_terms(self, plan, history, **loop) -> tuple[float, float, float]:
+        """`loop`: planner config fields of another loop than Libra's (RankingProbe.loop); a loop without
+        working-set admission is priced with the finished trajectories' tool returns."""
         from areal_libra.planner.evaluate import price_terms
 
+        if loop.get("admission") == "unbounded":
+            loop.setdefault("tool_returns", self.returns())
         return price_terms(plan, planner_cluster(self.env), self.env.model or self.env.truth.model.name, history,
-                           planner_config(self.env, **self.slots()))
+                           planner_config(self.env, **self.slots(), **loop))
 
 
 class SimCluster:
@@ -473,6 +483,11 @@ class SimCluster:
         if COMPLETE_COHORTS:
             return self.cohorts.history(self.sim, n)
         return history_of(self.sim, n)
+
+    def tool_returns(self, n: int = 4000) -> float:
+        """Tool returns per trajectory over the last `n` the run has finished (0 before any)."""
+        trajs = list(self.sim.finished_trajs)[-n:] if self.sim is not None else []
+        return sum(traj_tool_returns(t) for t in trajs) / len(trajs) if trajs else 0.0
 
     def slot_fields(self) -> dict:
         """The planner's slot fields from the groups among the trajectories the run has finished."""
@@ -714,11 +729,17 @@ def baseline_ranking(env: Env, run: RunConfig | None = None) -> RankingProbe | N
     cands = cached_sweep(env, sweep_key(env, run))
     if not cands:
         return None
+    run = run or areal_run_config(env)
+    loop: dict = {}
+    if not run.working_set_admission:  # AReaL's loop: its KV cache evicts what its admission lets in
+        mc = run.max_concurrent_groups
+        groups = env.workload.cfg.batch_prompts if mc is None else mc
+        loop = {"admission": "unbounded", "max_in_flight": groups * env.workload.cfg.group_size}
     plans = [layout_plan(c["rollout_gpus"], c["tp"], TrainParallel(c["train"]["tp"], c["train"]["pp"],
                                                                    c["train"]["dp"]),
                          env.workload.cfg.max_len, env.n_gpus) for c in cands]
     labels = [f"{c['rollout_gpus']}xTP{c['tp']} train {c['train']['gpus']}" for c in cands]
-    return RankingProbe(plans, [c["tokens_per_s"] for c in cands], RANK_FROM_STEP, labels)
+    return RankingProbe(plans, [c["tokens_per_s"] for c in cands], RANK_FROM_STEP, labels, loop)
 
 
 def libra_run_config(env: Env) -> RunConfig:
@@ -754,7 +775,8 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     slots = group_slot_fields(env, prof.trajectories, env.workload.cfg.group_size)
     cluster = SimCluster(env, opts, [])
     # Before the run the planner's slot fields are the profile's; then the finished groups' (slot_fields).
-    source = SimPlanSource(env, opts.homogeneous, lambda: cluster.slot_fields() if cluster.sim is not None else slots)
+    source = SimPlanSource(env, opts.homogeneous, lambda: cluster.slot_fields() if cluster.sim is not None else slots,
+                           cluster.tool_returns)
     cfg = control_config(knobs, env.staleness).covering(trajectories_per_step(env))
     lc = LibraController.from_profile(cfg, source, prof, triples=HISTORY_TRIPLES)
     layout = layout_from_plan(lc.plan, env.workload.cfg.max_len, knobs.train_micro_batch)
