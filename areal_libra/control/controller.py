@@ -92,9 +92,10 @@ class CalibratedPlanSource(PlanSource, Protocol):
     def solve_calibrated(self, history: list[tuple[int, ...]], factors: Factors) -> Any:
         """solve() with the training and rollout terms scaled by the factors."""
 
-    def price_terms(self, plan: Any, history: list[tuple[int, ...]]) -> tuple[float, float, float]:
+    def price_terms(self, plan: Any, history: list[tuple[int, ...]], **loop: Any) -> tuple[float, float, float]:
         """(T_train, T_rollout, final-length tokens of the batch priced) of `plan` on `history` by the
-        uncalibrated evaluator."""
+        uncalibrated evaluator; `loop`: planner config fields of another loop than the run's (RankingProbe.loop,
+        e.g. admission="unbounded" for AReaL's)."""
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,8 @@ class LivePlanSource:
         return solve(self.cluster, self.model, history,
                      replace(self.config, train_factor=factors.train, rollout_factor=factors.rollout))
 
-    def price_terms(self, plan: Any, history: list[tuple[int, ...]]) -> tuple[float, float, float]:
-        return price_terms(plan, self.cluster, self.model, history, self.config)
+    def price_terms(self, plan: Any, history: list[tuple[int, ...]], **loop: Any) -> tuple[float, float, float]:
+        return price_terms(plan, self.cluster, self.model, history, replace(self.config, **loop))
 
 
 class LiveCluster:

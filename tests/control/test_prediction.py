@@ -3,6 +3,7 @@ Evaluator's ranking of layouts it did not choose, an elastic move's predicted st
 prediction report."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -93,6 +94,42 @@ def test_probe_ranks_by_the_calibrated_evaluator():
     # Measured throughput in the opposite order: -1.
     rev = RankingProbe(plans, [-x for x in base])
     assert rev.observe(5, ev, h, Factors()) == pytest.approx(-1.0)
+
+
+class _LoopEvaluator(_Evaluator):
+    """The real Cost Evaluator, pricing another loop's config fields when the probe passes them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def price_terms(self, plan, history, **loop):
+        self.calls.append(loop)
+        p = price(plan, "a800x48", "qwen3-14b", history, replace(self.cfg, global_batch=2048, **loop))
+        return p.t_train_s, p.t_rollout_s, 0.0
+
+
+def test_probe_prices_its_candidates_under_their_own_loop():
+    # Long multi-turn contexts: under AReaL's loop (no working-set admission) the small rollout pools evict.
+    rng = random.Random(1)
+    h = [(p, p + rng.randint(2000, 20000)) for p in (rng.randint(1000, 4000) for _ in range(1000))]
+    plans, names = [], []
+    for roll in (8, 16, 24, 32, 40):
+        plans.append(layout_plan(roll, 2, TrainParallel(2, 1, (48 - roll) // 2), 40960))
+        names.append(f"{roll}xTP2")
+    areal = {"admission": "unbounded", "tool_returns": 6.0}
+    ev = _LoopEvaluator()
+    own = RankingProbe(plans, [0.0] * 5).predicted_step_s(ev, h, Factors())
+    assert ev.calls == [{}] * 5  # no loop given: the evaluator's own
+    other = RankingProbe(plans, [0.0] * 5, loop=areal)
+    theirs = other.predicted_step_s(ev, h, Factors())
+    assert ev.calls[5:] == [areal] * 5
+    assert all(b >= a for a, b in zip(own, theirs)) and theirs[0] > own[0]
+    # Ranked against throughput measured under AReaL's loop (here: the evaluator's own figures for it), the
+    # probe that prices that loop ranks perfectly and records the loop; one pricing Libra's does not.
+    measured = [1.0 / t for t in theirs]
+    probe = RankingProbe(plans, measured, from_step=0, labels=names, loop=areal)
+    assert probe.observe(0, ev, h, Factors()) == pytest.approx(1.0) and probe.record["loop"] == areal
+    assert RankingProbe(plans, measured, from_step=0, labels=names).observe(0, ev, h, Factors()) < 1.0
 
 
 class _Cluster(NoElasticPool):

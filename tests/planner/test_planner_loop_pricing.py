@@ -2,12 +2,15 @@
 statistics of GRPO groups, and the planner using both in solve and in price alike."""
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from areal_libra.control.prediction import layout_plan
 from areal_libra.cost.presets import load_cluster, load_model
 from areal_libra.cost.rollout import RolloutCost
+from areal_libra.cost.training import TrainParallel
 from areal_libra.planner import PlannerConfig, solve
 from areal_libra.planner.evaluate import price
 from areal_libra.planner.rollout_dp import RolloutDP
@@ -99,3 +102,45 @@ def test_one_outlier_in_a_long_history_does_not_set_the_price():
     a = price(plan, "a800x48", "qwen3-14b", big, cfg).t_rollout_s
     b = price(plan, "a800x48", "qwen3-14b", outlier, cfg).t_rollout_s
     assert b == pytest.approx(a, rel=0.05)
+
+
+def test_evicted_reprefill_is_zero_while_the_working_set_fits():
+    rc = _rc(2)
+    cap = rc.kv_capacity_tokens()
+    one = float(rc.prefill_s(5000.0))
+    # 100 requests of a batch, 6 tool returns each; 400 in flight holding 10,000 tokens each.
+    assert float(rc.evicted_reprefill_s(100.0, cap / 10_000.0, 10_000.0, 6.0, 5000.0)) == 0.0  # fits exactly
+    # Twice the cache: half the returns find their context evicted and prefill it again.
+    half = float(rc.evicted_reprefill_s(100.0, 2 * cap / 10_000.0, 10_000.0, 6.0, 5000.0))
+    assert half == pytest.approx(100 * 6 * 0.5 * one)
+    # More in flight: more misses; no tool returns: nothing to prefill again.
+    assert float(rc.evicted_reprefill_s(100.0, 4 * cap / 10_000.0, 10_000.0, 6.0, 5000.0)) > half
+    assert float(rc.evicted_reprefill_s(100.0, 4 * cap / 10_000.0, 10_000.0, 0.0, 5000.0)) == 0.0
+
+
+def _agentic_history(seed=0, n=1000):
+    """Long multi-turn contexts (R2E-Gym-like): 2-20k tokens generated after 1-4k of prompt."""
+    rng = random.Random(seed)
+    return [(p, p + rng.randint(2000, 20000)) for p in (rng.randint(1000, 4000) for _ in range(n))]
+
+
+def test_unbounded_admission_prices_the_contexts_the_cache_evicts():
+    h = _agentic_history()
+    libra = PlannerConfig(global_batch=2048, mode="async", staleness=4)
+    areal = PlannerConfig(global_batch=2048, mode="async", staleness=4, admission="unbounded", tool_returns=6.0)
+
+    def rollout(roll, cfg):
+        plan = layout_plan(roll, 2, TrainParallel(2, 1, (48 - roll) // 2), 40960)
+        return price(plan, "a800x48", "qwen3-14b", h, cfg).t_rollout_s
+
+    # Libra's admission keeps the working set in the cache: its price is the loop's as before; AReaL's loop
+    # with 10,240 trajectories in flight overflows 8 or 16 TP2 servers and pays the evicted contexts again.
+    for roll in (16, 32):
+        assert rollout(roll, areal) > rollout(roll, libra)
+    assert rollout(16, replace(areal, tool_returns=0.0)) == pytest.approx(rollout(16, libra))
+    # The extra is larger where the cache is smaller: fewer rollout GPUs lose more to eviction.
+    assert rollout(16, areal) / rollout(16, libra) > rollout(32, areal) / rollout(32, libra)
+    # A concurrency cap (AReaL's max_concurrent_rollouts) shrinks the working set.
+    assert rollout(16, replace(areal, max_in_flight=2048)) < rollout(16, areal)
+    with pytest.raises(ValueError, match="admission"):
+        PlannerConfig(admission="greedy")
