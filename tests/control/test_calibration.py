@@ -215,6 +215,20 @@ def test_calibrated_gate_never_takes_gpus_from_a_side_beyond_its_measured_use(bu
         assert ctl.events[-1].kind == "kept" and "refused: rollout measured 0.95 busy on 4 GPUs" in ctl.events[-1].detail
 
 
+def test_measured_use_starts_after_the_pipelines_fill():
+    # The move of the test above, rollout measured busy 0.95 through the fill (steps 1-4, eta = 4) and a
+    # transient (5-6), then 0.4: over the steps the calibration reads (5-10) the median is 0.4, and the move
+    # goes ahead; counted from step 1 the fill's steps made it 0.95, and the move was refused.
+    a, b = _split(_Plan("A", 10.0, 10.0), 4, 4), _split(_Plan("B", 14.0, 5.0), 3, 5)
+    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=10), staleness=4), _CalPlanner([a, b]), a)
+    cl = _Cluster()
+    for s in range(1, 11):
+        busy = 0.95 if s <= 6 else 0.4
+        ctl.on_step(StepObservation(s, 21.0, 10.0, 20.0, wait_s=10.0, tokens=1000.0, rollout_busy=busy), cl)
+    assert list(ctl.roll_use) == [0.95, 0.95, 0.4, 0.4, 0.4, 0.4]
+    assert cl.applied == [(10, "B")]
+
+
 def test_calibrated_gate_gives_gpus_only_to_the_side_that_measured_busier():
     # B takes a GPU from training (4 -> 3) for rollout; training measured busier than rollout: refused.
     a, b = _split(_Plan("A", 10.0, 10.0), 4, 4), _split(_Plan("B", 14.0, 5.0), 5, 3)
