@@ -5,6 +5,8 @@ its module imports: tests/sglang)."""
 
 from __future__ import annotations
 
+import socket
+
 from areal_libra.rollout import backend as backend_mod
 from areal_libra.rollout.backend import LocalProcessBackend, SGLangBackend, backend_for_device
 from areal_libra.rollout.launcher import ServerSpec, build_command, port_range, ports_in_range
@@ -26,12 +28,30 @@ def _launch_commands(seed: int, specs: list[ServerSpec]) -> list[list[str]]:
     return out
 
 
+def _hold(ports: list[int]) -> list[socket.socket]:
+    """Bind `ports` as the launched servers do while they run (their HTTP port and the rendezvous store)."""
+    socks = []
+    for port in ports:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind(("127.0.0.1", port))
+        socks.append(s)
+    return socks
+
+
 def test_fleet_started_servers_get_their_own_seed_ports_and_dist_init_addr() -> None:
     launched = _launch_commands(7, [ServerSpec(tp=1, group="g0")] * 2)  # two TP1 servers at launch
-    be = SGLangBackend(seed=7, first_index=2, node_devices=NODE)
-    first = be.commands("/ckpt", [ServerSpec(tp=2, group="long"), ServerSpec(tp=1, group="short")],
-                        devices=[("4", "5"), ("6",)])
-    later = be.commands("/ckpt", [ServerSpec(tp=1, group="short")], devices=[("7",)])  # e.g. a revive
+    # The launched servers hold their ports while the fleet picks its own (without that, a fleet port drawn from
+    # a slice that overlaps a launched server's could equal one the test released, about once in 1,000 runs).
+    held = _hold([int(_flag(c, f)) if f == "--port" else int(_flag(c, f).rsplit(":", 1)[1])
+                  for c in launched for f in ("--port", "--dist-init-addr")])
+    try:
+        be = SGLangBackend(seed=7, first_index=2, node_devices=NODE)
+        first = be.commands("/ckpt", [ServerSpec(tp=2, group="long"), ServerSpec(tp=1, group="short")],
+                            devices=[("4", "5"), ("6",)])
+        later = be.commands("/ckpt", [ServerSpec(tp=1, group="short")], devices=[("7",)])  # e.g. a revive
+    finally:
+        for sock in held:
+            sock.close()
     fleet = first + later
     assert all(c[1:3] == ["-m", "sglang.launch_server"] for c in fleet)
     seeds = [int(_flag(c, "--random-seed")) for c in launched + fleet]
