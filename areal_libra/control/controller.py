@@ -277,15 +277,16 @@ class LibraController:
         self.intervals.append(obs.interval_s)
         self.t_train.append(obs.train_s)
         self.t_roll.append(obs.rollout_s)
-        # Measured use from the end of the pipeline's fill on, as the calibration: while the first eta + 1
-        # batches are produced from nothing, rollout is busy and the trainer waits whatever the split.
-        if obs.step >= self.cfg.warmup:
+        # Measured use and calibration from the end of the pipeline's fill on: while the first eta + 1 batches
+        # are produced from nothing, rollout is busy and the trainer waits whatever the split.
+        filled = obs.step >= self.cfg.warmup
+        if filled:
             if obs.interval_s > 0:
                 self.train_use.append(min(1.0, obs.train_s / obs.interval_s))
             if obs.rollout_busy is not None:
                 self.roll_use.append(obs.rollout_busy)
         self._score_predictions(obs)
-        if self.calib is not None and obs.step >= self.cfg.warmup:
+        if self.calib is not None and filled:
             self._calibrate(obs, cluster)
         probes = [p for p in self.rankings.values() if obs.step >= p.from_step]
         if probes and hasattr(self.planner, "price_terms"):

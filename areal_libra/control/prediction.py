@@ -81,6 +81,8 @@ class RankingProbe:
         self.loop = dict(loop or {})
         self.record: dict[str, Any] = {"from_step": from_step, "n_candidates": len(self.plans), "steps": [],
                                        "spearman": [], "min": None, "mean": None}
+        if self.loop:
+            self.record["loop"] = dict(self.loop)
 
     def _terms(self, planner: Any, history: Sequence[tuple[int, ...]]) -> list[tuple[float, float] | None]:
         """Each candidate's uncalibrated (T_train, T_rollout); None where the evaluator finds it infeasible
@@ -120,8 +122,6 @@ class RankingProbe:
         if rho is None:
             return None
         rec = self.record
-        if self.loop:
-            rec["loop"] = dict(self.loop)
         rec["steps"].append(step)
         rec["spearman"].append(round(rho, 4))
         rho_raw = rho_of(raw)

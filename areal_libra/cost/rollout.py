@@ -187,6 +187,13 @@ class RolloutCost:
             total = lin(comp0, comp_s, 0, split) + lin(mem0, mem_s, split, k)
         return total + k * const
 
+    @staticmethod
+    def resident_context(mean_prompt, mean_output, window: float = 1.0, resident_output=None):
+        """Tokens a running request holds in KV on average: its prompt and half its output, or (asynchronous
+        mode) the caller's length-biased `resident_output` (group_makespan_s)."""
+        half = mean_output / 2.0 if resident_output is None or window <= 1.0 else resident_output
+        return mean_prompt + half
+
     def evicted_reprefill_s(self, n_req, in_flight, resident_ctx, returns, return_ctx):
         """Re-prefill time of `n_req` requests' tool returns on a server that admits every trajectory the loop
         lets start (AReaL's loop: no working-set admission). The contexts of its `in_flight` trajectories
@@ -238,8 +245,7 @@ class RolloutCost:
         than their share (length-biased sampling)."""
         cap = float(self.kv_capacity_tokens())
         mean_final = mean_prompt + mean_output
-        half = mean_output / 2.0 if resident_output is None or window <= 1.0 else resident_output
-        avg_kv = mean_prompt + half
+        avg_kv = self.resident_context(mean_prompt, mean_output, window, resident_output)
         in_flight = n_req * window if window > 1.0 else n_req
         per_req_kv = avg_kv if window > 1.0 else mean_final
         conc = np.minimum(np.minimum(in_flight, float(self.max_running)), cap / np.maximum(per_req_kv, 1.0))

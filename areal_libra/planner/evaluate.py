@@ -71,7 +71,7 @@ def price(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, histor
                                       slot_output=cfg.slot_output, slot_wait_s=cfg.slot_wait_s, resident_output=res))
         if cfg.admission == "unbounded" and cfg.tool_returns > 0:
             t += float(rc.evicted_reprefill_s(n_req, n_req * cfg.rollout_window * in_flight_share,
-                                              mp + (res if res is not None else mo / 2.0), cfg.tool_returns,
+                                              rc.resident_context(mp, mo, cfg.rollout_window, res), cfg.tool_returns,
                                               mp + mo / 2.0))
         costs.append(t)
     rf = cfg.rollout_factor

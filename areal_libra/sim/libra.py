@@ -484,9 +484,9 @@ class SimCluster:
             return self.cohorts.history(self.sim, n)
         return history_of(self.sim, n)
 
-    def tool_returns(self, n: int = 4000) -> float:
-        """Tool returns per trajectory over the last `n` the run has finished (0 before any)."""
-        trajs = list(self.sim.finished_trajs)[-n:] if self.sim is not None else []
+    def tool_returns(self) -> float:
+        """Tool returns per trajectory over the finished trajectories the run keeps (0 before any)."""
+        trajs = self.sim.finished_trajs if self.sim is not None else ()
         return sum(traj_tool_returns(t) for t in trajs) / len(trajs) if trajs else 0.0
 
     def slot_fields(self) -> dict:
