@@ -207,9 +207,23 @@ class RolloutCost:
         miss = 1.0 - np.minimum(1.0, cap / working)
         return n_req * returns * miss * self.prefill_s(return_ctx)
 
+    def sustained_concurrency(self, rate, conc, kv_per_req, iters: int = 40):
+        """The fewest running requests (at least 1, at most `conc`) whose decode keeps up with `rate` generated
+        tokens per second, each holding `kv_per_req` tokens of KV: the smallest c with c / decode_step_s(c) >=
+        rate (the left side rises with c). `conc` where even that falls short. Vectorised (bisection)."""
+        rate, conc = np.asarray(rate, dtype=float), np.asarray(conc, dtype=float)
+        lo = np.ones(np.broadcast(rate, conc, np.asarray(kv_per_req)).shape)
+        hi = np.maximum(np.broadcast_to(conc, lo.shape), 1.0).copy()
+        for _ in range(iters):
+            mid = (lo + hi) / 2.0
+            ok = mid / self.decode_step_s(mid, mid * kv_per_req) >= rate
+            hi = np.where(ok, mid, hi)
+            lo = np.where(ok, lo, mid)
+        return hi
+
     def group_makespan_s(self, n_req, mean_prompt, mean_output, max_output, max_final, window: float = 1.0,
                          reprefill: bool = True, slot_output: float | None = None, slot_wait_s: float = 0.0,
-                         resident_output=None):
+                         resident_output=None, step_s=0.0):
         """Fluid estimate of the makespan of `n_req` requests (possibly fractional: an even share of an
         interval over several servers) with the given length statistics, on one server. Concurrency is
         limited by max_running and by KV capacity with final lengths reserved. Decode takes the longer of
@@ -242,7 +256,16 @@ class RolloutCost:
         `resident_output` (asynchronous mode only): the mean generated tokens a running request holds in KV.
         Default mean_output / 2; a caller that knows the spread passes E[o^2] / (2 E[o]): a request stays in
         the running batch for a time that grows with its length, so the batch holds the long ones more often
-        than their share (length-biased sampling)."""
+        than their share (length-biased sampling).
+
+        `step_s` (asynchronous mode only): the step interval the loop runs at, in this model's seconds (0:
+        unknown). The window's requests are all in flight only while rollout is the bottleneck; when the loop
+        steps slower than its servers could serve, they run just the concurrency that decodes one batch per
+        step (Little's law: the smallest c with c / step time(c) >= n_req x mean output / step_s,
+        sustained_concurrency). The critical path's request sees that concurrency, not the window's: a
+        straggler decodes faster in a batch of 10 than in one of 200. The weight update's re-prefill keeps the
+        window's: the loop admits a batch at once, so the requests resident at an update are not the time
+        average (priced with the sustained concurrency, Search-R1 at 128 x 16 fell to 0.92x)."""
         cap = float(self.kv_capacity_tokens())
         mean_final = mean_prompt + mean_output
         avg_kv = self.resident_context(mean_prompt, mean_output, window, resident_output)
@@ -252,11 +275,15 @@ class RolloutCost:
         conc = np.maximum(conc, 1e-9)
         t_work = (n_req * mean_output / conc) * self.decode_step_s(conc, conc * avg_kv)
         own_kv = np.maximum(max_final - max_output / 2.0, avg_kv)
+        run = conc  # the concurrency the servers run at: the window's, or what the loop's step sustains
+        if window > 1.0 and np.any(np.asarray(step_s) > 0):
+            run = self.sustained_concurrency(n_req * mean_output / np.maximum(step_s, 1e-9), conc, avg_kv)
+            run = np.where(np.asarray(step_s) > 0, run, conc)
         if window > 1.0 and slot_output is not None:
             hold = np.maximum(slot_output, mean_output)  # a slot is held at least for its own decode
-            t_crit = (hold * self.decode_step_s(conc, conc * avg_kv) + slot_wait_s) / window
+            t_crit = (hold * self.decode_step_s(run, run * avg_kv) + slot_wait_s) / window
         else:
-            t_crit = max_output * self.decode_step_s(conc, np.maximum(conc - 1.0, 0.0) * avg_kv + own_kv)
+            t_crit = max_output * self.decode_step_s(run, np.maximum(run - 1.0, 0.0) * avg_kv + own_kv)
             t_crit = t_crit / max(window, 1.0)
         ovh = self.call_overhead_s()
         prefill = n_req * (self.prefill_s(mean_prompt) - ovh) + ovh * np.maximum(n_req / conc, 1.0)

@@ -17,7 +17,7 @@ import numpy as np
 from areal_libra.cost.presets import ClusterSpec, ModelSpec, load_cluster, load_model
 from areal_libra.cost.rollout import RolloutCost
 from areal_libra.cost.training import BatchStats, TrainCost
-from areal_libra.planner.solve import _validate, sample_history
+from areal_libra.planner.solve import _validate, sample_history, sustained_fixed_point
 from areal_libra.planner.types import Plan, PlannerConfig
 
 
@@ -52,28 +52,39 @@ def price(plan: Plan, cluster: ClusterSpec | str, model: ModelSpec | str, histor
     # "unbounded" admission: the window's batches are in flight, unless the loop caps them (max_in_flight)
     window_trajs = cfg.rollout_window * cfg.global_batch
     in_flight_share = min(1.0, cfg.max_in_flight / window_trajs) if cfg.max_in_flight > 0 else 1.0
-    costs = []
-    for gi, g in enumerate(groups):
-        sel = which == gi
-        if not sel.any():
-            costs.append(0.0)
-            continue
-        rc = RolloutCost(cluster.hardware, model, g.tp, cfg.max_running)
-        W = float(w[sel].sum())
-        if f[sel].max() > rc.kv_capacity_tokens():
-            costs.append(float("inf"))
-            continue
-        mp, mo = float((w[sel] * p[sel]).sum() / W), float((w[sel] * o[sel]).sum() / W)
-        res = (float((w[sel] * o[sel] ** 2).sum() / W) / (2.0 * mo) if cfg.length_biased_kv and mo > 0 else None)
-        n_req = max(W / g.count, min(1.0, W))
-        t = float(rc.group_makespan_s(n_req, mp, mo, float(o[sel].max()), float(f[sel].max()),
-                                      window=cfg.rollout_window, reprefill=cfg.reprefill_on_sync,
-                                      slot_output=cfg.slot_output, slot_wait_s=cfg.slot_wait_s, resident_output=res))
-        if cfg.admission == "unbounded" and cfg.tool_returns > 0:
-            t += float(rc.evicted_reprefill_s(n_req, n_req * cfg.rollout_window * in_flight_share,
-                                              rc.resident_context(mp, mo, cfg.rollout_window, res), cfg.tool_returns,
-                                              mp + mo / 2.0))
-        costs.append(t)
+
+    def group_costs(step_s: float) -> list[float]:
+        costs = []
+        for gi, g in enumerate(groups):
+            sel = which == gi
+            if not sel.any():
+                costs.append(0.0)
+                continue
+            rc = RolloutCost(cluster.hardware, model, g.tp, cfg.max_running)
+            W = float(w[sel].sum())
+            if f[sel].max() > rc.kv_capacity_tokens():
+                costs.append(float("inf"))
+                continue
+            mp, mo = float((w[sel] * p[sel]).sum() / W), float((w[sel] * o[sel]).sum() / W)
+            res = (float((w[sel] * o[sel] ** 2).sum() / W) / (2.0 * mo) if cfg.length_biased_kv and mo > 0 else None)
+            n_req = max(W / g.count, min(1.0, W))
+            t = float(rc.group_makespan_s(n_req, mp, mo, float(o[sel].max()), float(f[sel].max()),
+                                          window=cfg.rollout_window, reprefill=cfg.reprefill_on_sync,
+                                          slot_output=cfg.slot_output, slot_wait_s=cfg.slot_wait_s,
+                                          resident_output=res, step_s=step_s))
+            if cfg.admission == "unbounded" and cfg.tool_returns > 0:
+                t += float(rc.evicted_reprefill_s(n_req, n_req * cfg.rollout_window * in_flight_share,
+                                                  rc.resident_context(mp, mo, cfg.rollout_window, res),
+                                                  cfg.tool_returns, mp + mo / 2.0))
+            costs.append(t)
+        return costs
+
+    def step_of(costs: list[float]) -> float:  # the predicted step in measured seconds
+        return max(t_train * cfg.train_factor, (max(costs) if costs else 0.0) * cfg.rollout_factor)
+
+    costs = group_costs(0.0)
+    if cfg.mode == "async" and cfg.sustained_concurrency and costs and np.isfinite(max(costs)):
+        costs = sustained_fixed_point(group_costs, step_of, costs, cfg.rollout_factor)
     rf = cfg.rollout_factor
     return PlanPrice(t_train * cfg.train_factor, (max(costs) if costs else 0.0) * rf, tuple(c * rf for c in costs))
 

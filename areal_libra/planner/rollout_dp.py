@@ -62,11 +62,12 @@ class RolloutDP:
     def __init__(self, costs: dict[int, RolloutCost], prompts: Sequence[float], outputs: Sequence[float],
                  weights: Sequence[float], max_gpus: int, native: bool = True, window: float = 1.0,
                  reprefill: bool = True, slot_output: float | None = None, slot_wait_s: float = 0.0,
-                 length_biased: bool = False) -> None:
+                 length_biased: bool = False, step_s: float = 0.0) -> None:
         self.native = native
         self.window = window  # RolloutCost.group_makespan_s: > 1 prices asynchronous, staleness-bounded rollout
         self.reprefill = reprefill
-        self.slot = {"slot_output": slot_output, "slot_wait_s": slot_wait_s}  # async in-flight slots
+        # async in-flight slots, and the loop's step interval (group_makespan_s `step_s`)
+        self.slot = {"slot_output": slot_output, "slot_wait_s": slot_wait_s, "step_s": step_s}
         self.costs = dict(sorted(costs.items()))
         self.p = np.asarray(prompts, dtype=float)
         self.o = np.asarray(outputs, dtype=float)

@@ -190,6 +190,38 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     cluster = load_cluster(cluster)
     model = load_model(model)
     arr = _validate(cluster, history, cfg)
+    plan = _solve_at(cluster, model, arr, cfg, 0.0, t0)
+    if cfg.mode == "async" and cfg.sustained_concurrency:
+        plan = sustained_fixed_point(lambda step_s: _solve_at(cluster, model, arr, cfg, step_s, t0),
+                                     lambda p: p.makespan_s, plan, cfg.rollout_factor)
+    return plan
+
+
+# Passes of the step's fixed point (sustained_fixed_point) and the tolerance that ends it early.
+SUSTAIN_PASSES = 4
+SUSTAIN_TOL = 0.02
+
+
+def sustained_fixed_point(at, step_of, first, rollout_factor: float):
+    """The asynchronous loop's step as a fixed point: the servers' concurrency follows the step (a slower step
+    needs fewer requests running, RolloutCost.group_makespan_s `step_s`), and the step follows the prices.
+    `first` is the result at the window's full concurrency (the slowest prices); `at(step_s)` re-prices at a
+    step given in the rollout model's seconds (measured / rollout_factor). The predicted step falls as step_s
+    grows, so the plain iteration alternates around the fixed point: each pass takes the mean of the two."""
+    out, s = first, step_of(first) / rollout_factor
+    for _ in range(SUSTAIN_PASSES):
+        out = at(s)
+        m = step_of(out) / rollout_factor
+        if abs(m - s) <= SUSTAIN_TOL * s:
+            break
+        s = (s + m) / 2.0
+    return out
+
+
+def _solve_at(cluster: ClusterSpec, model: ModelSpec, arr: np.ndarray, cfg: PlannerConfig, step_s: float,
+              t0: float) -> Plan:
+    """solve() with the rollout servers priced at the concurrency a loop stepping every `step_s` sustains (0:
+    the window's full concurrency)."""
     # (prefilled tokens, final length): a 3-element entry moves tool-return tokens from decode to prefill
     history = np.stack([arr[:, 1] - arr[:, 2], arr[:, 1]], axis=1) if arr.shape[1] == 3 else arr[:, :2]
     n = cluster.n_gpus
@@ -208,7 +240,7 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     max_roll = n - pareto[0][0]
     dp = RolloutDP(costs, prompts, outputs, weights, max_roll, window=cfg.rollout_window,
                    reprefill=cfg.reprefill_on_sync, slot_output=cfg.slot_output, slot_wait_s=cfg.slot_wait_s,
-                   length_biased=cfg.length_biased_kv)
+                   length_biased=cfg.length_biased_kv, step_s=step_s)
     rng = dp.value_range()
     if rng is None or dp.min_gpus(rng[1])[0] > max_roll:
         need = dp.min_gpus(rng[1])[0] if rng else math.inf

@@ -59,6 +59,10 @@ class PlannerConfig:
     # async mode: a running request's resident KV is length-biased (E[o^2] / 2E[o] of its interval's
     # generated tokens, RolloutCost.group_makespan_s `resident_output`) instead of half the mean
     length_biased_kv: bool = True
+    # async mode: price the servers at the concurrency the loop's own step sustains (RolloutCost.group_makespan_s
+    # `step_s`; solve and price find the step as a fixed point) instead of always the window's full
+    # concurrency, which holds only while rollout is the bottleneck
+    sustained_concurrency: bool = True
     # The loop's admission rule, for pricing a plan under another loop than Libra's: "working_set" (Libra's: no
     # trajectory starts while the running ones' contexts fill the KV cache, so tool returns find their context)
     # or "unbounded" (AReaL's: every trajectory the staleness bound lets start is admitted, and the contexts
