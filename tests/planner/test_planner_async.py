@@ -1,6 +1,5 @@
 """The planner's asynchronous (staleness-bounded) rollout objective and bucket thresholds."""
 
-import random
 
 import numpy as np
 import pytest
@@ -11,15 +10,11 @@ from areal_libra.planner import PlanError, PlannerConfig, solve
 from areal_libra.planner.evaluate import price
 from areal_libra.planner.types import Plan, RolloutInstance
 
+from .histories import tail_history
+
 
 def _history(seed=0, n=300):
-    rng = random.Random(seed)
-    h = []
-    for _ in range(n):
-        p = rng.randint(100, 800)
-        out = rng.randint(20000, 30000) if rng.random() < 0.05 else rng.randint(200, 3000)
-        h.append((p, p + out))
-    return h
+    return tail_history(seed, n, (100, 800), (200, 3000), (20000, 30000), 0.05)
 
 
 def test_async_cost_scales_the_critical_path_and_keeps_sync_default():

@@ -1,7 +1,6 @@
 """The asynchronous loop's servers priced at the concurrency its step sustains (PlannerConfig.sustained_concurrency):
 Little's law over one batch per step, the step itself a fixed point of the prices."""
 
-import random
 from dataclasses import replace
 
 import numpy as np
@@ -11,6 +10,8 @@ from areal_libra.cost.presets import load_cluster, load_model
 from areal_libra.cost.rollout import RolloutCost
 from areal_libra.planner import PlannerConfig, solve
 from areal_libra.planner.evaluate import price
+
+from .histories import tail_history
 
 
 def _rc(tp=8):
@@ -47,13 +48,7 @@ def test_a_slow_step_prices_the_critical_path_at_the_concurrency_it_sustains():
 
 
 def _tail_history(seed=0, n=400):
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        p = rng.randint(1500, 2500)
-        o = rng.randint(20000, 38000) if rng.random() < 0.04 else rng.randint(500, 6000)
-        out.append((p, p + o))
-    return out
+    return tail_history(seed, n, (1500, 2500), (500, 6000), (20000, 38000), 0.04)
 
 
 def test_solve_and_price_agree_on_the_sustained_step():
