@@ -40,6 +40,8 @@ class StepObservation:
     wait_s: float = 0.0  # time the trainer sat ready waiting for rollout (0: rollout kept up)
     tokens: float = 0.0  # final-length tokens of the batch trained (0: unknown; calibration then per step)
     rollout_busy: float | None = None  # share of the rollout GPU time in the step spent serving (None: unknown)
+    # rollout requests queued on the servers at the step's end, in batches' worth of requests (0: none or unknown)
+    backlog_batches: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,7 @@ class LibraController:
         # Each decision's prediction against the mean of the next predict_steps measured intervals.
         self.predictions: list[dict[str, Any]] = []
         self._pending: list[dict[str, Any]] = []
+        self.backlog_batches = 0.0  # the last step's queued rollout requests, in batches (StepObservation)
         # Candidate layouts with their measured throughput (a sweep's), priced every step from the probe's
         # from_step on by the calibrated evaluator: how well it ranks layouts it did not choose (reporting only).
         self.rankings: dict[str, RankingProbe] = {}  # by the name the run reports each under
@@ -286,6 +289,7 @@ class LibraController:
             if obs.rollout_busy is not None:
                 self.roll_use.append(obs.rollout_busy)
         self._score_predictions(obs)
+        self.backlog_batches = obs.backlog_batches
         if self.calib is not None and filled:
             self._calibrate(obs, cluster)
         probes = [p for p in self.rankings.values() if obs.step >= p.from_step]
@@ -469,16 +473,17 @@ class LibraController:
                 cand = self.planner.solve_calibrated(fit, f)  # type: ignore[attr-defined]
                 terms = self.planner.price_terms(self.plan, test)  # type: ignore[attr-defined]
                 cur = f.step_s(*terms[:2])
-                nxt = f.step_s(*self.planner.price_terms(cand, test)[:2])  # type: ignore[attr-defined]
+                new_terms = self.planner.price_terms(cand, test)  # type: ignore[attr-defined]
+                nxt = f.step_s(*new_terms[:2])
                 if best is None or (not cluster.same_layout(self.plan, cand)
                                     and (cluster.same_layout(self.plan, best[0])
                                          or nxt / max(1e-9, cur) < best[3] / max(1e-9, best[2]))):
-                    best = (cand, terms, cur, nxt)
+                    best = (cand, terms, cur, nxt, new_terms)
         except ValueError as e:  # PlanError: keep running on the current plan
             self.events.append(ControlEvent(step, "replan_failed", str(e)))
             return False
         assert best is not None
-        new, cur_terms, t_cur, t_new = best
+        new, cur_terms, t_cur, t_new, new_terms = best
         if cluster.same_layout(self.plan, new):
             self._predict(step, "same", t_cur)
             self.last_predicted_s = t_cur
@@ -508,8 +513,13 @@ class LibraController:
             return False
         self.events.append(ControlEvent(step, "replan", f"({rp.last_reason}): {new.rollout_alloc()} train "
                                         f"{new.train_alloc()}; {detail}"))
-        # The next steps pay the reconfiguration: its cost spread over the scored window.
-        predicted = t_new + cost / max(1, self.cfg.predict_steps)
+        # The next steps pay the reconfiguration (its cost spread over the scored window) and drain the rollout
+        # backlog the old layout left queued: over k steps the new servers serve k batches and the backlog, so
+        # the steps take at least the new plan's rollout time per batch plus the backlog's share of it. The gate
+        # weighs steady states: the backlog stays queued under the old layout too, so it is no cost of moving.
+        k = max(1, self.cfg.predict_steps)
+        drained = f.rollout * new_terms[1] * (1.0 + self.backlog_batches / k) + f.fixed_s
+        predicted = max(t_new, drained) + cost / k
         self._predict(step, "replan", predicted)
         self.plan = new
         self.last_predicted_s = t_new

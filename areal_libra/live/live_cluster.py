@@ -304,6 +304,10 @@ class LiveControl:
         # planner's training efficiency fitted to a timed training step of the run's batch); None: no fit.
         self.train_fit: Any = None
         self._busy_last: tuple[float, float] | None = None
+        # The rollout backlog at the step's end, in batches' worth of requests (StepObservation.backlog_batches):
+        # the servers' queued requests over the batch's trajectories (a live run does not count tool returns per
+        # trajectory, so a queued turn counts as a trajectory's request); None: not measured, 0.
+        self.backlog_fn: Any = None
 
     def on_step(self, step: int, rec: dict) -> dict[str, float]:
         """Called once per committed step with that step's flat record; returns plan/* metrics."""
@@ -313,7 +317,8 @@ class LiveControl:
         elastic = self.cluster.elastic
         measured = elastic.observation() if elastic is not None and hasattr(elastic, "observation") else None
         inputs = elastic.rollout_inputs() if measured is not None and hasattr(elastic, "rollout_inputs") else None
-        obs = replace(observation(step, rec, pressure, measured, inputs), rollout_busy=self.rollout_busy())
+        obs = replace(observation(step, rec, pressure, measured, inputs), rollout_busy=self.rollout_busy(),
+                      backlog_batches=self.backlog_batches())
         emu = getattr(self.cluster, "emulation", None)
         if emu is not None:
             obs = emulated_time(obs, float(emu.time_scale))
@@ -351,6 +356,15 @@ class LiveControl:
         if last is None or now <= last[1]:
             return None
         return rollout_busy_share(busy - last[0], now - last[1], gpus)
+
+    def backlog_batches(self) -> float:
+        """`backlog_fn`'s reading (0 without one or when it fails)."""
+        if self.backlog_fn is None:
+            return 0.0
+        try:
+            return max(0.0, float(self.backlog_fn()))
+        except (OSError, ValueError, TypeError):
+            return 0.0
 
     def _decide(self, step: int, obs: StepObservation, out: dict[str, float]) -> None:
         if self.ctl is None and self.resume is not None:

@@ -172,6 +172,9 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
                           fleet=fleet, elastic_policy=script, pool_factory=pool_factory,
                           profile_steps=libra.control.profile_steps, pressure_fn=pressure_fn,
                           events_path=run_dir / "control_events.jsonl")
+    if pressure is not None and hasattr(pressure, "waiting"):  # the servers' queue, in batches (a move's prediction)
+        per_step = trajectories_per_step(config)
+        control.backlog_fn = lambda: pressure.waiting() / per_step
     if libra.emulated.enabled and libra.emulated.profile_planner:  # the pass also times a training step
         batch = trajectories_per_step(config)
 

@@ -41,6 +41,7 @@ class PressureSampler:
         self._stop = threading.Event()
         self.errors = 0
         self._kv_capacity = 0  # the last sample's KV capacity over the servers that answered (0: unknown)
+        self._waiting = 0  # the last sample's queued requests over the servers that answered
         self._thread = threading.Thread(target=self._run, name="rollout-pressure", daemon=True)
         self._thread.start()
 
@@ -59,8 +60,12 @@ class PressureSampler:
             if addr not in lent:
                 staying += load.kv_capacity
         if loads:
-            self._kv_capacity = staying
+            self._kv_capacity, self._waiting = staying, sum(load.waiting for load in loads)
         return pressure(loads) if loads else None
+
+    def waiting(self) -> int:
+        """Requests queued on the servers at the last sample that reached any (0 before one)."""
+        return self._waiting
 
     def kv_capacity(self) -> int:
         """KV tokens of the serving servers that stay (not `lent`) at the last sample that reached any (0: none

@@ -489,6 +489,11 @@ class SimCluster:
         trajs = self.sim.finished_trajs if self.sim is not None else ()
         return sum(traj_tool_returns(t) for t in trajs) / len(trajs) if trajs else 0.0
 
+    def backlog_batches(self, rec: dict) -> float:
+        """A step record's queued requests in batches' worth of requests: the batch's trajectories, each one
+        request plus one per tool return."""
+        return rec["queued"] / (trajectories_per_step(self.env) * (1.0 + self.tool_returns()))
+
     def slot_fields(self) -> dict:
         """The planner's slot fields from the groups among the trajectories the run has finished."""
         sim = self.sim
@@ -642,7 +647,7 @@ class SimLibraControl(Controller):
                               rollout_s=rec["t_rollout_s"],
                               queue_pressure=rec["queue_pressure"], active_pressure=rec["active_pressure"],
                               wait_s=rec["wait_s"], tokens=rec["final_tokens"],
-                              rollout_busy=rec["rollout_busy_frac"])
+                              rollout_busy=rec["rollout_busy_frac"], backlog_batches=self.cluster.backlog_batches(rec))
         self.ctl.on_step(obs, self.cluster)
 
     def before_train(self, sim: Simulation) -> float:

@@ -284,3 +284,20 @@ def test_calibration_goes_on_once_the_plans_pool_has_started():
     assert ctl._pool_training0 == 3
     assert observed[7] > observed[3] and observed[10] == observed[7]
     assert ctl.factors.train == pytest.approx(1.5, rel=0.05)
+
+
+@pytest.mark.parametrize("backlog, predicted", [(0.0, 15.0 + 6.0), (2.5, 16.0 + 6.0), (0.5, 15.0 + 6.0)])
+def test_a_moves_prediction_drains_the_rollout_backlog_the_old_layout_left(backlog, predicted):
+    # The move of the test above, decided at a step whose servers still hold `backlog` batches of queued
+    # requests: over the next 5 steps B's rollout (2.0 x 5 s a batch, calibrated) serves 5 batches plus the
+    # backlog, so with 2.5 batches queued the steps take 10 x (1 + 2.5 / 5) + 1 s fixed = 16 s, not B's
+    # steady 15 s; half a batch fits in B's slack. The gate's decision is the same either way.
+    a, b = _Plan("A", 10.0, 10.0), _split(_Plan("B", 14.0, 5.0), 5, 3)
+    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=10)), _CalPlanner([a, b]), a)
+    cl = _Cluster()
+    for s in range(1, 11):
+        ctl.on_step(StepObservation(s, 21.0, 10.0, 20.0, wait_s=10.0, tokens=1000.0,
+                                    backlog_batches=backlog if s == 10 else 0.0), cl)
+    assert cl.applied == [(10, "B")]
+    (p,) = ctl._pending
+    assert p["kind"] == "replan" and p["predicted_s"] == pytest.approx(predicted)

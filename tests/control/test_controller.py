@@ -46,6 +46,9 @@ class RecordingCluster:
     def end_fill(self):
         return self.inner.end_fill()
 
+    def backlog_batches(self, rec):
+        return self.inner.backlog_batches(rec)
+
     def same_layout(self, a, b):
         return self.inner.same_layout(a, b)
 

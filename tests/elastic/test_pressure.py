@@ -172,3 +172,31 @@ def test_the_sampler_leaves_the_lent_servers_out_of_the_kv_capacity():
         sampler.close()
         core.shutdown()
         hybrid.shutdown()
+
+
+def test_the_sampler_keeps_the_servers_queue_for_the_controllers_backlog():
+    # Two real HTTP servers with 3 and 5 requests queued: the last sample's queue is their sum (LiveControl's
+    # backlog_fn divides it by the batch); a server that stops answering leaves the queue of those that do.
+    def serve(waiting: int) -> ThreadingHTTPServer:
+        return _serve_info({"num_running_requests": 2, "num_waiting_requests": waiting, "max_running_requests": 8})
+
+    from areal_libra.control import ControlConfig
+    from areal_libra.live.live_cluster import LiveCluster, LiveControl
+
+    a, b = serve(3), serve(5)
+    addrs = [f"127.0.0.1:{h.server_address[1]}" for h in (a, b)]
+    sampler = PressureSampler(lambda: addrs, interval_s=3600, timeout_s=2.0)
+    ctl = LiveControl(ControlConfig(), None, LiveCluster(None))
+    try:
+        assert sampler.waiting() == 0 and ctl.backlog_batches() == 0.0  # no source: none measured
+        sampler.sample()
+        assert sampler.waiting() == 8
+        ctl.backlog_fn = lambda: sampler.waiting() / 4  # a batch of 4 trajectories: 2 batches queued
+        assert ctl.backlog_batches() == 2.0
+        b.shutdown()
+        b.server_close()
+        sampler.sample()
+        assert sampler.waiting() == 3
+    finally:
+        sampler.close()
+        a.shutdown()
