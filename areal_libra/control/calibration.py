@@ -13,6 +13,13 @@ settle steps skipped), so one slow step or one step's completion order does not 
 
 The factors go into PlannerConfig.train_factor / rollout_factor, used by solve and by price alike, so a
 term measured slower than modelled moves GPUs to it and can change which plan wins.
+
+A kept-up step has a second, tighter bound on its rollout: the time the rollout GPUs were busy in it (their
+busy share x the interval). The decisions keep the looser one (train + wait), a deliberately conservative
+price for taking GPUs from rollout: fitted to the busy time, the paper-scale R2E-Gym ladder re-planned towards
+training and fell from 5,413 / 5,477 / 5,516 to 4,647 / 4,669 / 4,461 tokens/s on its first three Libra rungs.
+A move's recorded prediction, the controller's estimate of the steps that follow, takes the tighter bound
+(StepCalibration.prediction_factors).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class StepCalibration:
         # waits over 30 steps counted against the last 10 others, and fitted a rollout factor of 1.45).
         self.roll: deque[tuple[bool, float]] = deque(maxlen=window)
         self.fixed: deque[float] = deque(maxlen=window)
+        # the busy-time bound of the window's kept-up steps (measured/modelled), for predictions only
+        self.roll_busy: deque[float] = deque(maxlen=window)
         self.factors = Factors()
         self.since_change = 0
         self.observed = 0
@@ -64,9 +73,20 @@ class StepCalibration:
         """upper bounds of it from the window's steps where rollout kept up"""
         return [v for waited, v in self.roll if not waited]
 
+    def prediction_factors(self) -> Factors:
+        """The factors a prediction of the next steps uses: the fitted ones, except that a rollout factor only
+        bounded from above by kept-up steps (too few waited steps to fit it) falls to the median of their busy-time
+        bounds when that is tighter."""
+        f = self.factors
+        bound = self.roll_bound
+        if not self.roll_busy or (bound and len(bound) >= self.waited_frac * len(self.roll)):
+            return f
+        return Factors(f.train, min(f.rollout, median(self.roll_busy)), f.fixed_s)
+
     def to_state(self) -> dict:
         """What a restarted run resumes from (JSON-able)."""
         return {"train": list(self.train), "roll": [[w, v] for w, v in self.roll], "fixed": list(self.fixed),
+                "roll_busy": list(self.roll_busy),
                 "factors": self.factors.as_dict(), "since_change": self.since_change, "observed": self.observed}
 
     def load_state(self, state: dict) -> None:
@@ -81,6 +101,8 @@ class StepCalibration:
         else:  # a state written with the two kinds apart: their order is lost, the window refills
             self.roll.extend([(True, float(v)) for v in state["roll_bound"]]
                              + [(False, float(v)) for v in state["roll_upper"]])
+        self.roll_busy.clear()
+        self.roll_busy.extend(float(x) for x in state.get("roll_busy", ()))  # absent in older states: refills
         f = state["factors"]
         self.factors = Factors(float(f["train"]), float(f["rollout"]), float(f["fixed_s"]))
         self.since_change, self.observed = int(state["since_change"]), int(state["observed"])
@@ -90,19 +112,23 @@ class StepCalibration:
         self.since_change = 0
         self.train.clear()
         self.roll.clear()
+        self.roll_busy.clear()
 
     def observe(self, interval_s: float, train_s: float, wait_s: float, t_train_model: float,
-                t_roll_model: float, fixed_s: float | None = None) -> Factors:
+                t_roll_model: float, fixed_s: float | None = None, busy_s: float | None = None) -> Factors:
         """One step: measured interval, training time and wait (already scaled to the model's batch when the
-        caller normalises per token), the model's two terms, and the step's unexplained time (default
-        interval - train - wait)."""
+        caller normalises per token), the model's two terms, the step's unexplained time (default
+        interval - train - wait) and, when measured, the rollout GPUs' busy time in the step (same scale)."""
         self.since_change += 1
         if self.since_change <= self.settle or t_train_model <= 0 or t_roll_model <= 0 or interval_s <= 0:
             return self.factors
         self.observed += 1
         self.train.append(train_s / t_train_model)
         self.fixed.append(max(0.0, interval_s - train_s - wait_s if fixed_s is None else fixed_s))
-        self.roll.append((wait_s > self.wait_min * (train_s + wait_s), (train_s + wait_s) / t_roll_model))
+        waited = wait_s > self.wait_min * (train_s + wait_s)
+        self.roll.append((waited, (train_s + wait_s) / t_roll_model))
+        if not waited and busy_s is not None:
+            self.roll_busy.append(min(train_s + wait_s, busy_s) / t_roll_model)
         rollout = self.factors.rollout
         bound, upper = self.roll_bound, self.roll_upper
         if bound and len(bound) >= self.waited_frac * len(self.roll):

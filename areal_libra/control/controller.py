@@ -351,8 +351,9 @@ class LibraController:
         if obs.tokens > 0 and self.calib.since_change >= self.calib.settle:
             self.measured.setdefault(_layout_key(self.plan), deque(maxlen=2 * self.cfg.replan_policy.every_k)
                                      ).append(obs.interval_s / obs.tokens)
+        busy = None if obs.rollout_busy is None else obs.rollout_busy * obs.interval_s * per
         f = self.calib.observe(obs.interval_s, obs.train_s * per, obs.wait_s * per, t_train, t_roll,
-                               fixed_s=obs.interval_s - obs.train_s - obs.wait_s)
+                               fixed_s=obs.interval_s - obs.train_s - obs.wait_s, busy_s=busy)
         self.factor_record.update(f.as_dict())
 
     @property
@@ -490,9 +491,12 @@ class LibraController:
             return False
         # Layouts measured on this run: their measured median step per token, at this history's batch tokens.
         seen_cur, seen_new = self.measured.get(_layout_key(self.plan)), self.measured.get(_layout_key(new))
+        # The prediction's own estimate of the new plan's step (the tighter rollout bound, prediction_factors).
+        fp = self.calib.prediction_factors()  # type: ignore[union-attr]
+        t_pred = fp.step_s(*new_terms[:2])
         if seen_cur and seen_new and len(seen_cur) >= 3 and len(seen_new) >= 3 and cur_terms[2] > 0:
             t_cur = median(seen_cur) * cur_terms[2]
-            t_new = median(seen_new) * cur_terms[2]
+            t_new = t_pred = median(seen_new) * cur_terms[2]
         rp = self.replan_policy
         assert rp is not None
         horizon = self._horizon(step)
@@ -517,9 +521,10 @@ class LibraController:
         # backlog the old layout left queued: over k steps the new servers serve k batches and the backlog, so
         # the steps take at least the new plan's rollout time per batch plus the backlog's share of it. The gate
         # weighs steady states: the backlog stays queued under the old layout too, so it is no cost of moving.
+        # Where rollout kept up, the prediction prices it at the tighter, busy-time bound (prediction_factors).
         k = max(1, self.cfg.predict_steps)
-        drained = f.rollout * new_terms[1] * (1.0 + self.backlog_batches / k) + f.fixed_s
-        predicted = max(t_new, drained) + cost / k
+        drained = fp.rollout * new_terms[1] * (1.0 + self.backlog_batches / k) + fp.fixed_s
+        predicted = max(t_pred, drained) + cost / k
         self._predict(step, "replan", predicted)
         self.plan = new
         self.last_predicted_s = t_new

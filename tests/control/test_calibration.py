@@ -301,3 +301,34 @@ def test_a_moves_prediction_drains_the_rollout_backlog_the_old_layout_left(backl
     assert cl.applied == [(10, "B")]
     (p,) = ctl._pending
     assert p["kind"] == "replan" and p["predicted_s"] == pytest.approx(predicted)
+
+
+def test_a_kept_up_steps_busy_time_bounds_the_predictions_rollout_factor_not_the_decisions():
+    cal = StepCalibration(window=10, settle=0)
+    for _ in range(6):  # rollout kept up; its GPUs were busy 4 s of each 14 s step: T_rollout <= 4 s vs 10 s modelled
+        cal.observe(interval_s=14.0, train_s=12.0, wait_s=0.0, t_train_model=10.0, t_roll_model=10.0, busy_s=4.0)
+    assert cal.factors.rollout == pytest.approx(1.0)  # the decisions' bound: train + wait (12 s), never raised
+    assert cal.prediction_factors().rollout == pytest.approx(0.4)
+    assert cal.prediction_factors().train == cal.factors.train
+    again = StepCalibration(window=10, settle=0)
+    again.load_state(cal.to_state())
+    assert again.prediction_factors() == cal.prediction_factors()
+    for _ in range(6):  # rollout falls behind: the waited steps fit the factor, and the prediction takes it
+        cal.observe(interval_s=32.0, train_s=10.0, wait_s=20.0, t_train_model=10.0, t_roll_model=10.0, busy_s=30.0)
+    assert cal.prediction_factors() == cal.factors and cal.factors.rollout == pytest.approx(3.0)
+
+
+def test_a_move_from_a_kept_up_layout_predicts_rollout_at_its_busy_time_bound():
+    # Training measured 2x the model on A, rollout kept up with its GPUs busy 30% of each 21 s step. The gate
+    # moves a GPU to training (B: train 6 x 2, rollout 15 x 1.0 = 16 s with the 1 s fixed, against A's 21 s);
+    # the move's recorded prediction prices B's rollout at the busy-time bound, 6.3 s / 10 s modelled = 0.63:
+    # max(12, 0.63 x 15) + 1 = 13 s, plus the 30 s move over the 5 scored steps (the decision's 16 s + 6 before).
+    a, b = _Plan("A", 10.0, 10.0), _split(_Plan("B", 6.0, 15.0), 3, 5)
+    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=10)), _CalPlanner([a, b]), a)
+    cl = _Cluster()
+    for s in range(1, 11):
+        ctl.on_step(StepObservation(s, 21.0, 20.0, 20.0, wait_s=0.0, tokens=1000.0, rollout_busy=0.3), cl)
+    assert ctl.factors.rollout == pytest.approx(1.0) and ctl.factors.train == pytest.approx(2.0)
+    assert cl.applied == [(10, "B")]
+    (p,) = ctl._pending
+    assert p["kind"] == "replan" and p["predicted_s"] == pytest.approx(13.0 + 6.0)
