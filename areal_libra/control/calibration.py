@@ -73,13 +73,17 @@ class StepCalibration:
         """upper bounds of it from the window's steps where rollout kept up"""
         return [v for waited, v in self.roll if not waited]
 
+    def _fitted_on_waits(self) -> bool:
+        """The window holds enough waited steps (a `waited_frac` of it) to fit the rollout factor on them."""
+        bound = self.roll_bound
+        return bool(bound) and len(bound) >= self.waited_frac * len(self.roll)
+
     def prediction_factors(self) -> Factors:
         """The factors a prediction of the next steps uses: the fitted ones, except that a rollout factor only
         bounded from above by kept-up steps (too few waited steps to fit it) falls to the median of their busy-time
         bounds when that is tighter."""
         f = self.factors
-        bound = self.roll_bound
-        if not self.roll_busy or (bound and len(bound) >= self.waited_frac * len(self.roll)):
+        if not self.roll_busy or self._fitted_on_waits():
             return f
         return Factors(f.train, min(f.rollout, median(self.roll_busy)), f.fixed_s)
 
@@ -130,9 +134,9 @@ class StepCalibration:
         if not waited and busy_s is not None:
             self.roll_busy.append(min(train_s + wait_s, busy_s) / t_roll_model)
         rollout = self.factors.rollout
-        bound, upper = self.roll_bound, self.roll_upper
-        if bound and len(bound) >= self.waited_frac * len(self.roll):
-            rollout = median(bound)
+        upper = self.roll_upper
+        if self._fitted_on_waits():
+            rollout = median(self.roll_bound)
         elif upper:
             rollout = min(rollout, median(upper))
         self.factors = Factors(train=median(self.train), rollout=rollout, fixed_s=median(self.fixed))

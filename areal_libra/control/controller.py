@@ -491,12 +491,10 @@ class LibraController:
             return False
         # Layouts measured on this run: their measured median step per token, at this history's batch tokens.
         seen_cur, seen_new = self.measured.get(_layout_key(self.plan)), self.measured.get(_layout_key(new))
-        # The prediction's own estimate of the new plan's step (the tighter rollout bound, prediction_factors).
-        fp = self.calib.prediction_factors()  # type: ignore[union-attr]
-        t_pred = fp.step_s(*new_terms[:2])
-        if seen_cur and seen_new and len(seen_cur) >= 3 and len(seen_new) >= 3 and cur_terms[2] > 0:
+        seen = bool(seen_cur and seen_new and len(seen_cur) >= 3 and len(seen_new) >= 3 and cur_terms[2] > 0)
+        if seen:
             t_cur = median(seen_cur) * cur_terms[2]
-            t_new = t_pred = median(seen_new) * cur_terms[2]
+            t_new = median(seen_new) * cur_terms[2]
         rp = self.replan_policy
         assert rp is not None
         horizon = self._horizon(step)
@@ -523,6 +521,8 @@ class LibraController:
         # weighs steady states: the backlog stays queued under the old layout too, so it is no cost of moving.
         # Where rollout kept up, the prediction prices it at the tighter, busy-time bound (prediction_factors).
         k = max(1, self.cfg.predict_steps)
+        fp = self.calib.prediction_factors()  # type: ignore[union-attr]
+        t_pred = t_new if seen else fp.step_s(*new_terms[:2])
         drained = fp.rollout * new_terms[1] * (1.0 + self.backlog_batches / k) + fp.fixed_s
         predicted = max(t_pred, drained) + cost / k
         self._predict(step, "replan", predicted)
