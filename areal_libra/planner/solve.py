@@ -14,6 +14,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -190,11 +191,41 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     cluster = load_cluster(cluster)
     model = load_model(model)
     arr = _validate(cluster, history, cfg)
+    plan = _solve_fixed(cluster, model, arr, cfg, t0)
+    if cfg.split == "homogeneous" and len(_rollout_tps(cluster, cfg)) > 1 and len({i.tp for i in plan.instances}) > 1:
+        plan = split_on_homogeneous(cluster, model, arr, cfg, t0)
+    return plan
+
+
+def _solve_fixed(cluster: ClusterSpec, model: ModelSpec, arr: np.ndarray, cfg: PlannerConfig, t0: float) -> Plan:
     plan = _solve_at(cluster, model, arr, cfg, 0.0, t0)
     if cfg.mode == "async" and cfg.sustained_concurrency:
         plan = sustained_fixed_point(lambda step_s: _solve_at(cluster, model, arr, cfg, step_s, t0),
                                      lambda p: p.makespan_s, plan, cfg.rollout_factor)
     return plan
+
+
+def split_on_homogeneous(cluster: ClusterSpec, model: ModelSpec, arr: np.ndarray, cfg: PlannerConfig,
+                         t0: float) -> Plan:
+    """PlannerConfig.split "homogeneous": the training GPUs of the best single-TP plan, and within the rollout
+    budget they leave the best mix; the single-TP plan itself where the mix does not beat it."""
+    joint = replace(cfg, split="joint")
+    homo = None
+    for tp in _rollout_tps(cluster, cfg):
+        try:
+            p = _solve_fixed(cluster, model, arr, replace(joint, allowed_tp=(tp,)), t0)
+        except PlanError:
+            continue
+        if homo is None or p.makespan_s < homo.makespan_s:
+            homo = p
+    if homo is None:  # no single TP serves this history: only a mix does
+        return _solve_fixed(cluster, model, arr, joint, t0)
+    g = homo.train_gpus
+    try:
+        mixed = _solve_fixed(cluster, model, arr, replace(joint, min_train_gpus=g, max_train_gpus=g), t0)
+    except PlanError:
+        return homo
+    return mixed if mixed.makespan_s <= homo.makespan_s else homo
 
 
 # Passes of the step's fixed point (sustained_fixed_point) and the tolerance that ends it early.

@@ -53,7 +53,8 @@ def _tail_history(seed=0, n=400):
 
 def test_solve_and_price_agree_on_the_sustained_step():
     h = _tail_history()
-    cfg = PlannerConfig(global_batch=128, mode="async", staleness=4)
+    # split="joint": the fixed point's own property, not the split rule's (which compares several solves)
+    cfg = PlannerConfig(global_batch=128, mode="async", staleness=4, split="joint")
     on = solve("a800x48", "qwen3-14b", h, cfg)
     off = solve("a800x48", "qwen3-14b", h, replace(cfg, sustained_concurrency=False))
     # The window's full concurrency is the slowest way to price the servers: the fixed point is never slower.
