@@ -191,38 +191,42 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     cluster = load_cluster(cluster)
     model = load_model(model)
     arr = _validate(cluster, history, cfg)
-    plan = _solve_fixed(cluster, model, arr, cfg, t0)
-    if cfg.split == "homogeneous" and len(_rollout_tps(cluster, cfg)) > 1 and len({i.tp for i in plan.instances}) > 1:
-        plan = split_on_homogeneous(cluster, model, arr, cfg, t0)
-    return plan
-
-
-def _solve_fixed(cluster: ClusterSpec, model: ModelSpec, arr: np.ndarray, cfg: PlannerConfig, t0: float) -> Plan:
     plan = _solve_at(cluster, model, arr, cfg, 0.0, t0)
     if cfg.mode == "async" and cfg.sustained_concurrency:
         plan = sustained_fixed_point(lambda step_s: _solve_at(cluster, model, arr, cfg, step_s, t0),
                                      lambda p: p.makespan_s, plan, cfg.rollout_factor)
+    if cfg.split == "homogeneous" and len(_rollout_tps(cluster, cfg)) > 1 and len({i.tp for i in plan.instances}) > 1:
+        plan = split_on_homogeneous(cluster, model, history, cfg, plan)
     return plan
 
 
-def split_on_homogeneous(cluster: ClusterSpec, model: ModelSpec, arr: np.ndarray, cfg: PlannerConfig,
-                         t0: float) -> Plan:
-    """PlannerConfig.split "homogeneous": the training GPUs of the best single-TP plan, and within the rollout
-    budget they leave the best mix; the single-TP plan itself where the mix does not beat it."""
-    joint = replace(cfg, split="joint")
-    homo = None
-    for tp in _rollout_tps(cluster, cfg):
+def best_single_tp(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[tuple[int, ...]],
+                   cfg: PlannerConfig) -> Plan | None:
+    """The plan of least predicted makespan among those with a single rollout TP from cfg's allowed list (first
+    of equals, in list order; fillers of other TPs allowed); None when no single TP gives a plan."""
+    best = None
+    for tp in _rollout_tps(load_cluster(cluster), cfg):
         try:
-            p = _solve_fixed(cluster, model, arr, replace(joint, allowed_tp=(tp,)), t0)
+            p = solve(cluster, model, history, replace(cfg, allowed_tp=(tp,)))
         except PlanError:
             continue
-        if homo is None or p.makespan_s < homo.makespan_s:
-            homo = p
+        if best is None or p.makespan_s < best.makespan_s:
+            best = p
+    return best
+
+
+def split_on_homogeneous(cluster: ClusterSpec, model: ModelSpec, history: Sequence[tuple[int, ...]],
+                         cfg: PlannerConfig, joint_plan: Plan) -> Plan:
+    """PlannerConfig.split "homogeneous": the training GPUs of the best single-TP plan, and within the rollout
+    budget they leave the best mix; the single-TP plan itself where the mix does not beat it, and `joint_plan`
+    (the joint solve's, already made) where no single TP serves the history."""
+    joint = replace(cfg, split="joint")
+    homo = best_single_tp(cluster, model, history, joint)
     if homo is None:  # no single TP serves this history: only a mix does
-        return _solve_fixed(cluster, model, arr, joint, t0)
+        return joint_plan
     g = homo.train_gpus
     try:
-        mixed = _solve_fixed(cluster, model, arr, replace(joint, min_train_gpus=g, max_train_gpus=g), t0)
+        mixed = solve(cluster, model, history, replace(joint, min_train_gpus=g, max_train_gpus=g))
     except PlanError:
         return homo
     return mixed if mixed.makespan_s <= homo.makespan_s else homo

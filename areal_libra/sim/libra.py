@@ -222,14 +222,9 @@ def plan_for(env: Env, history, homogeneous: bool, factors=None, **restrict):
         restrict.update(train_factor=factors.train, rollout_factor=factors.rollout)
     if not homogeneous:
         return solve(cluster, model, history, planner_config(env, allowed_tp=tuple(tps), **restrict))
-    best = None
-    for tp in tps:
-        try:
-            p = solve(cluster, model, history, planner_config(env, allowed_tp=(tp,), **restrict))
-        except PlanError:
-            continue
-        if best is None or p.makespan_s < best.makespan_s:
-            best = p
+    from areal_libra.planner.solve import best_single_tp
+
+    best = best_single_tp(cluster, model, history, planner_config(env, allowed_tp=tuple(tps), **restrict))
     if best is None:
         raise SimError("the planner found no homogeneous plan for this cluster")
     return best
