@@ -212,6 +212,8 @@ class RolloutCost:
         tokens per second, each holding `kv_per_req` tokens of KV: the smallest c with c / decode_step_s(c) >=
         rate (the left side rises with c). `conc` where even that falls short. Vectorised (bisection)."""
         rate, conc = np.asarray(rate, dtype=float), np.asarray(conc, dtype=float)
+        if not self.model.is_moe:
+            return self._sustained_dense(rate, conc, np.asarray(kv_per_req, dtype=float))
         lo = np.ones(np.broadcast(rate, conc, np.asarray(kv_per_req)).shape)
         hi = np.maximum(np.broadcast_to(conc, lo.shape), 1.0).copy()
         for _ in range(iters):
@@ -220,6 +222,27 @@ class RolloutCost:
             hi = np.where(ok, mid, hi)
             lo = np.where(ok, lo, mid)
         return hi
+
+    def _sustained_dense(self, rate, conc, kv):
+        """sustained_concurrency in closed form for a dense model, whose step is affine in each of its two
+        regimes: decode_step_s(c, c * kv) = max(a_mem + b_mem c, b_cmp c) + a_fix + b_fix c. c / step(c) >= rate
+        holds exactly when c >= rate (a + a_fix) / (1 - rate (b + b_fix)) for both regimes (never where that
+        denominator is <= 0). The bisection gives the same to its tolerance at 1/40 of the cost (the planner
+        prices every interval x server count this way once per fixed-point pass)."""
+        hw, m, tp = self.hw, self.model, self.tp
+        bw = hw.hbm_bw * hw.hbm_eff
+        a_mem, b_mem = self._dense_bytes / tp / bw, kv * self._kv_bytes_gpu / bw
+        b_cmp = (2.0 * m.active_params + 4.0 * m.n_layers * m.attn_dim * kv) / (tp * hw.flops * hw.decode_mfu)
+        a_fix, b_fix = self.step_overhead_s(), hw.seq_overhead_s
+        if tp > 1:  # _comm_s: two all-reduces of c x hidden bytes per layer
+            a_fix = a_fix + 2 * m.n_layers * hw.comm_latency_s
+            b_fix = b_fix + 2 * m.n_layers * 2.0 * (tp - 1) / tp * m.hidden * m.dtype_bytes / hw.link_bw(tp, tp)
+        need = np.zeros(np.broadcast(rate, conc, kv).shape)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for a, b in ((a_mem, b_mem), (0.0, b_cmp)):
+                den = 1.0 - rate * (b + b_fix)
+                need = np.maximum(need, np.where(den > 0, rate * (a + a_fix) / den, np.inf))
+        return np.clip(need, 1.0, np.maximum(conc, 1.0))
 
     def group_makespan_s(self, n_req, mean_prompt, mean_output, max_output, max_final, window: float = 1.0,
                          reprefill: bool = True, slot_output: float | None = None, slot_wait_s: float = 0.0,

@@ -147,7 +147,7 @@ def _train_frontier(tcost: TrainCost, st: BatchStats, n: int, cfg: PlannerConfig
         # tree. DP need not divide the batch: the trainer balances tokens over ranks.
         if not any(g % (tp * pp) == 0 and g // (tp * pp) <= st.n for tp in tps for pp in pps):
             continue
-        res = search(tcost, g, st, tree_cfg)
+        res = _search(tcost, g, st, tree_cfg)
         trees.append(res)
         if res.best is not None:
             out[g] = res
@@ -166,6 +166,23 @@ def _train_frontier(tcost: TrainCost, st: BatchStats, n: int, cfg: PlannerConfig
     example = next(r for t in trees for r in t.log if r.kind == kind)
     raise PlanError(f"no training layout is feasible; binding constraint: {kind} (e.g. {example.branch}: "
                     f"{example.reason})")
+
+
+# The training tree's results by (cost model, size, batch, tree config): a deterministic search that one
+# split-rule solve asks for the same inputs up to 25 times (each single TP, each fixed-point pass). Bounded:
+# a long live run's batches differ every re-plan.
+_TREE_CACHE: dict = {}
+_TREE_CACHE_MAX = 4096
+
+
+def _search(tcost: TrainCost, g: int, st: BatchStats, tree_cfg: TreeConfig) -> TreeResult:
+    key = (tcost.cluster, tcost.model, tcost.recompute, tcost.logprob_passes, tcost.dp_overlap, g, st, tree_cfg)
+    res = _TREE_CACHE.get(key)
+    if res is None:
+        if len(_TREE_CACHE) >= _TREE_CACHE_MAX:
+            _TREE_CACHE.pop(next(iter(_TREE_CACHE)))
+        res = _TREE_CACHE[key] = search(tcost, g, st, tree_cfg)
+    return res
 
 
 def _pareto(frontier: dict[int, TreeResult]) -> list[tuple[int, TreeResult]]:
@@ -391,7 +408,7 @@ def _build_plan(cluster: ClusterSpec, cfg: PlannerConfig, tcost: TrainCost, st: 
         rollout_backend=cfg.rollout_backend,
         idle_gpus=left,
         notes=notes,
-        tree_log=res.log,
+        tree_log=list(res.log),  # a copy: res is shared through _TREE_CACHE
         intervals=intervals,
         train_breakdown=tcost.breakdown(par, st),
     )

@@ -33,6 +33,24 @@ def test_sustained_concurrency_is_the_smallest_that_keeps_up():
     assert out.shape == (2,) and out[0] == pytest.approx(40.0, rel=1e-3) and out[1] == 50.0
 
 
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_the_dense_closed_form_is_the_bisection(tp):
+    # The dense model's step is affine in each regime (memory / compute bound), so sustained_concurrency solves
+    # it exactly; a plain bisection on decode_step_s is the definition it must agree with, in both regimes and
+    # at both clips (one request, the cap).
+    rc = _rc(tp)
+    rng = np.random.default_rng(tp)
+    rate, conc, kv = 10 ** rng.uniform(-1, 5, 500), rng.uniform(1, 256, 500), 10 ** rng.uniform(2, 4.6, 500)
+    lo, hi = np.ones(500), conc.copy()
+    for _ in range(60):
+        mid = (lo + hi) / 2.0
+        ok = mid / rc.decode_step_s(mid, mid * kv) >= rate
+        hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid)
+    got = rc.sustained_concurrency(rate, conc, kv)
+    assert np.allclose(got, hi, rtol=1e-9)
+    assert (got == 1.0).any() and (got == conc).any() and ((got > 1.0) & (got < conc)).any()
+
+
 def test_a_slow_step_prices_the_critical_path_at_the_concurrency_it_sustains():
     rc = _rc()
     args = (40.0, 2000.0, 3000.0, 38000.0, 40000.0)  # a long-tailed interval: the critical path decides
