@@ -6,11 +6,8 @@ settle steps skipped), so one slow step or one step's completion order does not 
 
 - `train`: measured training time / modelled T_train.
 - `rollout`: measured T_rollout (train + the trainer's wait) / modelled T_rollout, from the steps where the
-  trainer waited for rollout to fill the batch. A step where rollout kept up only bounds it from above
-  (T_rollout <= train + wait): then the factor may only fall to that bound, never rise. So does a step whose
-  wait was for a straggler the staleness bound forces into the batch (Libra's bounded lag): that wait is one
-  trajectory's tail, which more rollout GPUs barely shorten, and fitted as capacity it swung the factor by
-  half on a change of tie-breaking in the router (docs/simulator.md).
+  trainer waited for rollout. A step where rollout kept up only bounds it from above (T_rollout <= train +
+  wait): then the factor may only fall to that bound, never rise.
 - `fixed_s`: the per-step time neither side explains (interval - train - wait: the weight update, the
   optimizer's sync), added to every prediction.
 
@@ -122,20 +119,17 @@ class StepCalibration:
         self.roll_busy.clear()
 
     def observe(self, interval_s: float, train_s: float, wait_s: float, t_train_model: float,
-                t_roll_model: float, fixed_s: float | None = None, busy_s: float | None = None,
-                waited_for_count: bool = True) -> Factors:
+                t_roll_model: float, fixed_s: float | None = None, busy_s: float | None = None) -> Factors:
         """One step: measured interval, training time and wait (already scaled to the model's batch when the
         caller normalises per token), the model's two terms, the step's unexplained time (default
-        interval - train - wait) and, when measured, the rollout GPUs' busy time in the step (same scale).
-        `waited_for_count` False: the wait was for a straggler the staleness bound forces into the batch, not
-        for the batch to fill; the step then only bounds the rollout factor from above, like a kept-up one."""
+        interval - train - wait) and, when measured, the rollout GPUs' busy time in the step (same scale)."""
         self.since_change += 1
         if self.since_change <= self.settle or t_train_model <= 0 or t_roll_model <= 0 or interval_s <= 0:
             return self.factors
         self.observed += 1
         self.train.append(train_s / t_train_model)
         self.fixed.append(max(0.0, interval_s - train_s - wait_s if fixed_s is None else fixed_s))
-        waited = waited_for_count and wait_s > self.wait_min * (train_s + wait_s)
+        waited = wait_s > self.wait_min * (train_s + wait_s)
         self.roll.append((waited, (train_s + wait_s) / t_roll_model))
         if not waited and busy_s is not None:
             self.roll_busy.append(min(train_s + wait_s, busy_s) / t_roll_model)

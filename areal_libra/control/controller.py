@@ -42,9 +42,6 @@ class StepObservation:
     rollout_busy: float | None = None  # share of the rollout GPU time in the step spent serving (None: unknown)
     # rollout requests queued on the servers at the step's end, in batches' worth of requests (0: none or unknown)
     backlog_batches: float = 0.0
-    # The wait was for the batch to fill (rollout behind). False: for a straggler the staleness bound forces into
-    # the batch (aging.select_batch's "stale"), a tail latency, not a shortage of rollout capacity.
-    wait_for_count: bool = True
 
 
 @dataclass(frozen=True)
@@ -356,8 +353,7 @@ class LibraController:
                                      ).append(obs.interval_s / obs.tokens)
         busy = None if obs.rollout_busy is None else obs.rollout_busy * obs.interval_s * per
         f = self.calib.observe(obs.interval_s, obs.train_s * per, obs.wait_s * per, t_train, t_roll,
-                               fixed_s=obs.interval_s - obs.train_s - obs.wait_s, busy_s=busy,
-                               waited_for_count=obs.wait_for_count)
+                               fixed_s=obs.interval_s - obs.train_s - obs.wait_s, busy_s=busy)
         self.factor_record.update(f.as_dict())
 
     @property

@@ -642,8 +642,7 @@ class SimLibraControl(Controller):
                               rollout_s=rec["t_rollout_s"],
                               queue_pressure=rec["queue_pressure"], active_pressure=rec["active_pressure"],
                               wait_s=rec["wait_s"], tokens=rec["final_tokens"],
-                              rollout_busy=rec["rollout_busy_frac"], backlog_batches=self.cluster.backlog_batches(rec),
-                              wait_for_count=rec["waited_for"] != "stale")
+                              rollout_busy=rec["rollout_busy_frac"], backlog_batches=self.cluster.backlog_batches(rec))
         self.ctl.on_step(obs, self.cluster)
 
     def before_train(self, sim: Simulation) -> float:

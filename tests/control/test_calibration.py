@@ -37,19 +37,6 @@ def test_rollout_factor_rises_on_waited_steps_and_only_falls_to_bounds():
     assert cal.factors.rollout == pytest.approx(1.2)
 
 
-def test_a_wait_for_a_straggler_only_bounds_the_rollout_factor():
-    # Libra's bounded lag makes the trainer wait for an old group's last trajectory: a tail, not a batch that
-    # could not fill. Such steps bound the factor from above, as kept-up ones do; waits for the count fit it.
-    stale, count = StepCalibration(window=10, settle=0), StepCalibration(window=10, settle=0)
-    for _ in range(6):
-        for cal, for_count in ((stale, False), (count, True)):
-            cal.observe(interval_s=32.0, train_s=10.0, wait_s=20.0, t_train_model=10.0, t_roll_model=10.0,
-                        waited_for_count=for_count)
-    assert count.factors.rollout == pytest.approx(3.0)
-    assert stale.factors.rollout == pytest.approx(1.0)  # the bound (3.0) is above the prior: it stays
-    assert stale.factors.fixed_s == count.factors.fixed_s == pytest.approx(2.0)
-
-
 def test_waited_steps_count_against_the_same_window_as_the_others():
     # Rare waits (one step in five, the trainer waiting for a straggler) must not outlive the window: after 30
     # steps the last 10 hold two waits, below the third that fits the factor on them, so only the bounds act.
