@@ -225,22 +225,21 @@ class RolloutCost:
 
     def _sustained_dense(self, rate, conc, kv):
         """sustained_concurrency in closed form for a dense model, whose step is affine in each of its two
-        regimes: decode_step_s(c, c * kv) = max(a_mem + b_mem c, b_cmp c) + a_fix + b_fix c. c / step(c) >= rate
-        holds exactly when c >= rate (a + a_fix) / (1 - rate (b + b_fix)) for both regimes (never where that
-        denominator is <= 0). The bisection gives the same to its tolerance at 1/40 of the cost (the planner
-        prices every interval x server count this way once per fixed-point pass)."""
-        hw, m, tp = self.hw, self.model, self.tp
-        bw = hw.hbm_bw * hw.hbm_eff
-        a_mem, b_mem = self._dense_bytes / tp / bw, kv * self._kv_bytes_gpu / bw
-        b_cmp = (2.0 * m.active_params + 4.0 * m.n_layers * m.attn_dim * kv) / (tp * hw.flops * hw.decode_mfu)
-        a_fix, b_fix = self.step_overhead_s(), hw.seq_overhead_s
-        if tp > 1:  # _comm_s: two all-reduces of c x hidden bytes per layer
-            a_fix = a_fix + 2 * m.n_layers * hw.comm_latency_s
-            b_fix = b_fix + 2 * m.n_layers * 2.0 * (tp - 1) / tp * m.hidden * m.dtype_bytes / hw.link_bw(tp, tp)
+        regimes: decode_step_s(c, c * kv) = max(mem(c), comp(c)) + fix(c), each term affine in c (decode_parts,
+        _comm_s, the overheads). c / step(c) >= rate holds exactly when c >= rate (a + a_fix) / (1 - rate (b +
+        b_fix)) for both regimes (never where that denominator is <= 0). The coefficients are read off the step
+        model itself at c = 0 and 1, so this stays the bisection's answer (to its tolerance, at 1/40 of the cost)
+        whatever those terms hold."""
+        def terms(c: float):
+            mem, comp = self.decode_parts(c, c * kv)
+            return mem, comp, self._comm_s(c) + self.step_overhead_s() + self.hw.seq_overhead_s * c
+
+        at0, at1 = terms(0.0), terms(1.0)
+        a_fix, b_fix = at0[2], at1[2] - at0[2]
         need = np.zeros(np.broadcast(rate, conc, kv).shape)
         with np.errstate(divide="ignore", invalid="ignore"):
-            for a, b in ((a_mem, b_mem), (0.0, b_cmp)):
-                den = 1.0 - rate * (b + b_fix)
+            for a, a1 in zip(at0[:2], at1[:2]):
+                den = 1.0 - rate * (a1 - a + b_fix)
                 need = np.maximum(need, np.where(den > 0, rate * (a + a_fix) / den, np.inf))
         return np.clip(need, 1.0, np.maximum(conc, 1.0))
 
