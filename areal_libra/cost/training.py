@@ -17,7 +17,7 @@ full recomputation (layer inputs of the in-flight micro-batches + one layer's wo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from areal_libra.cost.presets import ClusterSpec, ModelSpec
 from areal_libra.cost.rollout import allreduce_s
@@ -67,7 +67,12 @@ class TrainCost:
     recompute: bool = True  # full activation recomputation
     logprob_passes: int = 1  # forward-only passes per step (proximal/old log-probs)
     dp_overlap: float = 0.8  # share of the gradient all-reduce hidden behind the last backward
-    _stats_cache: dict = field(default_factory=dict, repr=False)
+    _stats_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def identity(self) -> tuple:
+        """What the model's prices depend on (every compared field): a key for caching its results."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.compare)
 
     def _stats(self, seq_lengths: Sequence[int] | BatchStats) -> BatchStats:
         if isinstance(seq_lengths, BatchStats):

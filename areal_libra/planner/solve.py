@@ -176,7 +176,7 @@ _TREE_CACHE_MAX = 4096
 
 
 def _search(tcost: TrainCost, g: int, st: BatchStats, tree_cfg: TreeConfig) -> TreeResult:
-    key = (tcost.cluster, tcost.model, tcost.recompute, tcost.logprob_passes, tcost.dp_overlap, g, st, tree_cfg)
+    key = (tcost.identity, g, st, tree_cfg)
     res = _TREE_CACHE.get(key)
     if res is None:
         if len(_TREE_CACHE) >= _TREE_CACHE_MAX:

@@ -33,3 +33,26 @@ def test_tree_records_prune_reasons():
     assert "memory" in kinds  # TP1/TP2 cannot hold 32B on 16 GPUs
     assert all(r.reason and r.level in ("TP", "EP", "PP", "DP/mb") for r in res.log)
     assert res.best is not None and res.evaluated >= 1
+
+
+def test_the_solver_cache_tells_every_cost_model_apart():
+    """solve._search caches the tree's results by TrainCost.identity: a model that differs in any field it
+    prices with gets its own search, never another model's cached result."""
+    import dataclasses
+
+    from areal_libra.planner.solve import _search
+
+    base = TrainCost(load_cluster("a800x64"), load_model("qwen3-14b"))
+    priced = [f.name for f in dataclasses.fields(TrainCost) if f.compare]
+    assert set(priced) >= {"cluster", "model", "recompute", "logprob_passes", "dp_overlap"}
+    assert "_stats_cache" not in priced
+    st, cfg = BatchStats.of([6000] * 128), TreeConfig()
+    variants = {"recompute": False, "logprob_passes": 3, "dp_overlap": 0.0,
+                "model": load_model("qwen3-32b"), "cluster": load_cluster("h200x64")}
+    assert set(variants) == set(priced)  # a new priced field needs a variant here
+    _search(base, 16, st, cfg)
+    for name, value in variants.items():
+        other = dataclasses.replace(base, **{name: value})
+        assert other.identity != base.identity, name
+        got, ref = _search(other, 16, st, cfg), search(other, 16, st, cfg)
+        assert (got.best, got.t_s) == (ref.best, ref.t_s), name
