@@ -211,7 +211,10 @@ def parse_common(argv, description: str, names: Sequence[str], default_ref: str)
     ap.add_argument("--cluster", default="a800x48")
     ap.add_argument("--model", default="qwen3-14b")
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="the run's seed (default 0)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+                    help="run every system once per seed and report each run and the mean over the seeds (a "
+                         "single seed's comparison can turn on one straggler's wait)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--systems", nargs="+", default=list(names), help=f"subset of: {' '.join(names)}")
     ap.add_argument("--plot", default=None, help="write a PNG figure here")
@@ -245,45 +248,97 @@ def parse_max_concurrent(value: str) -> int | None:
     return n
 
 
+def _json_of(args, env: Env, results: dict, seed: int) -> dict:
+    wname = getattr(env.workload, "name", args.workload)
+    return {"systems": results, "workload": wname, "cluster": args.cluster, "model": args.model,
+            "steps": args.steps, "seed": seed,
+            "batch_prompts": env.workload.cfg.batch_prompts,
+            "group_size": env.workload.cfg.group_size, "truth": args.truth, "scale": args.scale,
+            "max_concurrent_rollouts": args.max_concurrent_rollouts,
+            # AReaL-Static-Optimal's sweep: every candidate layout with its measured tokens/s
+            "baseline_candidates": results.get("areal_static_optimal", {}).get("baseline_candidates"),
+            # the same layouts under Libra's loop (static_libra_loop's sweep)
+            "loop_candidates": results.get("static_libra_loop", {}).get("loop_candidates")}
+
+
+def _print_run(args, env: Env, results: dict, seed: int, default_ref: str) -> None:
+    wname = getattr(env.workload, "name", args.workload)
+    print(f"workload={wname} cluster={args.cluster} ({env.n_gpus} GPUs) model={args.model} steps={args.steps} "
+          f"seed={seed} batch={env.workload.cfg.batch_prompts}x{env.workload.cfg.group_size} truth={args.truth}")
+    print(table(results, default_ref if default_ref in results else None))
+    for line in prediction_lines(results):
+        print(line)
+
+
+def seed_summary(runs: dict[int, dict]) -> dict[str, dict]:
+    """Per system over the seeds' runs (seed -> {system: result}): mean, min and max tokens/s, and the mean's
+    change against the system listed before it (a ladder's rung against the one below), in percent."""
+    out: dict[str, dict] = {}
+    prev = None
+    for n in next(iter(runs.values())):
+        vals = [r[n]["tokens_per_s"] for r in runs.values()]
+        mean = sum(vals) / len(vals)
+        out[n] = {"mean_tokens_per_s": mean, "min_tokens_per_s": min(vals), "max_tokens_per_s": max(vals),
+                  "change_pct": None if prev is None or prev <= 0 else 100.0 * (mean / prev - 1.0)}
+        prev = mean
+    return out
+
+
 def main_common(argv, description: str, names: Sequence[str], default_ref: str) -> int:
     args = parse_common(argv, description, names, default_ref)
     systems = [s for part in args.systems for s in part.split(",") if s]
+    runs: dict[int, tuple[Env, dict, dict]] = {}
     try:
         bad = [s for s in systems if s not in names]
         if bad:
             raise ValueError(f"unknown system {bad[0]!r}; choose from {', '.join(names)}")
         if args.steps < 1:
             raise ValueError("--steps must be >= 1")
-        env = make_env(args.workload, args.cluster, args.model, args.seed, args.batch_prompts, args.group_size,
-                       parse_knobs(args.knob), truth=args.truth, scale=args.scale,
-                       max_concurrent_groups=parse_max_concurrent(args.max_concurrent_rollouts))
-        from areal_libra.sim.systems import check_cluster
-
-        check_cluster(env.truth, env.n_gpus)
+        if args.seeds is not None and args.seed is not None:
+            raise ValueError("give --seed or --seeds, not both")
+        if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+            raise ValueError(f"--seeds lists a seed twice: {args.seeds}")
+        if args.seeds is not None and args.plot:
+            raise ValueError("--plot draws one run: give it with --seed")
+        seeds = args.seeds or [0 if args.seed is None else args.seed]
         log = None if args.json else (lambda m: print(m, file=sys.stderr))
-        results, sims = run_many(systems, env, args.steps, log)
+        for seed in seeds:
+            env = make_env(args.workload, args.cluster, args.model, seed, args.batch_prompts, args.group_size,
+                           parse_knobs(args.knob), truth=args.truth, scale=args.scale,
+                           max_concurrent_groups=parse_max_concurrent(args.max_concurrent_rollouts))
+            from areal_libra.sim.systems import check_cluster
+
+            check_cluster(env.truth, env.n_gpus)
+            if log and len(seeds) > 1:
+                log(f"seed {seed}:")
+            results, sims = run_many(systems, env, args.steps, log)
+            runs[seed] = (env, results, sims)
     except (ValueError, TraceError, SimError, OSError) as e:
         msg = first_line(e)
         print(f"error: {msg}", file=sys.stderr)
         return 2
-    wname = getattr(env.workload, "name", args.workload)
-    if args.json:
-        print(json.dumps({"systems": results, "workload": wname, "cluster": args.cluster, "model": args.model,
-                          "steps": args.steps, "seed": args.seed,
-                          "batch_prompts": env.workload.cfg.batch_prompts,
-                          "group_size": env.workload.cfg.group_size, "truth": args.truth, "scale": args.scale,
-                          "max_concurrent_rollouts": args.max_concurrent_rollouts,
-                          # AReaL-Static-Optimal's sweep: every candidate layout with its measured tokens/s
-                          "baseline_candidates": results.get("areal_static_optimal", {}).get("baseline_candidates"),
-                          # the same layouts under Libra's loop (static_libra_loop's sweep)
-                          "loop_candidates": results.get("static_libra_loop", {}).get("loop_candidates")},
-                         indent=1))
+    if args.seeds is None:
+        seed, (env, results, sims) = next(iter(runs.items()))
+        if args.json:
+            print(json.dumps(_json_of(args, env, results, seed), indent=1))
+        else:
+            _print_run(args, env, results, seed, default_ref)
     else:
-        print(f"workload={wname} cluster={args.cluster} ({env.n_gpus} GPUs) model={args.model} steps={args.steps} "
-              f"seed={args.seed} batch={env.workload.cfg.batch_prompts}x{env.workload.cfg.group_size} truth={args.truth}")
-        print(table(results, default_ref if default_ref in results else None))
-        for line in prediction_lines(results):
-            print(line)
+        summary = seed_summary({s: r for s, (_, r, _) in runs.items()})
+        if args.json:
+            print(json.dumps({"seeds": args.seeds, "mean": summary,
+                              "runs": {str(s): _json_of(args, e, r, s) for s, (e, r, _) in runs.items()}}, indent=1))
+        else:
+            for s, (e, r, _) in runs.items():
+                _print_run(args, e, r, s, default_ref)
+                print()
+            print(f"mean over seeds {' '.join(map(str, args.seeds))}:")
+            print(f"{'system':24s} {'mean t/s':>10s} {'min':>10s} {'max':>10s} {'vs above':>9s}")
+            for n, m in summary.items():
+                ch = "-" if m["change_pct"] is None else f"{m['change_pct']:+.1f}%"
+                print(f"{n:24s} {m['mean_tokens_per_s']:10.0f} {m['min_tokens_per_s']:10.0f} "
+                      f"{m['max_tokens_per_s']:10.0f} {ch:>9s}")
+    if not args.json:
         print("tokens/s: model-generated tokens of the trained trajectories per second; paper t/s: the Libra "
               "paper's unit, input + output tokens of the trained trajectories per second, whole cluster")
         print("of roof: tokens/s as a fraction of the run's roofline bound (every GPU at the hardware truth's "
@@ -293,5 +348,6 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
         print("migr: migrated token ratio (re-prefilled context / final tokens); fallbk: share of C-MLFQ's routing "
               "decisions made by its least-loaded fallback (-: no C-MLFQ routing)")
     if args.plot:
-        plot(args.plot, f"{wname} on {args.cluster}", results, sims)
+        env, results, sims = next(iter(runs.values()))
+        plot(args.plot, f"{getattr(env.workload, 'name', args.workload)} on {args.cluster}", results, sims)
     return 0

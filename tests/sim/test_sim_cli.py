@@ -79,3 +79,39 @@ def test_ablation_reports_migrated_tokens_and_fallback_fraction_per_rung():
     head, hetero, cmlfq = text.stdout.splitlines()[1:4]
     assert head.split()[-2:] == ["migr", "fallbk"]
     assert hetero.split()[-1] == "-" and cmlfq.split()[-1] == f"{out['+cmlfq']['fallback_fraction']:.2f}"
+
+
+def test_ablation_over_seeds_reports_each_run_and_their_mean():
+    """--seeds runs the ladder once per seed, each run as --seed S alone would, and the mean of each rung."""
+    common = ("--workload", "r2e_gym", "--cluster", "a800x16", "--steps", "2", "--json", "--batch-prompts", "2",
+              "--systems", "static_uniform", "+hetero_tp")
+    p = _run("ablation.py", *common, "--seeds", "0", "1")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["seeds"] == [0, 1] and set(out["runs"]) == {"0", "1"}
+    for seed in (0, 1):
+        alone = _run("ablation.py", *common, "--seed", str(seed))
+        assert alone.returncode == 0, alone.stderr
+        ref = json.loads(alone.stdout)["systems"]
+        got = out["runs"][str(seed)]["systems"]
+        assert out["runs"][str(seed)]["seed"] == seed
+        assert {n: r["tokens_per_s"] for n, r in got.items()} == {n: r["tokens_per_s"] for n, r in ref.items()}
+    runs = [out["runs"][s]["systems"] for s in ("0", "1")]
+    assert runs[0]["+hetero_tp"]["tokens_per_s"] != runs[1]["+hetero_tp"]["tokens_per_s"]  # the seeds differ
+    mean = {n: (runs[0][n]["tokens_per_s"] + runs[1][n]["tokens_per_s"]) / 2 for n in runs[0]}
+    for n, m in out["mean"].items():
+        assert m["mean_tokens_per_s"] == pytest.approx(mean[n])
+    assert out["mean"]["static_uniform"]["change_pct"] is None
+    assert out["mean"]["+hetero_tp"]["change_pct"] == pytest.approx(
+        100 * (mean["+hetero_tp"] / mean["static_uniform"] - 1))
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--seed", "1", "--seeds", "0", "2"], "give --seed or --seeds, not both"),
+    (["--seeds", "0", "0"], "--seeds lists a seed twice"),
+])
+def test_bad_seed_arguments_are_one_clear_line(args, msg):
+    p = _run("ablation.py", "--workload", "r2e_gym", "--steps", "2", *args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and msg in lines[0] and "Traceback" not in p.stderr
