@@ -302,17 +302,19 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
             raise ValueError("--plot draws one run: give it with --seed")
         seeds = args.seeds or [0 if args.seed is None else args.seed]
         log = None if args.json else (lambda m: print(m, file=sys.stderr))
+        from areal_libra.sim.systems import check_cluster
+
         for seed in seeds:
             env = make_env(args.workload, args.cluster, args.model, seed, args.batch_prompts, args.group_size,
                            parse_knobs(args.knob), truth=args.truth, scale=args.scale,
                            max_concurrent_groups=parse_max_concurrent(args.max_concurrent_rollouts))
-            from areal_libra.sim.systems import check_cluster
-
             check_cluster(env.truth, env.n_gpus)
             if log and len(seeds) > 1:
                 log(f"seed {seed}:")
             results, sims = run_many(systems, env, args.steps, log)
-            runs[seed] = (env, results, sims)
+            # The simulations are kept only for --plot, which draws a single run: over seeds, each run's
+            # simulations (every server, request and record of a paper-scale run) are dropped once it ends.
+            runs[seed] = (env, results, sims if args.seeds is None else {})
     except (ValueError, TraceError, SimError, OSError) as e:
         msg = first_line(e)
         print(f"error: {msg}", file=sys.stderr)
