@@ -21,7 +21,7 @@ from statistics import median
 from typing import Any, Protocol
 
 from areal_libra.control.calibration import Factors, StepCalibration
-from areal_libra.control.prediction import RankingProbe, projected_step_s
+from areal_libra.control.prediction import RankingProbe, projected_step_s, scaled_terms
 from areal_libra.control.profile import ProfilePass, first_plan
 from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
 from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
@@ -328,16 +328,17 @@ class LibraController:
         self._pending.append({"step": step, "kind": kind, "predicted_s": predicted_s, "_seen": []})
 
     def _calibrate(self, obs: StepObservation, cluster: Cluster) -> None:
-        """Price the plan in force on the current history and fit the factors to what the step measured;
-        skipped while the elastic pool has moved replicas off the plan (the plan no longer describes it)."""
+        """Price the layout the step ran on the current history and fit the factors to what the step measured.
+        While the elastic pool has moved replicas off the plan, the plan's terms are scaled onto the pool by the
+        pool's own projection (scaled_terms), so the factors go on describing the model's error across moves:
+        frozen there, the first decision after a move priced with the factors of before it (or none)."""
         assert self.calib is not None
         pool = cluster.pool()
         # Latched once the pool has its replicas placed: a live pool's hybrids start in neither state while their
         # workers come up (a few steps), then train as the plan sized them; that is the plan's pool, not a move.
         if self._pool_training0 is None and pool.training + pool.idle:
             self._pool_training0 = pool.training
-        if pool.training + pool.idle and pool.training != self._pool_training0:
-            return
+        moved = pool.training - self._pool_training0 if pool.training + pool.idle else 0
         hist = cluster.history(self.cfg.history)
         if len(hist) < self.cfg.min_history:
             return
@@ -345,10 +346,16 @@ class LibraController:
             t_train, t_roll, tokens = self.planner.price_terms(self.plan, hist)  # type: ignore[attr-defined]
         except ValueError:
             return
+        if moved:
+            on_pool = scaled_terms(t_train, t_roll, pool.train_replicas - moved,
+                                   pool.rollout_gpus + moved * pool.unit_gpus, pool.unit_gpus, moved)
+            if on_pool is None:
+                return
+            t_train, t_roll = on_pool
         # Per token: a step's batch is a draw of the history, so its time is held against the model's time per
         # token of the history (one batch of hard issues is not a slow model).
         per = tokens / obs.tokens if obs.tokens > 0 and tokens > 0 else 1.0
-        if obs.tokens > 0 and self.calib.since_change >= self.calib.settle:
+        if obs.tokens > 0 and self.calib.since_change >= self.calib.settle and not moved:  # the plan's own layout
             self.measured.setdefault(_layout_key(self.plan), deque(maxlen=2 * self.cfg.replan_policy.every_k)
                                      ).append(obs.interval_s / obs.tokens)
         busy = None if obs.rollout_busy is None else obs.rollout_busy * obs.interval_s * per

@@ -1,5 +1,6 @@
 """How well Libra's controller predicts (issue 23): each decision's predicted step against the steps it
-then measured (`prediction_summary`), the step an elastic move predicts (`projected_step_s`), and whether
+then measured (`prediction_summary`), the step an elastic move predicts (`projected_step_s`, on the pool's
+projection `scaled_terms`, which also prices a plan on a pool that moved off it), and whether
 the calibrated Cost Evaluator ranks layouts it did not choose as they run (`RankingProbe`).
 
 A sweep (in the simulator: AReaL-Static-Optimal's, `baseline_candidates`) gives layouts with their measured
@@ -135,18 +136,29 @@ class RankingProbe:
         return rho
 
 
-def projected_step_s(t_train_s: float, t_rollout_s: float, interval_s: float, replicas: int, rollout_gpus: int,
-                     unit_gpus: int, delta: int) -> float | None:
-    """The step an elastic move predicts: `delta` data-parallel replicas of `unit_gpus` GPUs join training
-    (> 0) or leave it (< 0); training time scales with 1/replicas and rollout time with 1/rollout GPUs (the
-    elastic policy's own projection, areal_libra.elastic.policy), and the time neither side explains (the
-    measured interval beyond the longer side) stays. None when the move would empty a side."""
+def scaled_terms(t_train_s: float, t_rollout_s: float, replicas: int, rollout_gpus: int, unit_gpus: int,
+                 delta: int) -> tuple[float, float] | None:
+    """Training and rollout times after `delta` replicas of `unit_gpus` GPUs join (> 0) or leave (< 0) training,
+    from the times on `replicas` training replicas and `rollout_gpus` rollout GPUs: training scales with
+    1/replicas, rollout with 1/rollout GPUs (the elastic policy's projection, areal_libra.elastic.policy). None
+    when a side is or would be empty."""
     after = sizes_after(replicas, rollout_gpus, unit_gpus, delta)
     if after is None:
         return None
     new_rep, new_roll = after
+    return t_train_s * replicas / new_rep, t_rollout_s * rollout_gpus / new_roll
+
+
+def projected_step_s(t_train_s: float, t_rollout_s: float, interval_s: float, replicas: int, rollout_gpus: int,
+                     unit_gpus: int, delta: int) -> float | None:
+    """The step an elastic move predicts: the measured times scaled onto the pool after the move
+    (`scaled_terms`), plus the time neither side explains (the measured interval beyond the longer side).
+    None when the move would empty a side."""
+    after = scaled_terms(t_train_s, t_rollout_s, replicas, rollout_gpus, unit_gpus, delta)
+    if after is None:
+        return None
     fixed = max(0.0, interval_s - max(t_train_s, t_rollout_s))
-    return max(t_train_s * replicas / new_rep, t_rollout_s * rollout_gpus / new_roll) + fixed
+    return max(after) + fixed
 
 
 def prediction_summary(predictions: Sequence[dict[str, Any]], lo: float = 0.85, hi: float = 1.15,
