@@ -338,6 +338,8 @@ class LibraController:
         # workers come up (a few steps), then train as the plan sized them; that is the plan's pool, not a move.
         if self._pool_training0 is None and pool.training + pool.idle:
             self._pool_training0 = pool.training
+        if pool.busy:  # a join or release in flight: the step ran on neither layout
+            return
         moved = pool.training - self._pool_training0 if pool.training + pool.idle else 0
         hist = cluster.history(self.cfg.history)
         if len(hist) < self.cfg.min_history:

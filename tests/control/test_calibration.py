@@ -306,6 +306,30 @@ def test_calibration_goes_on_across_an_elastic_move_on_the_pools_projection(trai
     assert all(len(v) <= 7 for v in ctl.measured.values())
 
 
+class _MovingPool(_StartingPool):
+    """The release of _StartingPool in flight over steps 8-9 (the live pool's RELEASING state: the replica is in
+    neither state and the step ran on neither layout), done from step 10."""
+
+    def pool(self):
+        if 8 <= self.step <= 9:
+            return PoolView(training=2, idle=0, train_replicas=6, rollout_gpus=4, unit_gpus=1, busy=True)
+        return super().pool()
+
+
+def test_calibration_skips_the_steps_a_move_is_in_flight():
+    a = _Plan("A", 10.0, 10.0)
+    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=100)), _CalPlanner([a]), a)
+    cl = _MovingPool()
+    observed = {}
+    for s in range(1, 13):
+        cl.step = s
+        t = 15.0 if s < 8 else 17.5  # what the released pool measures once the move is done (factor 1.5)
+        ctl.on_step(StepObservation(s, t + 6.0, t, t, wait_s=5.0, tokens=1000.0), cl)
+        observed[s] = ctl.calib.observed
+    assert observed[9] == observed[7] and observed[12] > observed[9]
+    assert ctl.factors.train == pytest.approx(1.5, rel=0.01)
+
+
 @pytest.mark.parametrize("backlog, predicted", [(0.0, 15.0 + 6.0), (2.5, 16.0 + 6.0), (0.5, 15.0 + 6.0)])
 def test_a_moves_prediction_drains_the_rollout_backlog_the_old_layout_left(backlog, predicted):
     # The move of the test above, decided at a step whose servers still hold `backlog` batches of queued
