@@ -270,15 +270,22 @@ class _StartingPool(_Cluster):
         return PoolView(training=3, idle=0, train_replicas=7, rollout_gpus=4, unit_gpus=1)
 
 
-def test_calibration_goes_on_once_the_plans_pool_has_started():
+def _calibrate_on(cl, last, train_s):
+    """Plan A (the model's training 10 s) run for steps 1..last on cluster `cl`, training measured train_s(step)
+    with a 5 s wait and 6 s besides; the controller and the calibration's observation count after each step."""
     a = _Plan("A", 10.0, 10.0)
     ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=100)), _CalPlanner([a]), a)
-    cl = _StartingPool()
     observed = {}
-    for s in range(1, 8):  # training measured 1.5x the model's 10 s
+    for s in range(1, last + 1):
         cl.step = s
-        ctl.on_step(StepObservation(s, 21.0, 15.0, 15.0, wait_s=5.0, tokens=1000.0), cl)
+        t = train_s(s)
+        ctl.on_step(StepObservation(s, t + 6.0, t, t, wait_s=5.0, tokens=1000.0), cl)
         observed[s] = ctl.calib.observed
+    return ctl, observed
+
+
+def test_calibration_goes_on_once_the_plans_pool_has_started():
+    ctl, observed = _calibrate_on(_StartingPool(), 7, lambda s: 15.0)  # training measured 1.5x the model's 10 s
     # fitted on through the pool's start (not frozen at the first steps' empty pool: the latch is the started
     # pool's 3 training replicas)
     assert ctl._pool_training0 == 3
@@ -291,15 +298,7 @@ def test_calibration_goes_on_across_an_elastic_move_on_the_pools_projection(trai
     # From step 8 one hybrid replica is released (7 -> 6 training replicas, 4 -> 5 rollout GPUs). Training that
     # slows as the pool's projection says (7/6) is the same model error as before: the factor stays 1.5. Training
     # that does not slow is faster than the model on the moved pool: the factor falls to 1.5 x 6/7.
-    a = _Plan("A", 10.0, 10.0)
-    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=100)), _CalPlanner([a]), a)
-    cl = _StartingPool()
-    observed = {}
-    for s in range(1, 25):
-        cl.step = s
-        t = 15.0 if s < 8 else train_s
-        ctl.on_step(StepObservation(s, t + 6.0, t, t, wait_s=5.0, tokens=1000.0), cl)
-        observed[s] = ctl.calib.observed
+    ctl, observed = _calibrate_on(_StartingPool(), 24, lambda s: 15.0 if s < 8 else train_s)
     assert observed[24] > observed[8]  # not frozen while the pool is off the plan
     assert ctl.factors.train == pytest.approx(factor, rel=0.01)
     # the moved pool's steps are not the plan's own layout's measured steps
@@ -317,15 +316,8 @@ class _MovingPool(_StartingPool):
 
 
 def test_calibration_skips_the_steps_a_move_is_in_flight():
-    a = _Plan("A", 10.0, 10.0)
-    ctl = LibraController(ControlConfig(replan_policy=ReplanConfig(every_k=100)), _CalPlanner([a]), a)
-    cl = _MovingPool()
-    observed = {}
-    for s in range(1, 13):
-        cl.step = s
-        t = 15.0 if s < 8 else 17.5  # what the released pool measures once the move is done (factor 1.5)
-        ctl.on_step(StepObservation(s, t + 6.0, t, t, wait_s=5.0, tokens=1000.0), cl)
-        observed[s] = ctl.calib.observed
+    # once the move is done the released pool measures 17.5 s, the model's error unchanged (factor 1.5)
+    ctl, observed = _calibrate_on(_MovingPool(), 12, lambda s: 15.0 if s < 8 else 17.5)
     assert observed[9] == observed[7] and observed[12] > observed[9]
     assert ctl.factors.train == pytest.approx(1.5, rel=0.01)
 
