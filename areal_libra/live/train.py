@@ -206,11 +206,26 @@ def install_control(trainer, libra: LibraConfig, config, run_dir: Path, metrics,
     return control
 
 
+def profile_rollout(rollout: Any, rows: list, staleness: Any, version: int, **kwargs: Any) -> None:
+    """Play `rows` through `rollout.rollout_batch` in chunks AReaL's staleness budget admits at once. Its executor
+    admits (max_head_offpolicyness + 1) x consumer_batch_size groups before a version bump, and no training step
+    runs during the pass: a pass larger than that waited forever for capacity (profile_groups 16 against 2 x 4 in
+    `python -m evaluation.live_elastic`). After each chunk, as after the whole pass, the budget is set back to
+    version `version`'s (the pass is no step's batch). `staleness`: the executor's StalenessManager (None: one
+    batch)."""
+    chunk = max(1, int(staleness.get_pending_limit())) if staleness is not None else max(1, len(rows))
+    for i in range(0, len(rows), chunk):
+        rollout.rollout_batch(rows[i:i + chunk], **kwargs)
+        if staleness is not None:
+            staleness.on_version_recovered(version)
+
+
 def profile_pass(trainer, libra: LibraConfig, config, dataset, wf_module, wf_cls, workflow_kwargs: dict,
                  control, router, fanout) -> ProfilePass | None:
     """The profiling pass before step 1 (control.profile, the simulator's procedure): `libra.control.profile_groups`
     prompts of the dataset, each a group of gconfig.n_samples, played by the run's workflow through AReaL's rollout
-    path (`rollout_batch`: it returns when every group finished, the tail included) on the launch layout at the
+    path (`rollout_batch`, in chunks AReaL's staleness budget admits: `profile_rollout`; each returns when every
+    group of it finished, the tail included) on the launch layout at the
     initial weights; their trajectories go to a ProfilePass (and the router's live tree, as the simulator fits
     C-MLFQ on its profile), not to the step metrics, and the controller starts from the first plan solved on
     all of them. The pass leaves AReaL's staleness budget as it found it (accepted reset to version 0's).
@@ -235,11 +250,10 @@ def profile_pass(trainer, libra: LibraConfig, config, dataset, wf_module, wf_cls
     if hasattr(wf_module, "set_trajectory_sink"):
         wf_module.set_trajectory_sink(sink)
     try:
-        trainer.rollout.rollout_batch(rows, workflow=libra.workflow, workflow_kwargs=kwargs, group_size=group)
         inner = getattr(trainer.rollout, "_engine", trainer.rollout)
         sm = getattr(getattr(inner, "workflow_executor", None), "staleness_manager", None)
-        if sm is not None:  # the pass is no step's batch: the staleness window starts empty at version 0
-            sm.on_version_recovered(int(trainer.actor.get_version()))
+        profile_rollout(trainer.rollout, rows, sm, int(trainer.actor.get_version()), workflow=libra.workflow,
+                        workflow_kwargs=kwargs, group_size=group)
         if hasattr(router, "learn_finished"):  # C-MLFQ starts from the profile, as the simulator's
             router.learn_finished()
         print(f"areal_libra control: profiling pass: {prof.summary()} in {time.monotonic() - t0:.1f} s", flush=True)
