@@ -21,9 +21,9 @@ from statistics import median
 from typing import Any, Protocol
 
 from areal_libra.control.calibration import Factors, StepCalibration
-from areal_libra.control.prediction import RankingProbe, projected_step_s, scaled_terms
+from areal_libra.control.prediction import RankingProbe, projected_step_s
 from areal_libra.control.profile import ProfilePass, first_plan
-from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy
+from areal_libra.elastic.policy import ElasticConfig, ElasticPolicy, scaled_terms
 from areal_libra.planner.replan import ReplanConfig, ReplanPolicy
 
 

@@ -1,6 +1,6 @@
 """How well Libra's controller predicts (issue 23): each decision's predicted step against the steps it
 then measured (`prediction_summary`), the step an elastic move predicts (`projected_step_s`, on the pool's
-projection `scaled_terms`, which also prices a plan on a pool that moved off it), and whether
+projection elastic.policy.scaled_terms), and whether
 the calibrated Cost Evaluator ranks layouts it did not choose as they run (`RankingProbe`).
 
 A sweep (in the simulator: AReaL-Static-Optimal's, `baseline_candidates`) gives layouts with their measured
@@ -19,7 +19,7 @@ from typing import Any
 
 from areal_libra.control.calibration import Factors
 from areal_libra.cost.training import TrainParallel
-from areal_libra.elastic.policy import sizes_after
+from areal_libra.elastic.policy import scaled_terms
 from areal_libra.planner.types import Plan, RolloutInstance
 
 
@@ -136,23 +136,10 @@ class RankingProbe:
         return rho
 
 
-def scaled_terms(t_train_s: float, t_rollout_s: float, replicas: int, rollout_gpus: int, unit_gpus: int,
-                 delta: int) -> tuple[float, float] | None:
-    """Training and rollout times after `delta` replicas of `unit_gpus` GPUs join (> 0) or leave (< 0) training,
-    from the times on `replicas` training replicas and `rollout_gpus` rollout GPUs: training scales with
-    1/replicas, rollout with 1/rollout GPUs (the elastic policy's projection, areal_libra.elastic.policy). None
-    when a side is or would be empty."""
-    after = sizes_after(replicas, rollout_gpus, unit_gpus, delta)
-    if after is None:
-        return None
-    new_rep, new_roll = after
-    return t_train_s * replicas / new_rep, t_rollout_s * rollout_gpus / new_roll
-
-
 def projected_step_s(t_train_s: float, t_rollout_s: float, interval_s: float, replicas: int, rollout_gpus: int,
                      unit_gpus: int, delta: int) -> float | None:
     """The step an elastic move predicts: the measured times scaled onto the pool after the move
-    (`scaled_terms`), plus the time neither side explains (the measured interval beyond the longer side).
+    (elastic.policy.scaled_terms), plus the time neither side explains (the measured interval beyond the longer side).
     None when the move would empty a side."""
     after = scaled_terms(t_train_s, t_rollout_s, replicas, rollout_gpus, unit_gpus, delta)
     if after is None:

@@ -211,11 +211,26 @@ class ScheduledPolicy:
 def sizes_after(replicas: int, rollout_gpus: int, unit_gpus: int, delta: int) -> tuple[int, int] | None:
     """(training replicas, rollout GPUs) after `delta` replicas of `unit_gpus` GPUs join (> 0) or leave (< 0)
     training; None when either side is or would be empty. The one size rule of the pool's projections (this
-    policy's, and the prediction an elastic move records: control.prediction.projected_step_s)."""
+    policy's, and `scaled_terms`: the prediction an elastic move records and the calibration on a moved pool)."""
     new_rep, new_roll = replicas + delta, rollout_gpus - delta * unit_gpus
     if min(replicas, rollout_gpus, new_rep, new_roll) < 1:
         return None
     return new_rep, new_roll
+
+
+def scaled_terms(t_train_s: float, t_rollout_s: float, replicas: int, rollout_gpus: int, unit_gpus: int,
+                 delta: int) -> tuple[float, float] | None:
+    """Training and rollout times after `delta` replicas of `unit_gpus` GPUs join (> 0) or leave (< 0) training,
+    from the times on `replicas` training replicas and `rollout_gpus` rollout GPUs: training scales with
+    1/replicas, rollout with 1/rollout GPUs (this policy's projection, `_projected`, on times). None
+    when a side is or would be empty. Used by the prediction an elastic move records
+    (control.prediction.projected_step_s) and by the calibration of a plan on a pool that moved off it
+    (LibraController._calibrate)."""
+    after = sizes_after(replicas, rollout_gpus, unit_gpus, delta)
+    if after is None:
+        return None
+    new_rep, new_roll = after
+    return t_train_s * replicas / new_rep, t_rollout_s * rollout_gpus / new_roll
 
 
 def _projected(ratio: float, replicas: int | None, rollout_gpus: int | None, unit_gpus: int | None,
