@@ -2,10 +2,12 @@
 process of their own: `launch --dry-run` and tests/sglang use it.
 
     parse_command_lines([argv_after_launch_server, ...])  # [{"tp_size", "random_seed", "port", ...}]
-    python -m areal_libra.rollout.sglang_args < argvs.json  # the child: prints one JSON object
+    python -m areal_libra.rollout.sglang_args < argvs.jsonl  # the child: one JSON list of argvs a line
 
-The child prints {"parsed": [...]} or {"refused": "<argparse's reason>", "argv": i} or {"error": "<why
-sglang.srt.server_args does not import>"}.
+For each line the child prints one line: {"parsed": [...]} or {"refused": "<argparse's reason>", "argv": i} or
+{"error": "<why sglang.srt.server_args does not import>"}. Importing sglang.srt.server_args takes 10-20 s of
+CPU, so one child serves every parse of the process that started it (a dry run parses once; the test session
+many times) and exits when its stdin closes.
 
 On a CPU-only machine the import chain of sglang.srt.server_args reaches `from torchvision.io import
 decode_jpeg` (sglang/srt/utils/common.py) and transformers' `torchvision.transforms` names; PyPI's torchvision
@@ -19,12 +21,16 @@ from every other test.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
+import select
 import subprocess
 import sys
+import tempfile
+import threading
 import types
 
 
@@ -42,18 +48,77 @@ def parse_command_lines(argvs: list[list[str]], timeout: float = 600.0) -> list[
     nothing could be parsed."""
     if importlib.util.find_spec("sglang") is None:
         raise SGLangUnavailable("sglang is not installed here")
-    proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(argvs), capture_output=True,
-                          text=True, timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise SGLangUnavailable(f"the parsing process failed (rc {proc.returncode}): {proc.stderr.strip()[-500:]}")
-    out = json.loads(lines[-1])
+    out = _CHILD.ask(argvs, timeout)
     if "error" in out:
         raise SGLangUnavailable(f"sglang.srt.server_args does not import here ({out['error']})")
     if "refused" in out:
         raise SGLangArgsError(f"SGLang's ServerArgs refuses a server command line ({out['refused']}): "
                               f"{' '.join(argvs[out['argv']])}")
     return out["parsed"]
+
+
+class _Child:
+    """The parsing process, started on first use and kept for the next parse (module docstring)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._stderr = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> subprocess.Popen:
+        # stderr to a file: a pipe nobody reads would fill with the import's warnings and stall the child.
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        return subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=self._stderr, text=True, bufsize=1)
+
+    def _fail(self, why: str) -> SGLangUnavailable:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        rc = proc.wait() if proc is not None else None
+        tail = ""
+        if self._stderr is not None:
+            self._stderr.seek(0)
+            tail = self._stderr.read().strip()[-500:]
+            self._stderr.close()
+            self._stderr = None
+        return SGLangUnavailable(f"the parsing process {why} (rc {rc}): {tail}")
+
+    def ask(self, argvs: list[list[str]], timeout: float) -> dict:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = self._start()
+            proc = self._proc
+            try:
+                proc.stdin.write(json.dumps(argvs) + "\n")
+                proc.stdin.flush()
+            except OSError:
+                raise self._fail("failed") from None
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            line = proc.stdout.readline() if ready else None
+            if line is None:
+                raise self._fail(f"answered nothing in {timeout:.0f} s")
+            if not line.strip():
+                raise self._fail("failed")
+            return json.loads(line)
+
+    def close(self) -> None:
+        with self._lock:
+            proc, self._proc = self._proc, None
+            if proc is not None:
+                proc.stdin.close()  # the child exits at the end of its input
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if self._stderr is not None:
+                self._stderr.close()
+                self._stderr = None
+
+
+_CHILD = _Child()
+atexit.register(_CHILD.close)
 
 
 class _Placeholder:
@@ -109,27 +174,18 @@ def _torchvision_imports() -> bool:
     return True
 
 
-def main() -> int:
-    argvs = json.load(sys.stdin)
-    if not _torchvision_imports():
-        sys.meta_path.insert(0, _TorchvisionStandIn())
-    try:
-        from sglang.srt.server_args import ServerArgs
-    except Exception as e:  # noqa: BLE001 - report any import failure as the reason to skip
-        print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}))
-        return 0
+def _parse_all(server_args, argvs: list[list[str]]) -> dict:
     parsed = []
     for i, argv in enumerate(argvs):
         parser = argparse.ArgumentParser(exit_on_error=False)
-        ServerArgs.add_cli_args(parser)
+        server_args.add_cli_args(parser)
         try:
             ns, unknown = parser.parse_known_args(argv)
         except (argparse.ArgumentError, SystemExit) as e:  # a bad value; a missing one exits even so
             unknown, ns = None, str(e)
         if unknown is None or unknown:
             why = ns if unknown is None else f"unrecognized arguments: {' '.join(unknown)}"
-            print(json.dumps({"refused": why, "argv": i}))
-            return 0
+            return {"refused": why, "argv": i}
         parsed.append({"tp_size": getattr(ns, "tp_size", getattr(ns, "tensor_parallel_size", None)),
                        "random_seed": ns.random_seed, "port": ns.port, "dist_init_addr": ns.dist_init_addr,
                        "mem_fraction_static": ns.mem_fraction_static, "context_length": ns.context_length,
@@ -137,7 +193,23 @@ def main() -> int:
                        "enable_priority_scheduling": ns.enable_priority_scheduling,
                        "schedule_low_priority_values_first": ns.schedule_low_priority_values_first,
                        "disable_priority_preemption": ns.disable_priority_preemption})
-    print(json.dumps({"parsed": parsed}))
+    return {"parsed": parsed}
+
+
+def main() -> int:
+    if not _torchvision_imports():
+        sys.meta_path.insert(0, _TorchvisionStandIn())
+    server_args, error = None, None
+    try:
+        from sglang.srt.server_args import ServerArgs as server_args
+    except Exception as e:  # noqa: BLE001 - report any import failure as the reason to skip
+        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        argvs = json.loads(line)
+        out = {"error": error} if server_args is None else _parse_all(server_args, argvs)
+        print(json.dumps(out), flush=True)
     return 0
 
 
