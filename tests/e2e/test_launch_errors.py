@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from areal_libra import launch
 from areal_libra.config import ConfigError, compose
 
 CASES = [
@@ -24,18 +25,29 @@ CASES = [
 ]
 
 
+def _check(rc: int, stderr: str, expected: str, root) -> None:
+    assert rc == 2
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in stderr
+    assert any(expected in ln for ln in lines), stderr
+    assert lines[-1].startswith("areal_libra: error:")
+    assert not list(root.glob("logs/**/servers.json"))  # nothing was started
+
+
 @pytest.mark.parametrize(("args", "expected"), CASES)
-def test_cli_bad_input(args: list[str], expected: str, tmp_path) -> None:
+def test_bad_input(args: list[str], expected: str, tmp_path, capsys) -> None:
+    """Each case through launch.main in this process (a subprocess each cost ~11 s of AReaL's imports)."""
     args = [a.format(tmp=tmp_path) for a in args]
-    expected = expected.format(tmp=tmp_path)
+    rc = launch.main([*args, f"cluster.fileroot={tmp_path}"])
+    _check(rc, capsys.readouterr().err, expected.format(tmp=tmp_path), tmp_path)
+
+
+@pytest.mark.parametrize(("args", "expected"), [CASES[1], CASES[-1]])
+def test_cli_bad_input(args: list[str], expected: str, tmp_path) -> None:
+    """The command line itself (`python -m areal_libra.launch`): the same one line and exit status 2."""
     r = subprocess.run([sys.executable, "-m", "areal_libra.launch", *args, f"cluster.fileroot={tmp_path}"],
                        capture_output=True, text=True, timeout=180)
-    assert r.returncode == 2
-    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert "Traceback" not in r.stderr
-    assert any(expected in ln for ln in lines), r.stderr
-    assert lines[-1].startswith("areal_libra: error:")
-    assert not list(tmp_path.glob("logs/**/servers.json"))  # nothing was started
+    _check(r.returncode, r.stderr, expected, tmp_path)
 
 
 def test_overrides_keep_areal_names_and_fall_through_to_libra() -> None:
