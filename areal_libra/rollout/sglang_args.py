@@ -26,6 +26,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
+import os
 import select
 import subprocess
 import sys
@@ -197,6 +198,9 @@ def _parse_all(server_args, argvs: list[list[str]]) -> dict:
 
 
 def main() -> int:
+    # The answers go to the stdout the parent reads; anything the imports print (Python or C) goes to stderr.
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     if not _torchvision_imports():
         sys.meta_path.insert(0, _TorchvisionStandIn())
     server_args, error = None, None
@@ -209,7 +213,7 @@ def main() -> int:
             continue
         argvs = json.loads(line)
         out = {"error": error} if server_args is None else _parse_all(server_args, argvs)
-        print(json.dumps(out), flush=True)
+        print(json.dumps(out), file=answers, flush=True)
     return 0
 
 
