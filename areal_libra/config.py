@@ -339,7 +339,6 @@ def _split(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
-    from areal.api.cli_args import GRPOConfig
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -363,6 +362,10 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
         libra_raw = OmegaConf.to_container(raw.pop("libra", OmegaConf.create({})), resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"libra config cannot be resolved: {_msg(e)}") from None
+    # AReaL's schema only now: importing it (torch, transformers) takes ~10 s, and a mistyped experiment,
+    # cluster or model choice is reported above without it.
+    from areal.api.cli_args import GRPOConfig
+
     schema = OmegaConf.structured(GRPOConfig)
     try:
         areal = OmegaConf.merge(schema, raw)

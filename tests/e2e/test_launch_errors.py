@@ -101,3 +101,18 @@ def test_trainer_loads_the_typed_config_the_launch_saved(tmp_path) -> None:
     assert typed.control.replan_policy.every_k == 4 and typed.control.settle_steps == 10
     assert typed.scheduler.cmlfq.min_samples == 3 and typed.scheduler.cmlfq.auto_background
     assert typed.elastic.runtime == RuntimeConfig(heartbeat_timeout_s=7.0)
+
+
+def test_a_mistyped_choice_is_reported_before_areals_schema_is_imported() -> None:
+    """experiment/cluster/model choices are checked before AReaL's config schema (torch, transformers: ~10 s)
+    is imported, so the commonest typo is answered at once."""
+    code = ("import sys\n"
+            "from areal_libra.config import ConfigError, compose\n"
+            "try:\n"
+            "    compose(['experiment=no_such_exp'])\n"
+            "except ConfigError as e:\n"
+            "    print('error:', e)\n"
+            "print('areal schema imported:', 'areal.api.cli_args' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "error: unknown experiment 'no_such_exp'" in r.stdout, r.stdout + r.stderr
+    assert "areal schema imported: False" in r.stdout, r.stdout
