@@ -72,22 +72,38 @@ class _Child:
         return subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=self._stderr, text=True, bufsize=1)
 
-    def _fail(self, why: str) -> SGLangUnavailable:
+    def _stop(self, grace_s: float) -> tuple[int | None, str]:
+        """End the child (its input closed, killed after `grace_s`) and drop its stderr file: (rc, stderr tail)."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-        rc = proc.wait() if proc is not None else None
+        rc = None
+        if proc is not None:
+            try:
+                proc.stdin.close()  # the child exits at the end of its input
+            except OSError:
+                pass
+            try:
+                rc = proc.wait(timeout=grace_s) if grace_s > 0 else proc.poll()
+            except subprocess.TimeoutExpired:
+                pass
+            if rc is None:
+                proc.kill()
+                rc = proc.wait()
         tail = ""
         if self._stderr is not None:
             self._stderr.seek(0)
             tail = self._stderr.read().strip()[-500:]
             self._stderr.close()
             self._stderr = None
+        return rc, tail
+
+    def _fail(self, why: str) -> SGLangUnavailable:
+        rc, tail = self._stop(0)
         return SGLangUnavailable(f"the parsing process {why} (rc {rc}): {tail}")
 
     def ask(self, argvs: list[list[str]], timeout: float) -> dict:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
+                self._stop(0)  # a child that died since the last parse: its stderr file goes with it
                 self._proc = self._start()
             proc = self._proc
             try:
@@ -105,17 +121,7 @@ class _Child:
 
     def close(self) -> None:
         with self._lock:
-            proc, self._proc = self._proc, None
-            if proc is not None:
-                proc.stdin.close()  # the child exits at the end of its input
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            if self._stderr is not None:
-                self._stderr.close()
-                self._stderr = None
+            self._stop(10.0)
 
 
 _CHILD = _Child()
