@@ -15,6 +15,7 @@ from areal_libra.sim.cluster import SimError
 from areal_libra.sim.hardware import GPUS, TRUTH_PROFILES, truth_constants, truth_for, truth_from_specs
 from areal_libra.sim.libra import RANKING_PROBES
 from areal_libra.sim.registry import run_system
+from areal_libra.sim.seeds import paired_changes
 from areal_libra.sim.systems import Env, SimKnobs, parse_knobs
 from areal_libra.sim.workloads import make_workload
 from areal_libra.trace import TraceError
@@ -271,17 +272,40 @@ def _print_run(args, env: Env, results: dict, seed: int, default_ref: str) -> No
 
 
 def seed_summary(runs: dict[int, dict]) -> dict[str, dict]:
-    """Per system over the seeds' runs (seed -> {system: result}): mean, min and max tokens/s, and the mean's
-    change against the system listed before it (a ladder's rung against the one below), in percent."""
+    """Per system over the seeds' runs (seed -> {system: result}): mean, min and max tokens/s, the mean's
+    change against the system listed before it (a ladder's rung against the one below), in percent, and
+    `paired`: that change seed by seed, its mean and 95% interval (areal_libra.sim.seeds.paired_changes)."""
+    names = list(next(iter(runs.values())))
+    paired = paired_changes({s: {n: r[n]["tokens_per_s"] for n in names} for s, r in runs.items()}, names)
     out: dict[str, dict] = {}
     prev = None
-    for n in next(iter(runs.values())):
+    for n in names:
         vals = [r[n]["tokens_per_s"] for r in runs.values()]
         mean = sum(vals) / len(vals)
         out[n] = {"mean_tokens_per_s": mean, "min_tokens_per_s": min(vals), "max_tokens_per_s": max(vals),
-                  "change_pct": None if prev is None or prev <= 0 else 100.0 * (mean / prev - 1.0)}
+                  "change_pct": None if prev is None or prev <= 0 else 100.0 * (mean / prev - 1.0),
+                  "paired": paired.get(n)}
         prev = mean
     return out
+
+
+def seed_table(summary: dict[str, dict]) -> str:
+    """The human table of seed_summary: each system's mean and range, and its change against the one above,
+    of the means and paired by seed (mean, 95% interval, the seeds more than 1% below)."""
+    lines = [f"{'system':24s} {'mean t/s':>10s} {'min':>10s} {'max':>10s} {'vs above':>9s} "
+             f"{'paired mean [95% CI]':>24s}  seeds < -1%"]
+    for n, m in summary.items():
+        ch = "-" if m["change_pct"] is None else f"{m['change_pct']:+.1f}%"
+        p = m.get("paired")
+        if p is None:
+            pc, below = "-", ""
+        else:
+            ci = p["ci95_pct"]
+            pc = f"{p['mean_pct']:+.1f}%" + ("" if ci is None else f" [{ci[0]:+.1f}, {ci[1]:+.1f}]")
+            below = " ".join(map(str, p["seeds_below_floor"])) or "none"
+        lines.append(f"{n:24s} {m['mean_tokens_per_s']:10.0f} {m['min_tokens_per_s']:10.0f} "
+                     f"{m['max_tokens_per_s']:10.0f} {ch:>9s} {pc:>24s}  {below}")
+    return "\n".join(lines)
 
 
 def main_common(argv, description: str, names: Sequence[str], default_ref: str) -> int:
@@ -335,11 +359,7 @@ def main_common(argv, description: str, names: Sequence[str], default_ref: str) 
                 _print_run(args, e, r, s, default_ref)
                 print()
             print(f"mean over seeds {' '.join(map(str, args.seeds))}:")
-            print(f"{'system':24s} {'mean t/s':>10s} {'min':>10s} {'max':>10s} {'vs above':>9s}")
-            for n, m in summary.items():
-                ch = "-" if m["change_pct"] is None else f"{m['change_pct']:+.1f}%"
-                print(f"{n:24s} {m['mean_tokens_per_s']:10.0f} {m['min_tokens_per_s']:10.0f} "
-                      f"{m['max_tokens_per_s']:10.0f} {ch:>9s}")
+            print(seed_table(summary))
     if not args.json:
         print("tokens/s: model-generated tokens of the trained trajectories per second; paper t/s: the Libra "
               "paper's unit, input + output tokens of the trained trajectories per second, whole cluster")

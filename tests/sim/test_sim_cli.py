@@ -81,8 +81,9 @@ def test_ablation_reports_migrated_tokens_and_fallback_fraction_per_rung():
     assert hetero.split()[-1] == "-" and cmlfq.split()[-1] == f"{out['+cmlfq']['fallback_fraction']:.2f}"
 
 
-def test_ablation_over_seeds_reports_each_run_and_their_mean():
-    """--seeds runs the ladder once per seed, each run as --seed S alone would, and the mean of each rung."""
+def test_ablation_over_seeds_reports_each_run_and_their_mean(tmp_path, capsys):
+    """--seeds runs the ladder once per seed, each run as --seed S alone would, and the mean of each rung;
+    evaluation.seed_stats pools the single-seed runs' JSON into the same summary."""
     common = ("--workload", "r2e_gym", "--cluster", "a800x16", "--steps", "2", "--json", "--batch-prompts", "2",
               "--systems", "static_uniform", "+hetero_tp")
     p = _run("ablation.py", *common, "--seeds", "0", "1")
@@ -92,6 +93,7 @@ def test_ablation_over_seeds_reports_each_run_and_their_mean():
     for seed in (0, 1):
         alone = _run("ablation.py", *common, "--seed", str(seed))
         assert alone.returncode == 0, alone.stderr
+        (tmp_path / f"s{seed}.json").write_text(alone.stdout)
         ref = json.loads(alone.stdout)["systems"]
         got = out["runs"][str(seed)]["systems"]
         assert out["runs"][str(seed)]["seed"] == seed
@@ -104,6 +106,19 @@ def test_ablation_over_seeds_reports_each_run_and_their_mean():
     assert out["mean"]["static_uniform"]["change_pct"] is None
     assert out["mean"]["+hetero_tp"]["change_pct"] == pytest.approx(
         100 * (mean["+hetero_tp"] / mean["static_uniform"] - 1))
+    paired = out["mean"]["+hetero_tp"]["paired"]
+    per = {s: 100 * (r["+hetero_tp"]["tokens_per_s"] / r["static_uniform"]["tokens_per_s"] - 1)
+           for s, r in zip(("0", "1"), runs)}
+    assert paired["against"] == "static_uniform" and paired["per_seed_pct"] == pytest.approx(per)
+    assert paired["mean_pct"] == pytest.approx(sum(per.values()) / 2)
+    assert out["mean"]["static_uniform"]["paired"] is None
+
+    from evaluation import seed_stats
+
+    assert seed_stats.main([str(tmp_path / "s1.json"), str(tmp_path / "s0.json"), "--json"]) == 0
+    pooled = json.loads(capsys.readouterr().out)
+    assert pooled["seeds"] == [0, 1]
+    assert pooled["mean"] == out["mean"]  # the same figures in the same seed order: the same arithmetic
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -115,3 +130,27 @@ def test_bad_seed_arguments_are_one_clear_line(args, msg):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0] and "Traceback" not in p.stderr
+
+
+def test_seed_stats_refuses_runs_of_different_settings_or_figures(tmp_path, capsys):
+    from evaluation import seed_stats
+
+    def run(seed, tps, steps=60):
+        return {"workload": "r2e_gym", "cluster": "a800x48", "model": "qwen3-14b", "steps": steps, "seed": seed,
+                "batch_prompts": 128, "group_size": 16, "truth": "default", "scale": "default",
+                "max_concurrent_rollouts": "0", "systems": {"a": {"tokens_per_s": 100.0}, "b": {"tokens_per_s": tps}}}
+
+    files = {"a": run(0, 99.0), "b": run(1, 101.0, steps=40), "c": run(0, 98.0), "d": {"nothing": 1}}
+    for k, doc in files.items():
+        (tmp_path / f"{k}.json").write_text(json.dumps(doc))
+    (tmp_path / "e.json").write_text("{not json")
+    for pair, msg in [(("a", "b"), "seed 1 was run with steps=40, the first run with 60"),
+                      (("a", "c"), "seed 0 appears twice with different figures"),
+                      (("d",), "not the JSON of evaluation.ablation"),
+                      (("e",), "not a readable JSON file")]:
+        assert seed_stats.main([str(tmp_path / f"{k}.json") for k in pair]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
+    # The same run given twice is one seed, not two.
+    assert seed_stats.main([str(tmp_path / "a.json"), str(tmp_path / "a.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seeds"] == [0]
