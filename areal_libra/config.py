@@ -363,18 +363,21 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
     except OmegaConfBaseException as e:
         raise ConfigError(f"libra config cannot be resolved: {_msg(e)}") from None
     # AReaL's schema only now: importing it (torch, transformers) takes ~10 s, and a mistyped experiment,
-    # cluster or model choice is reported above without it.
-    from areal.api.cli_args import GRPOConfig
-
-    schema = OmegaConf.structured(GRPOConfig)
-    try:
-        areal = OmegaConf.merge(schema, raw)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"experiment config does not match AReaL's GRPOConfig: {_msg(e)}") from None
+    # cluster or model choice is reported above without it; so is a key that is neither AReaL's (by the shape
+    # of its schema cached from an earlier run) nor libra's.
     try:
         libra = OmegaConf.merge(_schema(), libra_raw)
     except OmegaConfBaseException as e:
         raise ConfigError(f"libra config: {_msg(e)}") from None
+    _check_keys_early(libra, rest)
+    from areal.api.cli_args import GRPOConfig
+
+    schema = OmegaConf.structured(GRPOConfig)
+    _cache_key_shape(schema)
+    try:
+        areal = OmegaConf.merge(schema, raw)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"experiment config does not match AReaL's GRPOConfig: {_msg(e)}") from None
     OmegaConf.set_struct(areal, True)
     OmegaConf.set_struct(libra, True)
     has_trial = False
@@ -391,9 +394,7 @@ def compose(overrides: list[str], default_cluster: str = "cpu") -> Composed:
             try:
                 libra = _override(libra, key, val, ov)
             except _UnknownKey:
-                raise ConfigError(
-                    f"unknown config key '{key}' (neither an AReaL GRPOConfig key nor a libra key)"
-                ) from None
+                raise unknown_key_error(key) from None
     if not has_trial:
         areal.trial_name = time.strftime("t%Y%m%d_%H%M%S")
     # Mirror the root trial/experiment names into every sub-config that carries them.
@@ -453,6 +454,88 @@ def libra_config(cfg: Any) -> LibraConfig:
 
 class _UnknownKey(ConfigError):
     pass
+
+
+def unknown_key_error(key: str) -> ConfigError:
+    return ConfigError(f"unknown config key '{key}' (neither an AReaL GRPOConfig key nor a libra key)")
+
+
+# --- keys checked before AReaL's schema is imported ---------------------------------------------------------
+# A schema's shape: {field: shape} for a dataclass node, OPEN where any key may follow (a dict field, an
+# optional dataclass left None, a leaf the override would replace: OmegaConf decides those after the import).
+OPEN = "*"
+
+
+def key_shape(node: Any) -> Any:
+    """The key shape of an OmegaConf node (a structured config or any node under it)."""
+    if not OmegaConf.is_dict(node) or node._is_none() or node._is_missing():
+        return OPEN
+    if node._metadata.object_type in (None, dict):
+        return OPEN
+    return {str(k): key_shape(node._get_node(k)) for k in node.keys()}
+
+
+def shape_rejects(shape: Any, key: str) -> bool:
+    """True when `key` (dotted) certainly names no field of a config of this shape: some component is not a field
+    of the dataclass node it lands on."""
+    for part in key.split("."):
+        if shape == OPEN:
+            return False
+        if part not in shape:
+            return True
+        shape = shape[part]
+    return False
+
+
+def _key_shape_path() -> Path | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from areal_libra.utils import cache_root
+
+    try:
+        return cache_root() / "config" / f"areal-{version('areal')}-grpo-keys.json"
+    except PackageNotFoundError:
+        return None
+
+
+def _cache_key_shape(schema: DictConfig) -> None:
+    """Keep the shape of AReaL's GRPOConfig for the next run's early check (keyed by AReaL's version); a cache
+    that cannot be written only costs the next typo the import."""
+    import json
+
+    path = _key_shape_path()
+    if path is None or path.is_file():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(key_shape(schema), sort_keys=True))
+    except OSError:
+        pass
+
+
+def _check_keys_early(libra: DictConfig, overrides: list[str]) -> None:
+    """Before AReaL's schema is imported: a `libra.` override is merged into the libra config (`libra`: the
+    experiment's, typed) as it will be later (the same errors), and a key that is neither AReaL's nor libra's is
+    refused when this AReaL's key shape is cached (otherwise, or with an unreadable cache, the full check after
+    the import decides)."""
+    import json
+
+    for ov in overrides:
+        key, val = ov.split("=", 1)
+        if key.startswith("libra."):
+            _override(libra, key[len("libra."):], val, ov)
+    path = _key_shape_path()
+    try:
+        areal_shape = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        areal_shape = None
+    if not isinstance(areal_shape, dict):
+        return
+    libra_shape = key_shape(libra)
+    for ov in overrides:
+        key = ov.split("=", 1)[0]
+        if not key.startswith("libra.") and shape_rejects(areal_shape, key) and shape_rejects(libra_shape, key):
+            raise unknown_key_error(key)
 
 
 def _override(cfg: DictConfig, key: str, val: str, ov: str) -> DictConfig:

@@ -10,6 +10,12 @@ import tempfile
 from pathlib import Path
 
 
+def cache_root() -> Path:
+    """$AREAL_LIBRA_CACHE, else ~/.cache/areal_libra: the project's caches (models, AReaL's config keys)."""
+    env = os.environ.get("AREAL_LIBRA_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "areal_libra"
+
+
 def first_line(e: BaseException) -> str:
     """An exception as one line for the user: its message's first line, or its type when it has none."""
     text = str(e).strip()

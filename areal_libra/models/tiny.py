@@ -28,7 +28,7 @@ from areal_libra.models.warmup import (
     sampled_success,
     supervised_warmup,
 )
-from areal_libra.utils import pid_alive
+from areal_libra.utils import cache_root, pid_alive
 
 BUILD_INFO = "build_info.json"  # written last: its presence marks a complete build
 # Part of the cache directory's name (tiny-qwen2-math-v3-<digest>): bump it when the build recipe changes in a
@@ -62,14 +62,11 @@ class TinyModelConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def default_cache_root() -> Path:
-    env = os.environ.get("AREAL_LIBRA_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "areal_libra"
 
 
 def model_dir(cache_dir: str | Path | None = None, seed: int = 0, config: TinyModelConfig | None = None) -> Path:
     cfg = config or TinyModelConfig()
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
     return root / "models" / f"{cfg.name}-v{FORMAT_VERSION}-{cfg.digest(seed)}"
 
 
