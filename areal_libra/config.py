@@ -488,14 +488,19 @@ def shape_rejects(shape: Any, key: str) -> bool:
 
 
 def _key_shape_path() -> Path | None:
-    from importlib.metadata import PackageNotFoundError, version
+    """Where the shape of the installed AReaL's GRPOConfig is cached: keyed by the bytes of its cli_args.py (found
+    without importing AReaL), so a patched or upgraded AReaL gets its own entry. None when it cannot be found."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, distribution
 
     from areal_libra.utils import cache_root
 
     try:
-        return cache_root() / "config" / f"areal-{version('areal')}-grpo-keys.json"
-    except PackageNotFoundError:
+        src = Path(distribution("areal").locate_file("areal/api/cli_args.py"))
+        digest = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+    except (PackageNotFoundError, OSError):
         return None
+    return cache_root() / "config" / f"areal-grpo-keys-{digest}.json"
 
 
 def _cache_key_shape(schema: DictConfig) -> None:

@@ -131,7 +131,7 @@ def warm_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AREAL_LIBRA_CACHE", str(root))
         compose([])
-    assert len(list(root.glob("config/areal-*-grpo-keys.json"))) == 1
+    assert len(list(root.glob("config/areal-grpo-keys-*.json"))) == 1
     return root
 
 
