@@ -8,6 +8,7 @@ AReaL does with its GRPOConfig, so an unknown or mistyped key is a one-line erro
 from __future__ import annotations
 
 import getpass
+import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -506,8 +507,6 @@ def _key_shape_path() -> Path | None:
 def _cache_key_shape(schema: DictConfig) -> None:
     """Keep the shape of AReaL's GRPOConfig for the next run's early check (keyed by AReaL's version); a cache
     that cannot be written only costs the next typo the import."""
-    import json
-
     path = _key_shape_path()
     if path is None or path.is_file():
         return
@@ -523,23 +522,19 @@ def _check_keys_early(libra: DictConfig, overrides: list[str]) -> None:
     experiment's, typed) as it will be later (the same errors), and a key that is neither AReaL's nor libra's is
     refused when this AReaL's key shape is cached (otherwise, or with an unreadable cache, the full check after
     the import decides)."""
-    import json
-
-    for ov in overrides:
-        key, val = ov.split("=", 1)
-        if key.startswith("libra."):
-            _override(libra, key[len("libra."):], val, ov)
     path = _key_shape_path()
     try:
         areal_shape = json.loads(path.read_text()) if path is not None else None
     except (OSError, ValueError):
         areal_shape = None
     if not isinstance(areal_shape, dict):
-        return
-    libra_shape = key_shape(libra)
+        areal_shape = None  # nothing cached: only the libra. overrides are checked here
+    libra_shape = key_shape(libra) if areal_shape is not None else None
     for ov in overrides:
-        key = ov.split("=", 1)[0]
-        if not key.startswith("libra.") and shape_rejects(areal_shape, key) and shape_rejects(libra_shape, key):
+        key, val = ov.split("=", 1)
+        if key.startswith("libra."):
+            _override(libra, key[len("libra."):], val, ov)
+        elif areal_shape is not None and shape_rejects(areal_shape, key) and shape_rejects(libra_shape, key):
             raise unknown_key_error(key)
 
 

@@ -62,8 +62,6 @@ class TinyModelConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-
-
 def model_dir(cache_dir: str | Path | None = None, seed: int = 0, config: TinyModelConfig | None = None) -> Path:
     cfg = config or TinyModelConfig()
     root = Path(cache_dir) if cache_dir is not None else cache_root()
