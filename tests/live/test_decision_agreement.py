@@ -109,7 +109,7 @@ def test_a_live_emulated_run_next_to_the_simulator(tmp_path: Path, capsys: pytes
     from evaluation.live_ab import main as live_ab
 
     rc = live_ab(["--workload", "search_r1", "--accelerators", "16", "--gpu", "h200", "--model", "qwen3-14b",
-                  "--batch-prompts", "8", "--group-size", "8", "--seed", "0", "--steps", "4", "--json",
+                  "--batch-prompts", "8", "--group-size", "8", "--seed", "0", "--steps", "4", "--time-scale", "0.25", "--json",
                   "--modes", "libra", "--fileroot", str(tmp_path)])  # the decisions are libra's: no static run
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
