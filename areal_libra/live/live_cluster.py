@@ -599,6 +599,11 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+# Dispatch policies that route without looking at a request's length: the planner plans one TP for them
+# (PlannerConfig.routing).
+BLIND_POLICIES = ("least_loaded", "round_robin")
+
+
 def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any = None,
                 train_backend: str | None = None, train_gpus: int | None = None) -> LivePlanSource:
     """The planner for this run: `libra.control.cluster` (cost preset, resized to `accelerators`), the run's
@@ -643,7 +648,8 @@ def plan_source(libra: LibraConfig, areal_cfg: Any, model_path: str, model: Any 
     max_running = int(servers[0].max_running) if servers else 256
     cfg = PlannerConfig(allowed_tp=tuple(int(t) for t in c.allowed_tp), global_batch=batch, mode="async",
                         staleness=int(areal_cfg.rollout.max_head_offpolicyness), max_running=max_running,
-                        rollout_backend="embedded" if str(libra.device) == "cpu" else "sglang")
+                        rollout_backend="embedded" if str(libra.device) == "cpu" else "sglang",
+                        routing="blind" if str(libra.scheduler.policy) in BLIND_POLICIES else "by_length")
     if emulated is not None:  # plan for the emulated model on the emulated accelerators
         if emulated.profile_planner:  # as a profiling pass measures them (the simulator's Libra plans so)
             cluster = replace(cluster, hardware=profiled_hardware(str(emulated.model), str(emulated.gpu),

@@ -207,6 +207,12 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     cfg = cfg or PlannerConfig()
     cluster = load_cluster(cluster)
     model = load_model(model)
+    if cfg.routing == "blind" and len(_rollout_tps(cluster, cfg)) > 1:  # no mix beats one TP (PlannerConfig.routing)
+        _validate(cluster, history, cfg)
+        best = best_single_tp(cluster, model, history, replace(cfg, routing="by_length"))
+        if best is None:
+            raise PlanError("no single rollout TP serves this history, and a length-blind router cannot use a mix")
+        return best
     arr = _validate(cluster, history, cfg)
     plan = _solve_at(cluster, model, arr, cfg, 0.0, t0)
     if cfg.mode == "async" and cfg.sustained_concurrency:

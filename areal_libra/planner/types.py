@@ -77,8 +77,16 @@ class PlannerConfig:
     # choose the split, took training GPUs for rollout (R2E-Gym at 16 x 8: 28 rollout GPUs where 24 ran
     # faster). "joint": the split and the mix solved together, as Libra's planner does.
     split: str = "homogeneous"
+    # The router the rollout servers get. "by_length" (C-MLFQ and the other length-aware policies): a request
+    # goes to the bucket of its length interval, as the rollout DP prices a mix. "blind" (least-loaded,
+    # round-robin): every rollout GPU draws the same share of the whole length distribution, so a server of
+    # TP t holds the same requests, and costs the same, in any mix on the same GPUs; a mix's makespan, the
+    # slowest of its groups, is then never below the best single TP's, and solve plans one TP.
+    routing: str = "by_length"
 
     def __post_init__(self) -> None:
+        if self.routing not in ("by_length", "blind"):
+            raise ValueError(f"routing must be by_length or blind, got {self.routing!r}")
         if self.admission not in ("working_set", "unbounded"):
             raise ValueError(f"admission must be working_set or unbounded, got {self.admission!r}")
         if self.split not in ("homogeneous", "joint"):

@@ -421,16 +421,17 @@ def lend_in_fill(core: Layout, units: list[HybridUnit]) -> Layout:
 class SimPlanSource:
     """The planner bound to the simulated cluster's spec (areal_libra.control.PlanSource)."""
 
-    def __init__(self, env: Env, homogeneous: bool, slots=None, returns=None) -> None:
+    def __init__(self, env: Env, homogeneous: bool, slots=None, returns=None, routing: str = "by_length") -> None:
         self.env, self.homogeneous = env, homogeneous
+        self.routing = routing  # PlannerConfig.routing: "blind" where the rung routes least-loaded
         self.slots = slots or (lambda: {})  # the slot fields of the finished groups (group_slot_fields)
         self.returns = returns or (lambda: 0.0)  # tool returns per finished trajectory (SimCluster.tool_returns)
 
     def solve(self, history):
-        return plan_for(self.env, history, self.homogeneous, **self.slots())
+        return plan_for(self.env, history, self.homogeneous, routing=self.routing, **self.slots())
 
     def solve_calibrated(self, history, factors):
-        return plan_for(self.env, history, self.homogeneous, factors, **self.slots())
+        return plan_for(self.env, history, self.homogeneous, factors, routing=self.routing, **self.slots())
 
     def price(self, plan, history) -> float:
         t_train, t_roll, _ = self.price_terms(plan, history)
@@ -775,8 +776,9 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     slots = group_slot_fields(env, prof.trajectories, env.workload.cfg.group_size)
     cluster = SimCluster(env, opts, [])
     # Before the run the planner's slot fields are the profile's; then the finished groups' (slot_fields).
+    # Without C-MLFQ the rung's servers are routed least-loaded, length-blind (_router_for): the planner prices that.
     source = SimPlanSource(env, opts.homogeneous, lambda: cluster.slot_fields() if cluster.sim is not None else slots,
-                           cluster.tool_returns)
+                           cluster.tool_returns, routing="by_length" if opts.cmlfq else "blind")
     cfg = control_config(knobs, env.staleness).covering(trajectories_per_step(env))
     lc = LibraController.from_profile(cfg, source, prof, triples=HISTORY_TRIPLES)
     layout = layout_from_plan(lc.plan, env.workload.cfg.max_len, knobs.train_micro_batch)
