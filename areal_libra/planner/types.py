@@ -78,10 +78,11 @@ class PlannerConfig:
     # faster). "joint": the split and the mix solved together, as Libra's planner does.
     split: str = "homogeneous"
     # The router the rollout servers get. "by_length" (C-MLFQ and the other length-aware policies): a request
-    # goes to the bucket of its length interval, as the rollout DP prices a mix. "blind" (least-loaded,
-    # round-robin): every rollout GPU draws the same share of the whole length distribution, so a server of
-    # TP t holds the same requests, and costs the same, in any mix on the same GPUs; a mix's makespan, the
-    # slowest of its groups, is then never below the best single TP's, and solve plans one TP.
+    # goes to the bucket of its length interval, as the rollout DP prices a mix. "blind" (least-loaded per GPU;
+    # round-robin, per server, is worse still for a mix): every rollout GPU draws the same share of the whole
+    # length distribution, so a server of TP t holds the same requests, and costs the same, in any mix on the
+    # same GPUs; a mix's makespan, the slowest of its groups, is then never below the best single TP's, and
+    # solve plans one TP.
     routing: str = "by_length"
 
     def __post_init__(self) -> None:
