@@ -505,7 +505,7 @@ def _key_shape_path() -> Path | None:
 
 
 def _cache_key_shape(schema: DictConfig) -> None:
-    """Keep the shape of AReaL's GRPOConfig for the next run's early check (keyed by AReaL's version); a cache
+    """Keep the shape of AReaL's GRPOConfig for the next run's early check (_key_shape_path); a cache
     that cannot be written only costs the next typo the import."""
     path = _key_shape_path()
     if path is None or path.is_file():

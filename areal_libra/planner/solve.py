@@ -208,7 +208,7 @@ def solve(cluster: ClusterSpec | str, model: ModelSpec | str, history: Sequence[
     cluster = load_cluster(cluster)
     model = load_model(model)
     if cfg.routing == "blind" and len(_rollout_tps(cluster, cfg)) > 1:  # no mix beats one TP (PlannerConfig.routing)
-        _validate(cluster, history, cfg)
+        _validate(cluster, history, cfg)  # bad input named as such, not as "no single TP"
         best = best_single_tp(cluster, model, history, replace(cfg, routing="by_length"))
         if best is None:
             raise PlanError("no single rollout TP serves this history, and a length-blind router cannot use a mix")

@@ -41,6 +41,8 @@ class LibraOptions:
     """What a rung of the ladder has; the controller's settings are ControlConfig's (control_config)."""
 
     homogeneous: bool = False  # +planner: a single rollout TP (the planner's best homogeneous plan)
+    # A rung without C-MLFQ routes least-loaded, length-blind (_router_for), so it plans one TP as well
+    # (PlannerConfig.routing): +hetero_tp plans as +planner.
     cmlfq: bool = True
     elastic: bool = True
     hybrid_replicas: int = 3  # Elastic Hybrid Pool workers carved from the planned rollout pool
@@ -212,22 +214,17 @@ def group_slot_fields(env: Env, trajs, group_size: int, run_scale: float = 1.0) 
 
 
 def plan_for(env: Env, history, homogeneous: bool, factors=None, **restrict):
-    """Call the planner; for the homogeneous rung, the best single-TP plan by the planner's own prediction.
-    `restrict` passes PlannerConfig fields (used to price the current layout on a new history)."""
-    solve, PlannerConfig, PlanError = _planner()
+    """Call the planner; homogeneous: the best single-TP plan by the planner's own prediction (PlannerConfig.routing
+    "blind"). `restrict` passes PlannerConfig fields (used to price the current layout on a new history)."""
+    solve, _, _ = _planner()
     cluster = planner_cluster(env)
     model = env.model if env.model is not None else env.truth.model.name
     tps = restrict.pop("allowed_tp", (1, 2, 4, 8))
     if factors is not None:  # the controller's online calibration (areal_libra.control.calibration)
         restrict.update(train_factor=factors.train, rollout_factor=factors.rollout)
-    if not homogeneous:
-        return solve(cluster, model, history, planner_config(env, allowed_tp=tuple(tps), **restrict))
-    from areal_libra.planner.solve import best_single_tp
-
-    best = best_single_tp(cluster, model, history, planner_config(env, allowed_tp=tuple(tps), **restrict))
-    if best is None:
-        raise SimError("the planner found no homogeneous plan for this cluster")
-    return best
+    if homogeneous:
+        restrict["routing"] = "blind"
+    return solve(cluster, model, history, planner_config(env, allowed_tp=tuple(tps), **restrict))
 
 
 # Give the planner (prompt, final, model_tokens) triples (tool payloads prefilled, only model tokens
@@ -421,17 +418,16 @@ def lend_in_fill(core: Layout, units: list[HybridUnit]) -> Layout:
 class SimPlanSource:
     """The planner bound to the simulated cluster's spec (areal_libra.control.PlanSource)."""
 
-    def __init__(self, env: Env, homogeneous: bool, slots=None, returns=None, routing: str = "by_length") -> None:
+    def __init__(self, env: Env, homogeneous: bool, slots=None, returns=None) -> None:
         self.env, self.homogeneous = env, homogeneous
-        self.routing = routing  # PlannerConfig.routing: "blind" where the rung routes least-loaded
         self.slots = slots or (lambda: {})  # the slot fields of the finished groups (group_slot_fields)
         self.returns = returns or (lambda: 0.0)  # tool returns per finished trajectory (SimCluster.tool_returns)
 
     def solve(self, history):
-        return plan_for(self.env, history, self.homogeneous, routing=self.routing, **self.slots())
+        return plan_for(self.env, history, self.homogeneous, **self.slots())
 
     def solve_calibrated(self, history, factors):
-        return plan_for(self.env, history, self.homogeneous, factors, routing=self.routing, **self.slots())
+        return plan_for(self.env, history, self.homogeneous, factors, **self.slots())
 
     def price(self, plan, history) -> float:
         t_train, t_roll, _ = self.price_terms(plan, history)
@@ -776,9 +772,8 @@ def libra_system(name: str, env: Env) -> SystemSpec:
     slots = group_slot_fields(env, prof.trajectories, env.workload.cfg.group_size)
     cluster = SimCluster(env, opts, [])
     # Before the run the planner's slot fields are the profile's; then the finished groups' (slot_fields).
-    # Without C-MLFQ the rung's servers are routed least-loaded, length-blind (_router_for): the planner prices that.
-    source = SimPlanSource(env, opts.homogeneous, lambda: cluster.slot_fields() if cluster.sim is not None else slots,
-                           cluster.tool_returns, routing="by_length" if opts.cmlfq else "blind")
+    source = SimPlanSource(env, opts.homogeneous or not opts.cmlfq,
+                           lambda: cluster.slot_fields() if cluster.sim is not None else slots, cluster.tool_returns)
     cfg = control_config(knobs, env.staleness).covering(trajectories_per_step(env))
     lc = LibraController.from_profile(cfg, source, prof, triples=HISTORY_TRIPLES)
     layout = layout_from_plan(lc.plan, env.workload.cfg.max_len, knobs.train_micro_batch)

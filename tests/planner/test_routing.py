@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from areal_libra.planner import PlanError, PlannerConfig, solve
+from tests.cost.test_detect_cluster import QWEN3_1_7B
 from tests.planner.histories import tail_history
 
 CFG = PlannerConfig(global_batch=128, mode="async", staleness=4)
@@ -43,12 +44,6 @@ def test_a_blind_router_with_no_single_tp_that_fits_is_refused_by_name():
 def test_an_unknown_routing_is_refused_by_name():
     with pytest.raises(ValueError, match="routing"):
         PlannerConfig(routing="sorted")
-
-
-QWEN3_1_7B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2048,
-              "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True,
-              "torch_dtype": "bfloat16"}
 
 
 @pytest.mark.parametrize("policy, routing", [("cmlfq", "by_length"), ("least_loaded", "blind"),
